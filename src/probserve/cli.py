@@ -1,0 +1,131 @@
+"""The `probserve` command: `generate` (one prompt, printed with its logprobs) and `serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+
+from probserve.engine import (
+    AsyncEngine,
+    EngineCore,
+    EngineRequest,
+    LogprobsMode,
+    LogprobsSpec,
+    SamplingParams,
+)
+from probserve.models import DEFAULT_MODEL, ModelLoadError, load_model
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="smollm2-135m-instruct (embedded, default), a local HF directory, a .gguf file, "
+        "or a hub id such as org/name",
+    )
+
+
+def _fmt(lp: float) -> str:
+    return "-inf" if math.isinf(lp) else f"{lp:.4f}"
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from probserve.api.tokens import TokenTable, token_text
+
+    loaded = load_model(args.model)
+    table = TokenTable(loaded.tokenizer, loaded.vocab_size)
+    engine = AsyncEngine(EngineCore(loaded))
+    prompt_ids = tuple(loaded.tokenizer(args.prompt, add_special_tokens=True).input_ids)
+    request = EngineRequest(
+        request_id=AsyncEngine.new_request_id("cli"),
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+        ),
+        logprobs=LogprobsSpec(top_k=args.logprobs, mode=LogprobsMode(args.logprobs_mode)),
+    )
+    try:
+        outputs = await engine.generate(request)
+    finally:
+        engine.stop()
+    ids = [t for out in outputs for t in out.new_token_ids]
+    out_text = table.decode([t for t in ids if t not in loaded.eos_token_ids])
+    print(args.prompt + out_text)
+    print()
+    print(f"{'token':<20} {'logprob':>10}  top-{args.logprobs}")
+    for out in outputs:
+        if out.logprobs is None:
+            continue
+        lp = out.logprobs
+        for j in range(len(lp)):
+            tok = token_text(table.token_bytes(int(lp.token_ids[j])), legacy_prefix=True)
+            alts = ", ".join(
+                f"{token_text(table.token_bytes(int(i)), True)!r}: {_fmt(float(v))}"
+                for i, v in zip(lp.top_ids[j], lp.top_logprobs[j], strict=True)
+            )
+            print(f"{tok!r:<20} {_fmt(float(lp.logprobs[j])):>10}  {{{alts}}}")
+    print(f"\nfinish_reason: {outputs[-1].finish_reason}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from probserve.api.server import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="probserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print each token's logprobs")
+    _add_model_args(gen)
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
+    gen.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
+    gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
+
+    serve = sub.add_parser("serve", help="serve the OpenAI API")
+    _add_model_args(serve)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or set PROBSERVE_API_KEY)",
+    )
+    serve.add_argument("--max-logprobs", type=int, default=20)
+    serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")
+    serve.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
+    serve.add_argument("--max-num-seqs", type=int, default=8)
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ModelLoadError as exc:
+        print(f"probserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

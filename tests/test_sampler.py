@@ -1,0 +1,102 @@
+"""Sampler processors on hand-made logits rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from probserve.engine.sampler import SamplerRow, sample
+from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams
+
+
+def _row(
+    params: SamplingParams,
+    mode: LogprobsMode = LogprobsMode.PROCESSED,
+    k: int = 4,
+    output: tuple[int, ...] = (),
+    prompt: tuple[int, ...] = (0,),
+) -> SamplerRow:
+    gen = None if params.greedy else torch.Generator().manual_seed(params.seed or 0)
+    return SamplerRow(
+        params,
+        LogprobsSpec(top_k=k, mode=mode),
+        gen,
+        torch.tensor(prompt),
+        list(output),
+        frozenset({3}),
+    )
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 3.0, -1.0, 0.0]])
+
+
+def test_greedy_is_argmax_and_raw_logprobs():
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0), LogprobsMode.RAW)])
+    assert res.token_ids.tolist() == [3]
+    lp = res.logprobs[0]
+    expected = torch.log_softmax(LOGITS[0], -1)
+    assert math.isclose(float(lp.logprobs[0]), float(expected[3]), abs_tol=1e-6)
+    assert lp.top_ids[0].tolist() == [3, 0, 1, 2] and int(lp.ranks[0]) == 1
+
+
+def test_logit_bias_then_min_tokens():
+    # bias makes token 4 the argmax
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0, logit_bias={4: 10.0}))])
+    assert res.token_ids.tolist() == [4]
+    # min_tokens masks the stop id 3 (-inf in processed logprobs)
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0, min_tokens=1), k=6)])
+    assert res.token_ids.tolist() == [0]
+    lp = res.logprobs[0]
+    assert np.isneginf(lp.top_logprobs[0][lp.top_ids[0] == 3]).all()
+
+
+def test_penalties():
+    # frequency: token 3 seen twice in the output, penalty 1 -> 3.0 - 2 = 1.0 < 2.0
+    res = sample(
+        LOGITS, [_row(SamplingParams(temperature=0, frequency_penalty=1.0), output=(3, 3))]
+    )
+    assert res.token_ids.tolist() == [0]
+    # presence: once per present token -> 3.0 - 1.5 < 2.0
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0, presence_penalty=1.5), output=(3, 3))])
+    assert res.token_ids.tolist() == [0]
+    # repetition: token 3 in the prompt, 3.0 / 2 = 1.5 < 2.0
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=(3,))])
+    assert res.token_ids.tolist() == [0]
+
+
+def test_top_k_and_min_p_mask():
+    res = sample(LOGITS, [_row(SamplingParams(temperature=1.0, top_k=2, seed=1), k=6)])
+    lp = res.logprobs[0]
+    assert int(np.isfinite(lp.top_logprobs[0]).sum()) == 2
+    assert res.token_ids[0] in (0, 3)
+    # renormalised over the two kept
+    kept = torch.tensor([3.0, 2.0])
+    np.testing.assert_allclose(
+        lp.top_logprobs[0][:2], torch.log_softmax(kept, 0).numpy(), atol=1e-6
+    )
+    res = sample(LOGITS, [_row(SamplingParams(temperature=1.0, min_p=0.3, seed=1), k=6)])
+    probs = torch.softmax(LOGITS[0], 0)
+    n_kept = int((probs >= 0.3 * probs.max()).sum())
+    assert int(np.isfinite(res.logprobs[0].top_logprobs[0]).sum()) == n_kept
+
+
+def test_temperature_in_processed_logprobs():
+    res = sample(LOGITS, [_row(SamplingParams(temperature=0.5, seed=2), k=6)])
+    expected = torch.log_softmax(LOGITS[0] / 0.5, -1)
+    np.testing.assert_allclose(
+        res.logprobs[0].top_logprobs[0],
+        torch.sort(expected, descending=True).values.numpy(),
+        atol=1e-6,
+    )
+
+
+def test_sampling_follows_the_distribution():
+    gen = torch.Generator().manual_seed(0)
+    row = SamplerRow(SamplingParams(temperature=1.0), None, gen, torch.tensor([0]), [], frozenset())
+    counts = np.zeros(6)
+    for _ in range(3000):
+        counts[sample(LOGITS, [row]).token_ids[0]] += 1
+    probs = torch.softmax(LOGITS[0], 0).numpy()
+    np.testing.assert_allclose(counts / 3000, probs, atol=0.03)
