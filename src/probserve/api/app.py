@@ -1,0 +1,34 @@
+"""The FastAPI application: routes, error envelopes, middleware, engine lifecycle."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from probserve import __version__
+from probserve.api import chat, completions, routes_misc
+from probserve.api.errors import install_error_handlers
+from probserve.api.middleware import AccessLogMiddleware, AuthMiddleware
+from probserve.api.state import ServerState
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            state.engine.stop()
+
+    app = FastAPI(title="probserve", version=__version__, lifespan=lifespan)
+    app.state.probserve = state
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    app.include_router(routes_misc.router)
+    install_error_handlers(app)
+    app.add_middleware(AuthMiddleware, keys=state.config.api_keys)
+    app.add_middleware(AccessLogMiddleware)
+    return app

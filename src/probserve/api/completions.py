@@ -1,0 +1,257 @@
+"""POST /v1/completions: text or token-id prompts, n/best_of, echo, logprobs, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from probserve.api.disconnect import unless_disconnected
+from probserve.api.errors import bad_request
+from probserve.api.generation import Candidate, Delta, merge, submit_all
+from probserve.api.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    Usage,
+)
+from probserve.api.sampling import candidate_seed, logprobs_spec, sampling_params, stop_strings
+from probserve.api.sse import event, sse_response
+from probserve.api.state import ServerState
+from probserve.api.text_stream import Piece, TextStream
+from probserve.engine import AsyncEngine, EngineRequest, TokenLogprobs
+
+router = APIRouter()
+
+ERRORS: dict[int | str, dict] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500)}
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str  # the prompt's text as its tokens decode (what echo returns)
+    pieces: list[Piece]  # one per prompt token, offsets from 0
+
+
+def _prompts(state: ServerState, prompt: object) -> list[Prompt]:
+    tok = state.loaded.tokenizer
+    if isinstance(prompt, str):
+        id_lists = [tok(prompt, add_special_tokens=True).input_ids]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        id_lists = [tok(p, add_special_tokens=True).input_ids for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        id_lists = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        id_lists = [list(p) for p in prompt]
+    else:
+        raise bad_request(
+            "prompt must be a non-empty string, list of strings, list of token "
+            "ids or list of lists of token ids",
+            "prompt",
+        )
+    out = []
+    for ids in id_lists:
+        if not ids:
+            raise bad_request("a prompt is empty: at least one token is needed", "prompt")
+        bad = next((t for t in ids if not 0 <= t < state.loaded.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"token id {bad} is outside the vocabulary (0..{state.loaded.vocab_size - 1})",
+                "prompt",
+            )
+        ts = TextStream(state.table)
+        ts.add_all(ids)
+        pieces = ts.release(final=True)
+        out.append(Prompt(ids, ts.text, pieces))
+    return out
+
+
+def _scored(prompt: Prompt, scores: TokenLogprobs | None) -> list[Piece]:
+    """The prompt's pieces with their logprobs rows (the first token has none)."""
+    if scores is None:
+        return prompt.pieces
+    return [prompt.pieces[0]] + [
+        replace(p, logprobs=scores, row=j) for j, p in enumerate(prompt.pieces[1:])
+    ]
+
+
+@dataclass
+class _Plan:
+    prompts: list[Prompt]
+    n: int
+    best_of: int
+    echo: bool
+    k: int | None  # logprobs asked for (None: no logprobs in the response)
+
+
+def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
+    cfg = state.config
+    if body.logprobs is not None and body.logprobs > cfg.max_logprobs:
+        raise bad_request(
+            f"logprobs must be at most {cfg.max_logprobs} (got {body.logprobs})", "logprobs"
+        )
+    best_of = body.best_of or body.n
+    if best_of < body.n:
+        raise bad_request(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+    if body.stream and best_of > body.n:
+        raise bad_request("best_of is not supported with stream", "best_of")
+    if body.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    return _Plan(_prompts(state, body.prompt), body.n, best_of, body.echo, body.logprobs)
+
+
+async def _start(state: ServerState, body: CompletionRequest, plan: _Plan) -> list[Candidate]:
+    stops = stop_strings(body.stop)
+    needs_lp = plan.k is not None or plan.best_of > plan.n
+    spec = logprobs_spec(
+        plan.k if needs_lp else None,
+        prompt=plan.echo and plan.k is not None,
+        mode=body.logprobs_mode,
+        default=state.config.logprobs_mode,
+    )
+    requests: list[EngineRequest] = []
+    texts: list[TextStream] = []
+    for prompt in plan.prompts:
+        for c in range(plan.best_of):
+            sp = sampling_params(
+                body, body.max_tokens, state.loaded.vocab_size, candidate_seed(body.seed, c)
+            )
+            requests.append(
+                EngineRequest(AsyncEngine.new_request_id("cmpl"), tuple(prompt.ids), sp, spec)
+            )
+            texts.append(TextStream(state.table, len(prompt.text), stops, body.skip_special_tokens))
+    streams = await submit_all(state.engine, requests)
+    return [Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)]
+
+
+def _choice_logprobs(
+    state: ServerState,
+    plan: _Plan,
+    prompt: Prompt,
+    delta_pieces: list[Piece],
+    scores: TokenLogprobs | None,
+    with_prompt: bool,
+) -> CompletionLogprobs | None:
+    if plan.k is None:
+        return None
+    pieces = (_scored(prompt, scores) if with_prompt else []) + delta_pieces
+    return state.fmt.completion(pieces, plan.k)
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.probserve
+    model = state.check_model(body.model)
+    plan = _plan(state, body)
+    candidates = await _start(state, body, plan)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    prompt_tokens = sum(len(p.ids) for p in plan.prompts)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse_response(
+            _stream(state, plan, candidates, cid, model, prompt_tokens, include_usage, request)
+        )
+    try:
+        await unless_disconnected(request, asyncio.gather(*(c.run() for c in candidates)))
+    finally:
+        for c in candidates:
+            c.stream.close()
+    choices: list[CompletionChoice] = []
+    for pi, prompt in enumerate(plan.prompts):
+        group = candidates[pi * plan.best_of : (pi + 1) * plan.best_of]
+        if plan.best_of > plan.n:
+            group = sorted(group, key=lambda c: c.mean_logprob, reverse=True)[: plan.n]
+        for cand in group:
+            text = "".join(p.text for p in cand.pieces)
+            choices.append(
+                CompletionChoice(
+                    index=len(choices),
+                    text=(prompt.text if plan.echo else "") + text,
+                    logprobs=_choice_logprobs(
+                        state, plan, prompt, cand.pieces, cand.prompt_scores, plan.echo
+                    ),
+                    finish_reason=cand.finish_reason,  # type: ignore[arg-type]
+                )
+            )
+    completion_tokens = sum(c.num_tokens for c in candidates)
+    request.state.usage = (prompt_tokens, completion_tokens)
+    resp = CompletionResponse(
+        id=cid,
+        model=model,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        ),
+    )
+    return Response(resp.model_dump_json(), media_type="application/json")
+
+
+async def _stream(
+    state: ServerState,
+    plan: _Plan,
+    candidates: list[Candidate],
+    cid: str,
+    model: str,
+    prompt_tokens: int,
+    include_usage: bool,
+    request: Request,
+) -> AsyncIterator[str]:
+    started = [False] * len(candidates)
+    try:
+        async for i, delta in merge([c.deltas() for c in candidates]):
+            prompt = plan.prompts[i // plan.best_of]
+            echo_now = plan.echo and not started[i]
+            started[i] = True
+            yield event(_chunk(state, plan, cid, model, i, prompt, delta, echo_now))
+    finally:
+        for c in candidates:
+            c.stream.close()
+    completion_tokens = sum(c.num_tokens for c in candidates)
+    request.state.usage = (prompt_tokens, completion_tokens)
+    if include_usage:
+        yield event(
+            CompletionResponse(
+                id=cid,
+                model=model,
+                choices=[],
+                usage=Usage(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                ),
+            )
+        )
+
+
+def _chunk(
+    state: ServerState,
+    plan: _Plan,
+    cid: str,
+    model: str,
+    index: int,
+    prompt: Prompt,
+    delta: Delta,
+    echo_now: bool,
+) -> CompletionResponse:
+    return CompletionResponse(
+        id=cid,
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=index,
+                text=(prompt.text if echo_now else "") + delta.text,
+                logprobs=_choice_logprobs(
+                    state, plan, prompt, delta.pieces, delta.prompt_scores, echo_now
+                ),
+                finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            )
+        ],
+    )

@@ -1,0 +1,113 @@
+"""Errors in OpenAI's envelope: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from probserve.engine import RequestError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    # drop pydantic's union-member tags such as "str" or "list[int]"
+    parts = [p for p in parts if not (p[:1].isalpha() and ("[" in p or p in _TYPE_TAGS))]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "TextPart"}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestError)
+    async def _engine_request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {msg}", None)
+        where = f" ({param})" if param else ""
+        return error_response(400, f"{msg}{where}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), None, None, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}", None)

@@ -1,0 +1,101 @@
+"""ASGI middleware: Bearer-key auth and one log line per request."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from probserve.api.errors import error_body
+
+log = logging.getLogger("probserve.access")
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+class AuthMiddleware:
+    """Requires `Authorization: Bearer KEY` with one of `keys` (constant-time compare) on every
+    path but /health. No keys: open."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = tuple(k.encode() for k in keys if k)
+
+    def _allowed(self, scope: Scope) -> bool:
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        ok = False
+        for key in self.keys:  # compare with every key so timing does not tell which matched
+            ok |= scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps(
+            error_body(
+                401,
+                "invalid or missing API key (Authorization: Bearer ...)",
+                None,
+                "invalid_api_key",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class AccessLogMiddleware:
+    """Logs route, status, prompt/completion tokens and latency when a response ends (for a
+    stream: when its last byte is sent)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 0
+
+        async def wrapped(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                self._log(scope, status, started)
+
+        await self.app(scope, receive, wrapped)
+
+    @staticmethod
+    def _log(scope: Scope, status: int, started: float) -> None:
+        state: Any = scope.get("state") or {}
+        usage = state.get("usage") if isinstance(state, dict) else None
+        tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
+        log.info(
+            "%s %s %d%s %.1fms",
+            scope.get("method"),
+            scope.get("path"),
+            status,
+            tokens,
+            (time.perf_counter() - started) * 1000,
+        )

@@ -1,0 +1,89 @@
+"""GET /health, GET /v1/models, and the tokenizer endpoints lm-evaluation-harness probes at the
+server root: GET /tokenizer_info, POST /tokenize, POST /detokenize."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from probserve.api.chat import chat_prompt_ids
+from probserve.api.completions import ERRORS
+from probserve.api.errors import bad_request
+from probserve.api.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfo,
+)
+from probserve.api.state import ServerState
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.probserve
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, object]:
+    return {"status": "ok", **_state(request).engine.stats()}
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+async def list_models(request: Request) -> ModelList:
+    st = _state(request)
+    return ModelList(
+        data=[
+            ModelCard(id=name, max_model_len=st.loaded.context_length)
+            for name in st.config.served_model_names
+        ]
+    )
+
+
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
+async def get_model(model_id: str, request: Request) -> ModelCard:
+    st = _state(request)
+    return ModelCard(id=st.check_model(model_id), max_model_len=st.loaded.context_length)
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
+async def tokenizer_info(request: Request) -> TokenizerInfo:
+    st = _state(request)
+    tok = st.loaded.tokenizer
+    return TokenizerInfo(
+        tokenizer_class=type(tok).__name__,
+        eos_token=tok.eos_token,
+        bos_token=tok.bos_token,
+        pad_token=tok.pad_token,
+        unk_token=tok.unk_token,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        chat_template=st.loaded.chat_template,
+        model_max_length=st.loaded.context_length,
+        vocab_size=st.loaded.vocab_size,
+    )
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    st = _state(request)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt or messages", "prompt")
+    if body.messages is not None:
+        ids = chat_prompt_ids(st, body.messages, body.add_generation_prompt)
+    else:
+        ids = list(
+            st.loaded.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        )
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.loaded.context_length)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    st = _state(request)
+    bad = next((t for t in body.tokens if t >= st.loaded.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary", "tokens")
+    return DetokenizeResponse(prompt=st.table.decode(body.tokens))

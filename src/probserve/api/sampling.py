@@ -1,0 +1,65 @@
+"""OpenAI request fields -> the engine's SamplingParams and LogprobsSpec."""
+
+from __future__ import annotations
+
+from probserve.api.errors import bad_request
+from probserve.api.protocol import SamplingFields
+from probserve.engine import LogprobsMode, LogprobsSpec, SamplingParams
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    return tuple(s for s in items if s)
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"logit_bias token id {tid} is outside the vocabulary", "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request("logit_bias values must be between -100 and 100", "logit_bias")
+        out[tid] = float(value)
+    return out
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, vocab_size: int, seed: int | None
+) -> SamplingParams:
+    for tid in req.stop_token_ids or ():
+        if not 0 <= tid < vocab_size:
+            raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logit_bias=_logit_bias(req.logit_bias, vocab_size),
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+    )
+
+
+def logprobs_spec(
+    top_k: int | None, prompt: bool, mode: str | None, default: LogprobsMode
+) -> LogprobsSpec | None:
+    if top_k is None and not prompt:
+        return None
+    return LogprobsSpec(top_k=top_k or 0, prompt=prompt, mode=LogprobsMode(mode or default))
+
+
+def candidate_seed(seed: int | None, index: int) -> int | None:
+    """Candidates of one request differ: candidate i samples with seed + i."""
+    return None if seed is None else seed + index

@@ -1,0 +1,36 @@
+"""Server-sent events: `data: {json}` lines, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from probserve.api.errors import APIError, error_body
+
+
+def event(payload: BaseModel | dict) -> str:
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for item in events:
+                yield item
+        except APIError as exc:  # after the headers went out: an error event, then DONE
+            yield event(error_body(exc.status, exc.message, exc.param, exc.code))
+        yield DONE
+
+    return StreamingResponse(
+        guarded(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
