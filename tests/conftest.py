@@ -70,3 +70,27 @@ def engine_for() -> Iterator:
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+@pytest.fixture(scope="session")
+def base_url(smol: LoadedModel) -> Iterator[str]:
+    """A probserve server over the embedded model, for the whole session."""
+    from server_util import running_server
+
+    with running_server(smol) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def client(base_url: str):  # type: ignore[no-untyped-def]
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(base_url: str) -> Iterator:
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
