@@ -74,6 +74,14 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from probserve.models import save_hf_directory
+
+    out = save_hf_directory(load_model(args.model), args.directory)
+    print(f"wrote {out}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from probserve.api.server import run_server
 
@@ -94,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
     gen.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
+
+    export = sub.add_parser(
+        "export", help="write the model's float32 weights and tokenizer as a plain HF directory"
+    )
+    _add_model_args(export)
+    export.add_argument("directory")
+    export.set_defaults(func=_export)
 
     serve = sub.add_parser("serve", help="serve the OpenAI API")
     _add_model_args(serve)

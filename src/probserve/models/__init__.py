@@ -1,5 +1,11 @@
 """Model layer: resolving a model spec and loading weights and tokenizer through transformers."""
 
-from probserve.models.loader import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model
+from probserve.models.loader import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelLoadError,
+    load_model,
+    save_hf_directory,
+)
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelLoadError", "load_model", "save_hf_directory"]

@@ -146,3 +146,23 @@ def load_model(spec: str | None = None) -> LoadedModel:
     source = resolve_model(spec)
     log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
     return load_source(source)
+
+
+def save_hf_directory(loaded: LoadedModel, path: str | Path) -> Path:
+    """Write the loaded weights (float32) and tokenizer as a plain Hugging Face directory, e.g.
+    to give lm-evaluation-harness's `hf` backend the exact weights probserve serves. A GGUF
+    source's quantization marker is dropped: the weights are already dequantised."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    out = Path(path)
+    config = copy.deepcopy(loaded.model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.model.state_dict())
+    fresh.generation_config = copy.deepcopy(loaded.model.generation_config)
+    fresh.save_pretrained(out)
+    loaded.tokenizer.save_pretrained(out)
+    return out
