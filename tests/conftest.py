@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from probserve.engine import AsyncEngine, EngineCore
+from probserve.engine import AsyncEngine, EngineConfig, EngineCore
 from probserve.models import LoadedModel, load_model
 
 
@@ -58,8 +58,8 @@ def engine_for() -> Iterator:
     """Factory: an AsyncEngine over a loaded model, stopped at teardown."""
     engines: list[AsyncEngine] = []
 
-    def make(loaded: LoadedModel, max_num_seqs: int = 8) -> AsyncEngine:
-        eng = AsyncEngine(EngineCore(loaded, max_num_seqs=max_num_seqs))
+    def make(loaded: LoadedModel, **config: object) -> AsyncEngine:
+        eng = AsyncEngine(EngineCore(loaded, EngineConfig(**config)))  # type: ignore[arg-type]
         engines.append(eng)
         return eng
 

@@ -10,6 +10,7 @@ import sys
 
 from probserve.engine import (
     AsyncEngine,
+    EngineConfig,
     EngineCore,
     EngineRequest,
     LogprobsMode,
@@ -28,16 +29,48 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="sequences decoded together in one batch",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="tokens per engine step (prefill chunks + decode tokens)",
+    )
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=d.kv_cache_gib, help="memory for the KV cache, in GiB"
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV of shared prompt prefixes",
+    )
+    p.add_argument(
+        "--runner",
+        choices=["auto", "paged", "hf"],
+        default=d.runner,
+        help="auto: the paged Llama-family runner where it applies, else transformers",
+    )
+
+
 def _fmt(lp: float) -> str:
     return "-inf" if math.isinf(lp) else f"{lp:.4f}"
 
 
 async def _generate(args: argparse.Namespace) -> int:
+    from probserve.api.server import engine_config
     from probserve.api.tokens import TokenTable, token_text
 
     loaded = load_model(args.model)
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
-    engine = AsyncEngine(EngineCore(loaded))
+    engine = AsyncEngine(EngineCore(loaded, engine_config(args)))
     prompt_ids = tuple(loaded.tokenizer(args.prompt, add_special_tokens=True).input_ids)
     request = EngineRequest(
         request_id=AsyncEngine.new_request_id("cli"),
@@ -101,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
     gen.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
+    _add_engine_args(gen)
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
     export = sub.add_parser(
@@ -123,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-logprobs", type=int, default=20)
     serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")
     serve.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
-    serve.add_argument("--max-num-seqs", type=int, default=8)
+    _add_engine_args(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     return parser

@@ -8,7 +8,7 @@ import os
 
 from probserve.api.app import create_app
 from probserve.api.state import ServerConfig, ServerState
-from probserve.engine import AsyncEngine, EngineCore, LogprobsMode
+from probserve.engine import AsyncEngine, EngineConfig, EngineCore, LogprobsMode
 from probserve.models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -19,6 +19,17 @@ API_KEY_ENV = "PROBSERVE_API_KEY"
 def api_keys(flag: str | None) -> tuple[str, ...]:
     raw = flag if flag is not None else os.environ.get(API_KEY_ENV, "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_gib=args.kv_cache_gib,
+        prefix_caching=not args.no_prefix_caching,
+        runner=args.runner,
+    )
 
 
 def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
@@ -32,7 +43,7 @@ def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
         logprobs_mode=LogprobsMode(args.logprobs_mode),
         api_keys=api_keys(args.api_key),
     )
-    engine = AsyncEngine(EngineCore(loaded, max_num_seqs=args.max_num_seqs))
+    engine = AsyncEngine(EngineCore(loaded, engine_config(args)))
     return ServerState(loaded, engine, config)
 
 

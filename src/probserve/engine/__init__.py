@@ -1,6 +1,7 @@
 """Engine layer: token ids in, token ids and logprobs out."""
 
 from probserve.engine.async_engine import AsyncEngine, RequestStream
+from probserve.engine.config import EngineConfig
 from probserve.engine.core import EngineCore
 from probserve.engine.types import (
     EngineOutput,
@@ -15,6 +16,7 @@ from probserve.engine.types import (
 
 __all__ = [
     "AsyncEngine",
+    "EngineConfig",
     "EngineCore",
     "EngineOutput",
     "EngineRequest",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
-from typing import Protocol
+import logging
 
+import torch
+
+from probserve.engine.block_pool import BlockPool
+from probserve.engine.config import EngineConfig
 from probserve.engine.logprobs import score_positions
-from probserve.engine.runner import HFRunner, RunOutput
+from probserve.engine.runner import HFRunner, PagedRunner, Runner
 from probserve.engine.sampler import SamplerRow, sample
-from probserve.engine.scheduler import ScheduledBatch, Scheduler
+from probserve.engine.scheduler import Chunk, Scheduler
 from probserve.engine.sequence import Sequence
 from probserve.engine.types import (
     EngineOutput,
@@ -17,24 +20,56 @@ from probserve.engine.types import (
     RequestError,
     TokenLogprobs,
 )
+from probserve.models import llama
 from probserve.models.loader import LoadedModel
 
+log = logging.getLogger(__name__)
 
-class Runner(Protocol):
-    def run(self, batch: ScheduledBatch, score_prompt: set[str]) -> RunOutput: ...
+
+def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
+    per_block = llama.KVCache.bytes_per_token(loaded.model.config) * config.block_size
+    return max(1, int(config.kv_cache_gib * 2**30) // per_block)
+
+
+def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
+    """The paged runner for the Llama family (unless told otherwise), else transformers'."""
+    use_paged = config.runner == "paged" or (
+        config.runner == "auto" and llama.supports(loaded.model)
+    )
+    if use_paged:
+        return PagedRunner(loaded.model, num_kv_blocks(loaded, config), config.block_size)
+    return HFRunner(loaded.model)
 
 
 class EngineCore:
     def __init__(
-        self, loaded: LoadedModel, runner: Runner | None = None, max_num_seqs: int = 8
+        self, loaded: LoadedModel, config: EngineConfig | None = None, runner: Runner | None = None
     ) -> None:
         self.loaded = loaded
+        self.config = config or EngineConfig()
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
         self.eos_ids = loaded.eos_token_ids
-        self.runner: Runner = runner or HFRunner(loaded.model)
-        self.scheduler = Scheduler(max_num_seqs)
-        self._ids = itertools.count()
+        num_blocks = num_kv_blocks(loaded, self.config)
+        self.runner = runner = runner or build_runner(loaded, self.config)
+        self.pool = BlockPool(
+            num_blocks, self.config.block_size, self.config.prefix_caching and runner.prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.pool,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            on_release=runner.release,
+        )
+        self.token_capacity = num_blocks * self.config.block_size
+        log.info(
+            "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s",
+            type(runner).__name__,
+            num_blocks,
+            self.config.block_size,
+            self.token_capacity,
+            "on" if self.pool.prefix_caching else "off",
+        )
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> int:
@@ -49,25 +84,24 @@ class EngineCore:
                 "prompt",
             )
         sp = req.sampling
-        if sp.max_tokens is not None and n + sp.max_tokens > self.context_length:
+        limit = min(self.context_length, self.token_capacity)
+        if sp.max_tokens is not None and n + sp.max_tokens > limit:
             raise RequestError(
-                f"this model's maximum context length is {self.context_length} tokens; the "
+                f"this model's maximum context length is {limit} tokens; the "
                 f"prompt has {n} tokens and max_tokens is {sp.max_tokens} "
                 f"({n + sp.max_tokens} in all)",
                 "max_tokens",
             )
-        if sp.max_tokens is None and n >= self.context_length:
+        if sp.max_tokens is None and n >= limit:
             raise RequestError(
-                f"this model's maximum context length is {self.context_length} tokens; the "
+                f"this model's maximum context length is {limit} tokens; the "
                 f"prompt has {n} tokens, which leaves no room to generate",
                 "prompt",
             )
         for tid in (*sp.stop_token_ids, *sp.logit_bias.keys()):
             if not 0 <= tid < self.vocab_size:
                 raise RequestError(f"token id {tid} is outside the vocabulary", "logit_bias")
-        if sp.max_tokens is None:
-            return self.context_length
-        return n + sp.max_tokens
+        return limit if sp.max_tokens is None else n + sp.max_tokens
 
     def add_request(self, req: EngineRequest) -> None:
         max_total = self.validate(req)
@@ -96,50 +130,60 @@ class EngineCore:
         return len(self.scheduler.waiting), len(self.scheduler.running)
 
     def held_caches(self) -> int:
-        """How many sequences hold KV state (0 when idle: nothing leaks)."""
+        """How many sequences hold KV blocks or runner state (0 when idle: nothing leaks)."""
         seqs = (*self.scheduler.running, *self.scheduler.waiting)
-        return sum(1 for s in seqs if s.cache is not None)
+        return sum(1 for s in seqs if s.block_table or s.runner_state is not None)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        batch = self.scheduler.schedule()
-        # score-only requests (max_tokens 0) that need no forward finish right away
-        for seq in list(batch.prefills):
-            if seq.request.sampling.max_tokens == 0 and not self._wants_prompt_scores(seq):
-                batch.prefills.remove(seq)
-                outputs.append(self._finish(seq, FinishReason.LENGTH, prompt_logprobs=None))
-        if not batch:
+        chunks = self.scheduler.schedule()
+        if not chunks:
             return outputs
-        score = {s.request_id for s in batch.prefills if self._wants_prompt_scores(s)}
-        run = self.runner.run(batch, score)
-        to_sample: list[tuple[int, Sequence]] = []
-        prompt_lp: dict[str, TokenLogprobs] = {}
-        for i, seq in enumerate(batch.seqs):
-            if seq.request_id in run.prompt_logits:
-                k = seq.request.logprobs.top_k if seq.request.logprobs else 0
-                prompt_lp[seq.request_id] = score_positions(
-                    run.prompt_logits[seq.request_id], seq.prompt_tensor[1:], k
-                )
+        run = self.runner.run(chunks)
+        to_sample: list[Sequence] = []
+        prompt_scores: dict[str, TokenLogprobs] = {}
+        for ch in chunks:
+            seq = ch.seq
+            seq.num_computed = ch.end
+            self.scheduler.register_full_blocks(seq)
+            prompt_lp = self._collect_prompt_scores(ch, run.prompt_logits.get(seq.request_id))
             if seq.request.sampling.max_tokens == 0:
-                outputs.append(
-                    self._finish(seq, FinishReason.LENGTH, prompt_lp.get(seq.request_id))
-                )
-            else:
-                to_sample.append((i, seq))
+                if ch.end >= seq.num_tokens:
+                    outputs.append(self._finish(seq, FinishReason.LENGTH, prompt_lp))
+            elif ch.samples:
+                to_sample.append(seq)
+                if prompt_lp is not None:
+                    prompt_scores[seq.request_id] = prompt_lp
         if not to_sample:
             return outputs
-        rows = [self._sampler_row(seq) for _, seq in to_sample]
-        result = sample(run.sample_logits[[i for i, _ in to_sample]], rows)
-        for j, (_, seq) in enumerate(to_sample):
-            outputs.append(self._emit(seq, int(result.token_ids[j]), result.logprobs[j], prompt_lp))
+        result = sample(run.sample_logits, [self._sampler_row(seq) for seq in to_sample])
+        for j, seq in enumerate(to_sample):
+            outputs.append(
+                self._emit(
+                    seq,
+                    int(result.token_ids[j]),
+                    result.logprobs[j],
+                    prompt_scores.get(seq.request_id),
+                )
+            )
         return outputs
 
     # ---- helpers --------------------------------------------------------------------------
-    @staticmethod
-    def _wants_prompt_scores(seq: Sequence) -> bool:
-        spec = seq.request.logprobs
-        return bool(spec and spec.prompt and seq.num_prompt_tokens > 1)
+    def _collect_prompt_scores(
+        self, ch: Chunk, logits: torch.Tensor | None
+    ) -> TokenLogprobs | None:
+        """Score this chunk's prompt rows; once the prompt is complete, return all its scores."""
+        seq = ch.seq
+        if logits is not None:
+            a, b = ch.score_range
+            k = seq.request.logprobs.top_k if seq.request.logprobs else 0
+            seq.prompt_parts.append(score_positions(logits, seq.prompt_tensor[a + 1 : b + 1], k))
+        if seq.wants_prompt_scores and ch.end >= seq.num_prompt_tokens:
+            seq.prompt_scored = True
+            parts, seq.prompt_parts = seq.prompt_parts, []
+            return parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)
+        return None
 
     def _sampler_row(self, seq: Sequence) -> SamplerRow:
         return SamplerRow(
@@ -156,13 +200,13 @@ class EngineCore:
         seq: Sequence,
         token: int,
         logprobs: TokenLogprobs | None,
-        prompt_lp: dict[str, TokenLogprobs],
+        prompt_lp: TokenLogprobs | None,
     ) -> EngineOutput:
-        seq.output_ids.append(token)
+        seq.append(token)
         finish: FinishReason | None = None
         if token in seq.stop_ids:
             finish = FinishReason.STOP
-        elif seq.total_len >= seq.max_total_tokens:
+        elif seq.num_tokens >= seq.max_total_tokens:
             finish = FinishReason.LENGTH
         if finish is not None:
             self.scheduler.finish(seq)
@@ -170,7 +214,7 @@ class EngineCore:
             seq.request_id,
             new_token_ids=(token,),
             logprobs=logprobs,
-            prompt_logprobs=prompt_lp.get(seq.request_id),
+            prompt_logprobs=prompt_lp,
             finish_reason=finish,
             num_prompt_tokens=seq.num_prompt_tokens,
         )

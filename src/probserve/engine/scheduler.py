@@ -1,35 +1,68 @@
-"""The scheduler: a FIFO waiting queue and a bounded running set.
+"""The scheduler: continuous batching with a token budget, chunked prefill, preemption by
+recomputation and prefix caching.
 
-Each step runs every running sequence once: a prefill for a new one, one decode token for the
-others. Admission is first come, first served, up to `max_num_seqs` at a time.
+Each step gets at most `max_num_batched_tokens` tokens. Running sequences come first, in
+admission order (a decode costs one token; an unfinished prefill takes what the budget leaves,
+in chunks). Waiting sequences are admitted first come, first served while budget, blocks and
+`max_num_seqs` allow; on admission the longest cached prefix of full blocks is reused. When a
+running sequence needs a block and none is free, the latest admitted sequence is preempted: its
+blocks are freed and it goes back to the head of the queue, to be recomputed later.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from probserve.engine.block_pool import BlockPool, block_hash
 from probserve.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass
-class ScheduledBatch:
-    prefills: list[Sequence]
-    decodes: list[Sequence]
+class Chunk:
+    """The tokens of one sequence computed in this step: positions [start, start + length)."""
+
+    seq: Sequence
+    start: int
+    length: int
 
     @property
-    def seqs(self) -> list[Sequence]:
-        return self.prefills + self.decodes
+    def end(self) -> int:
+        return self.start + self.length
 
-    def __bool__(self) -> bool:
-        return bool(self.prefills or self.decodes)
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's last token: its logits row is sampled."""
+        return self.end == self.seq.num_tokens and self.seq.request.sampling.max_tokens != 0
+
+    @property
+    def score_range(self) -> tuple[int, int]:
+        """Positions whose logits score prompt tokens: [a, b) predicts prompt[a+1 .. b]. At the
+        first chunk after a prefix-cache hit it starts at 0 (cached positions included)."""
+        seq = self.seq
+        if not seq.wants_prompt_scores:
+            return (0, 0)
+        first = 0 if self.start == seq.num_cached else self.start
+        return (first, min(self.end, seq.num_prompt_tokens - 1))
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 8) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        on_release: Callable[[Sequence], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.on_release = on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,26 +70,113 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-        prefills = [s for s in self.running if not s.prefilled]
-        decodes = [s for s in self.running if s.prefilled]
-        return ScheduledBatch(prefills, decodes)
-
     def find(self, request_id: str) -> Sequence | None:
         for seq in (*self.running, *self.waiting):
             if seq.request_id == request_id:
                 return seq
         return None
 
+    # ---- blocks ---------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, end: int) -> int:
+        return -(-end // self.block_size) - len(seq.block_table)
+
+    def _grow(self, seq: Sequence, end: int) -> bool:
+        """Give `seq` blocks for positions < end; all or nothing."""
+        need = self._blocks_needed(seq, end)
+        if need > self.pool.num_available():
+            return False
+        for _ in range(need):
+            block = self.pool.allocate()
+            assert block is not None
+            seq.block_table.append(block)
+        return True
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):
+            self.pool.release(block)
+        seq.block_table.clear()
+        seq.num_computed = seq.num_cached = seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+        if self.on_release is not None:
+            self.on_release(seq)
+
+    def _use_prefix_cache(self, seq: Sequence) -> None:
+        """Reuse the longest run of cached full blocks, leaving at least one token to compute."""
+        if not self.pool.prefix_caching:
+            return
+        bs, parent = self.block_size, None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(parent, tokens)
+            block = self.pool.lookup(h, tokens)
+            if block is None:
+                break
+            seq.block_table.append(block)
+            parent = h
+        seq.num_computed = seq.num_cached = len(seq.block_table) * bs
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.last_block_hash = parent
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer each newly completed block to the prefix cache."""
+        bs = self.block_size
+        while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
+            i = seq.num_hashed_blocks
+            tokens = seq.token_ids[i * bs : (i + 1) * bs]
+            h = block_hash(seq.last_block_hash, tokens)
+            self.pool.register(seq.block_table[i], h, tokens)
+            seq.last_block_hash = h
+            seq.num_hashed_blocks += 1
+
+    # ---- the step ---------------------------------------------------------------------------
+    def schedule(self) -> list[Chunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                chunks.append(Chunk(seq, seq.num_computed, n))
+                budget -= n
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing more fits
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self._use_prefix_cache(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                self._free_blocks(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(Chunk(seq, seq.num_computed, n))
+            budget -= n
+        return chunks
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free_blocks(seq)
+        seq.prompt_parts.clear()
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence from whichever queue holds it and free its state."""
+        """Remove a sequence from whichever queue holds it and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        seq.release()
+        self._free_blocks(seq)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from probserve.engine.types import EngineRequest, FinishReason
+from probserve.engine.types import EngineRequest, FinishReason, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -24,14 +24,22 @@ class Sequence:
     max_total_tokens: int  # prompt + output may not pass this (context or max_tokens)
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignored, stop ids)
     status: SeqStatus = SeqStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
     output_ids: list[int] = field(default_factory=list)
-    cache: Any = None  # the runner's per-sequence KV state; None when not held
-    num_computed: int = 0  # tokens whose KV is in `cache`
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    num_cached: int = 0  # of those, how many came from the prefix cache at admission
+    num_hashed_blocks: int = 0  # full blocks registered in the prefix cache
+    last_block_hash: int | None = None
+    prompt_parts: list[TokenLogprobs] = field(default_factory=list)
+    prompt_scored: bool = False  # prompt logprobs computed (and sent once)
+    runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     generator: torch.Generator | None = None
     prompt_tensor: torch.Tensor = field(init=False)
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_token_ids)
         self.prompt_tensor = torch.tensor(self.request.prompt_token_ids, dtype=torch.long)
         sp = self.request.sampling
         if not sp.greedy:
@@ -47,19 +55,14 @@ class Sequence:
         return len(self.request.prompt_token_ids)
 
     @property
-    def total_len(self) -> int:
-        return self.num_prompt_tokens + len(self.output_ids)
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
-    def prefilled(self) -> bool:
-        return self.num_computed > 0
+    def wants_prompt_scores(self) -> bool:
+        spec = self.request.logprobs
+        return bool(spec and spec.prompt and self.num_prompt_tokens > 1 and not self.prompt_scored)
 
-    def pending_token_ids(self) -> list[int]:
-        """Tokens whose KV is not computed yet (the whole prompt, or the last output token)."""
-        all_ids = list(self.request.prompt_token_ids) + self.output_ids
-        return all_ids[self.num_computed :]
-
-    def release(self) -> None:
-        """Free what the sequence holds (its KV state)."""
-        self.cache = None
-        self.num_computed = 0
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_ids.append(token)

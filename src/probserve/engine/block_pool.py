@@ -1,0 +1,86 @@
+"""KV block bookkeeping: a pool of fixed-size blocks, reference counts and the prefix cache.
+
+A block of a sequence becomes shareable once it is full: it is registered under a hash of its
+tokens chained with the hash of the block before it, so a later request whose prompt starts with
+the same tokens finds the same blocks and skips computing them. Released blocks that carry a hash
+stay cached (least recently released evicted first) until their space is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    return hash((parent, tuple(tokens)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._by_hash: dict[int, int] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def num_available(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def num_in_use(self) -> int:
+        return self.num_blocks - self.num_available()
+
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def allocate(self) -> int | None:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
+        else:
+            return None
+        self._ref[block] = 1
+        return block
+
+    def release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if block in self._hash_of:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def lookup(self, h: int, tokens: Sequence[int]) -> int | None:
+        """A cached block holding exactly `tokens` after the chain `h`, now referenced."""
+        block = self._by_hash.get(h)
+        if block is None or self._tokens_of.get(block) != tuple(tokens):
+            return None
+        if self._ref[block] == 0:
+            self._evictable.pop(block, None)
+        self._ref[block] += 1
+        return block
+
+    def register(self, block: int, h: int, tokens: Sequence[int]) -> None:
+        if not self.prefix_caching or h in self._by_hash or block in self._hash_of:
+            return
+        self._hash_of[block] = h
+        self._tokens_of[block] = tuple(tokens)
+        self._by_hash[h] = block
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        self._tokens_of.pop(block, None)
+        if h is not None and self._by_hash.get(h) == block:
+            del self._by_hash[h]
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self._evictable):
+            self._forget(block)
+            self._free.append(block)
+        self._evictable.clear()

@@ -1,0 +1,183 @@
+"""The forward pass of the Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+It runs on the weights transformers loaded (fused into QKV and gate/up matrices once), takes a
+packed batch (every token of the step, prefill chunks and decode tokens alike, in one [T, H]
+tensor for all the matrix products) and computes attention per group: all decode tokens in one
+batched call, each prefill chunk in its own causal call. RMSNorm, RoPE (the model's own rotary
+module, so every rope-scaling variant its config names is honoured), GQA attention, SwiGLU, tied or
+untied head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+def supports(model: Any) -> bool:
+    """True for Llama-family models this forward reproduces exactly."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+        return False
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", window is not None)
+    return not (window and uses_window and window < cfg.max_position_embeddings)
+
+
+@dataclass
+class KVCache:
+    """Paged KV storage: slot s = block * block_size + offset. `hidden` keeps each position's
+    final-norm hidden state, so prompt logprobs of cached prefixes are recomputed exactly."""
+
+    k: torch.Tensor  # [layers, slots, kv_heads, head_dim]
+    v: torch.Tensor
+    hidden: torch.Tensor  # [slots, hidden_size]
+    block_size: int
+
+    @staticmethod
+    def bytes_per_token(config: Any) -> int:
+        kvh = config.num_key_value_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return 4 * (2 * config.num_hidden_layers * kvh * d + config.hidden_size)
+
+    @staticmethod
+    def allocate(config: Any, num_blocks: int, block_size: int) -> KVCache:
+        kvh = config.num_key_value_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        slots = num_blocks * block_size
+        shape = (config.num_hidden_layers, slots, kvh, d)
+        return KVCache(
+            torch.zeros(shape),
+            torch.zeros(shape),
+            torch.zeros(slots, config.hidden_size),
+            block_size,
+        )
+
+
+@dataclass
+class PrefillGroup:
+    rows: slice  # this chunk's rows in the packed batch
+    keys: torch.Tensor  # [L] slots of every key it attends to (positions 0..end-1)
+    mask: torch.Tensor | None  # [n, L] bool (True: attend); None: plain causal (no prefix)
+
+
+@dataclass
+class AttentionPlan:
+    slots: torch.Tensor  # [T] where each token's K/V go
+    decode_rows: torch.Tensor | None = None  # [B] rows of decode tokens
+    decode_keys: torch.Tensor | None = None  # [B, L] slots (padded with 0)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
+    prefills: list[PrefillGroup] = field(default_factory=list)
+
+
+class _Layer:
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln1 = layer.input_layernorm.weight.detach()
+        self.ln2 = layer.post_attention_layernorm.weight.detach()
+        self.eps1 = float(layer.input_layernorm.variance_epsilon)
+        self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
+        self.w_qkv = torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        ).detach()
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        self.b_qkv = torch.cat(biases).detach() if all(b is not None for b in biases) else None
+        self.w_o = attn.o_proj.weight.detach()
+        self.b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
+        self.w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        self.w_down = mlp.down_proj.weight.detach()
+        self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaForward:
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        self.model = model
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.embed = model.model.embed_tokens.weight.detach()
+        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.norm = model.model.norm.weight.detach()
+        self.norm_eps = float(model.model.norm.variance_epsilon)
+        self.lm_head = model.lm_head.weight.detach()
+        self.rotary = model.model.rotary_emb
+        self.intermediate = self.layers[0].w_down.shape[1]
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, cache: KVCache
+    ) -> torch.Tensor:
+        """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
+        returns the final-norm hidden states [T, H]."""
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(h, positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        t = input_ids.shape[0]
+        for li, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (h.shape[-1],), layer.ln1, layer.eps1)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            q = qkv[:, : nq * d].view(t, nq, d)
+            k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+            v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.k[li].index_copy_(0, plan.slots, k)
+            cache.v[li].index_copy_(0, plan.slots, v)
+            attn = self._attention(q, cache.k[li], cache.v[li], plan, layer.scale)
+            h = h + F.linear(attn, layer.w_o, layer.b_o)
+            x = F.rms_norm(h, (h.shape[-1],), layer.ln2, layer.eps2)
+            gu = F.linear(x, layer.w_gu)
+            h = h + F.linear(
+                F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :], layer.w_down
+            )
+        out = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
+        cache.hidden.index_copy_(0, plan.slots, out)
+        return out
+
+    def _attention(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor:
+        t, nq, d = q.shape
+        out = q.new_empty((t, nq * d))
+        if plan.decode_rows is not None:
+            b, length = plan.decode_keys.shape  # type: ignore[union-attr]
+            flat = plan.decode_keys.reshape(-1)  # type: ignore[union-attr]
+            keys = kc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
+            vals = vc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
+            qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, nq, 1, d]
+            o = F.scaled_dot_product_attention(
+                qd, keys, vals, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            )
+            out.index_copy_(0, plan.decode_rows, o.reshape(b, nq * d))
+        for group in plan.prefills:
+            qp = q[group.rows].transpose(0, 1).unsqueeze(0)  # [1, nq, n, d]
+            keys = kc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
+            vals = vc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qp,
+                keys,
+                vals,
+                attn_mask=group.mask,
+                is_causal=group.mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
