@@ -23,12 +23,69 @@ from dataclasses import dataclass
 
 import httpx
 
-WORDS = (
-    "the of and to in is was for on that with as by at from his her they this which "
-    "people time year day world life hand part child eye woman place work week case point "
-    "government company number group problem fact house water city money story music river "
-    "market school family friend question answer morning evening garden window table light"
-).split()
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "was",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "by",
+    "at",
+    "from",
+    "his",
+    "her",
+    "they",
+    "this",
+    "which",
+    "people",
+    "time",
+    "year",
+    "day",
+    "world",
+    "life",
+    "hand",
+    "part",
+    "child",
+    "eye",
+    "woman",
+    "place",
+    "work",
+    "week",
+    "case",
+    "point",
+    "government",
+    "company",
+    "number",
+    "group",
+    "problem",
+    "fact",
+    "house",
+    "water",
+    "city",
+    "money",
+    "story",
+    "music",
+    "river",
+    "market",
+    "school",
+    "family",
+    "friend",
+    "question",
+    "answer",
+    "morning",
+    "evening",
+    "garden",
+    "window",
+    "table",
+    "light",
+]
 
 
 @dataclass
@@ -48,10 +105,22 @@ def make_prompts(client: httpx.Client, n: int, length: int, seed: int) -> list[l
     return prompts
 
 
-async def one_stream(client: httpx.AsyncClient, model: str, prompt: list[int], out_tokens: int,
-                     logprobs: int | None, timeout: float) -> Result:
-    body: dict = {"model": model, "prompt": prompt, "max_tokens": out_tokens, "stream": True,
-                  "ignore_eos": True, "temperature": 0.0}
+async def one_stream(
+    client: httpx.AsyncClient,
+    model: str,
+    prompt: list[int],
+    out_tokens: int,
+    logprobs: int | None,
+    timeout: float,
+) -> Result:
+    body: dict = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
     if logprobs is not None:
         body["logprobs"] = logprobs
     start = time.perf_counter()
@@ -66,15 +135,23 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: list[int], o
                     lp = choice.get("logprobs")
                     tokens += len(lp["tokens"]) if lp else (1 if choice.get("text") else 0)
         return Result(tokens, time.perf_counter() - start, r.status_code == 200)
-    except (httpx.HTTPError, asyncio.TimeoutError):
+    except (TimeoutError, httpx.HTTPError):
         return Result(tokens, time.perf_counter() - start, False)
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                    out_tokens: int, logprobs: int | None, timeout: float) -> dict:
+async def run_level(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    out_tokens: int,
+    logprobs: int | None,
+    timeout: float,
+) -> dict:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
+
         async def guarded(p: list[int]) -> Result:
             async with sem:
                 return await one_stream(client, model, p, out_tokens, logprobs, timeout)
@@ -83,19 +160,32 @@ async def run_level(url: str, model: str, prompts: list[list[int]], concurrency:
         results = await asyncio.gather(*(guarded(p) for p in prompts))
         wall = time.perf_counter() - start
     toks = sum(r.tokens for r in results)
-    return {"concurrency": concurrency, "requests": len(results),
-            "ok": sum(r.ok for r in results), "output_tokens": toks,
-            "seconds": round(wall, 2), "tok_per_s": round(toks / wall, 1)}
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "ok": sum(r.ok for r in results),
+        "output_tokens": toks,
+        "seconds": round(wall, 2),
+        "tok_per_s": round(toks / wall, 1),
+    }
 
 
-async def run_scoring(url: str, model: str, prompts: list[list[int]], concurrency: int,
-                      timeout: float) -> dict:
+async def run_scoring(
+    url: str, model: str, prompts: list[list[int]], concurrency: int, timeout: float
+) -> dict:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+
         async def score(p: list[int]) -> int:
             async with sem:
-                body = {"model": model, "prompt": p, "max_tokens": 1, "echo": True,
-                        "logprobs": 1, "temperature": 0}
+                body = {
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": 1,
+                    "echo": True,
+                    "logprobs": 1,
+                    "temperature": 0,
+                }
                 r = await client.post("/v1/completions", json=body)
                 r.raise_for_status()
                 return len(p)
@@ -103,8 +193,13 @@ async def run_scoring(url: str, model: str, prompts: list[list[int]], concurrenc
         start = time.perf_counter()
         counts = await asyncio.gather(*(score(p) for p in prompts))
         wall = time.perf_counter() - start
-    return {"workload": "scoring", "requests": len(counts), "prompt_tokens": sum(counts),
-            "seconds": round(wall, 2), "prompt_tok_per_s": round(sum(counts) / wall, 1)}
+    return {
+        "workload": "scoring",
+        "requests": len(counts),
+        "prompt_tokens": sum(counts),
+        "seconds": round(wall, 2),
+        "prompt_tok_per_s": round(sum(counts) / wall, 1),
+    }
 
 
 def mc_prompts(prompts: list[list[int]], choices: int, cont_len: int, seed: int) -> list:
@@ -157,20 +252,26 @@ def main() -> None:
         raise SystemExit("give --url or --start")
     try:
         with httpx.Client(base_url=args.tokenizer_url or url, timeout=60) as c:
-            pool = make_prompts(c, max(args.concurrency) * args.requests_per_stream,
-                                args.prompt_tokens, seed=0)
+            pool = make_prompts(
+                c, max(args.concurrency) * args.requests_per_stream, args.prompt_tokens, seed=0
+            )
         rows = []
         for conc in args.concurrency:
             prompts = pool[: conc * args.requests_per_stream]
-            row = asyncio.run(run_level(url, args.model, prompts, conc, args.output_tokens,
-                                        args.logprobs, args.timeout))
+            row = asyncio.run(
+                run_level(
+                    url, args.model, prompts, conc, args.output_tokens, args.logprobs, args.timeout
+                )
+            )
             row["logprobs"] = args.logprobs
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.scoring:
             unrelated = pool[:64]
-            print(json.dumps(asyncio.run(run_scoring(url, args.model, unrelated, 8,
-                                                     args.timeout))), flush=True)
+            print(
+                json.dumps(asyncio.run(run_scoring(url, args.model, unrelated, 8, args.timeout))),
+                flush=True,
+            )
             mc = mc_prompts(pool[:16], choices=4, cont_len=5, seed=1)
             row = asyncio.run(run_scoring(url, args.model, mc, 8, args.timeout))
             row["workload"] = "scoring-multiple-choice (4 continuations per context)"

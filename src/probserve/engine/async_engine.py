@@ -79,10 +79,15 @@ class AsyncEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
+        """Start the engine thread; returns once it has built the runner and warmed up."""
         if self._thread is None:
             self._stopping = False
-            self._thread = threading.Thread(target=self._loop, name="probserve-engine", daemon=True)
+            ready = threading.Event()
+            self._thread = threading.Thread(
+                target=self._loop, args=(ready,), name="probserve-engine", daemon=True
+            )
             self._thread.start()
+            ready.wait()
 
     def stop(self) -> None:
         with self._wake:
@@ -128,7 +133,11 @@ class AsyncEngine:
             return {**self._snapshot, "streams": len(self._streams)}
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _loop(self) -> None:
+    def _loop(self, ready: threading.Event) -> None:
+        try:
+            self.core.warmup()  # every torch call of the engine happens on this thread
+        finally:
+            ready.set()
         while True:
             with self._wake:
                 while not (self._stopping or self._adds or self._aborts or self.core.has_work()):

@@ -18,6 +18,7 @@ from probserve.engine.types import (
     EngineRequest,
     FinishReason,
     RequestError,
+    SamplingParams,
     TokenLogprobs,
 )
 from probserve.models import llama
@@ -31,12 +32,13 @@ def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
     return max(1, int(config.kv_cache_gib * 2**30) // per_block)
 
 
+def uses_paged_runner(loaded: LoadedModel, config: EngineConfig) -> bool:
+    return config.runner == "paged" or (config.runner == "auto" and llama.supports(loaded.model))
+
+
 def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
     """The paged runner for the Llama family (unless told otherwise), else transformers'."""
-    use_paged = config.runner == "paged" or (
-        config.runner == "auto" and llama.supports(loaded.model)
-    )
-    if use_paged:
+    if uses_paged_runner(loaded, config):
         return PagedRunner(loaded.model, num_kv_blocks(loaded, config), config.block_size)
     return HFRunner(loaded.model)
 
@@ -51,25 +53,41 @@ class EngineCore:
         self.context_length = loaded.context_length
         self.eos_ids = loaded.eos_token_ids
         num_blocks = num_kv_blocks(loaded, self.config)
-        self.runner = runner = runner or build_runner(loaded, self.config)
+        # the runner (weights packed, KV cache allocated) is built by the thread that steps the
+        # engine: torch runs markedly slower on a thread other than the one that first used it
+        self._runner = runner
+        paged = runner.prefix_caching if runner else uses_paged_runner(loaded, self.config)
         self.pool = BlockPool(
-            num_blocks, self.config.block_size, self.config.prefix_caching and runner.prefix_caching
+            num_blocks, self.config.block_size, self.config.prefix_caching and paged
         )
         self.scheduler = Scheduler(
             self.pool,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
-            on_release=runner.release,
+            on_release=lambda seq: self.runner.release(seq),
         )
         self.token_capacity = num_blocks * self.config.block_size
-        log.info(
-            "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s",
-            type(runner).__name__,
-            num_blocks,
-            self.config.block_size,
-            self.token_capacity,
-            "on" if self.pool.prefix_caching else "off",
-        )
+
+    @property
+    def runner(self) -> Runner:
+        if self._runner is None:
+            self._runner = build_runner(self.loaded, self.config)
+            log.info(
+                "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s",
+                type(self._runner).__name__,
+                self.pool.num_blocks,
+                self.config.block_size,
+                self.token_capacity,
+                "on" if self.pool.prefix_caching else "off",
+            )
+        return self._runner
+
+    def warmup(self) -> None:
+        """Build the runner and run one tiny request, on the calling thread."""
+        self.add_request(EngineRequest("__warmup__", (0, 1), SamplingParams(max_tokens=1)))
+        while self.has_work():
+            self.step()
+        self.pool.reset_prefix_cache()
 
     # ---- requests -------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> int:

@@ -46,7 +46,7 @@ class PagedRunner:
         self.forward = LlamaForward(model)
         self.block_size = block_size
         self.cache = KVCache.allocate(model.config, num_blocks, block_size)
-        self.vocab = int(self.forward.lm_head.shape[0])
+        self.vocab = self.forward.vocab_size
 
     def release(self, seq: Sequence) -> None:
         """Blocks are the scheduler's; nothing else is held per sequence."""

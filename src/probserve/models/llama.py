@@ -77,6 +77,31 @@ class AttentionPlan:
     prefills: list[PrefillGroup] = field(default_factory=list)
 
 
+class Linear:
+    """y = x W^T + b with the weight pre-packed for oneDNN where torch has it.
+
+    MKL's sgemm behind F.linear re-packs the weight on every call; with 540 MB of float32 weights
+    read once per step that doubles the memory traffic. oneDNN's inner product on a weight
+    converted once (`to_mkldnn`) does not: measured on the 2-core CI machine over the SmolLM2
+    matrix chain, 21 vs 33 ms at 1 row, 48 vs 87 ms at 32 rows, 493 vs 824 ms at 512 rows
+    (results equal to ~1e-6)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        weight = weight.detach().float().contiguous()
+        bias = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
+        self.packed = torch.backends.mkldnn.is_available()
+        if self.packed:
+            self.w = weight.to_mkldnn()
+            self.b = bias.to_mkldnn()
+        else:
+            self.w, self.b = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.w, self.b).to_dense()
+        return F.linear(x, self.w, self.b)
+
+
 class _Layer:
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -84,15 +109,14 @@ class _Layer:
         self.ln2 = layer.post_attention_layernorm.weight.detach()
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
-        self.w_qkv = torch.cat(
-            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        ).detach()
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.b_qkv = torch.cat(biases).detach() if all(b is not None for b in biases) else None
-        self.w_o = attn.o_proj.weight.detach()
-        self.b_o = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
-        self.w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
-        self.w_down = mlp.down_proj.weight.detach()
+        self.qkv = Linear(
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+            torch.cat(biases) if all(b is not None for b in biases) else None,
+        )
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down = Linear(mlp.down_proj.weight)
         self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
 
 
@@ -112,9 +136,10 @@ class LlamaForward:
         self.layers = [_Layer(layer) for layer in model.model.layers]
         self.norm = model.model.norm.weight.detach()
         self.norm_eps = float(model.model.norm.variance_epsilon)
-        self.lm_head = model.lm_head.weight.detach()
+        self.lm_head = Linear(model.lm_head.weight)
+        self.vocab_size = int(model.lm_head.weight.shape[0])
         self.rotary = model.model.rotary_emb
-        self.intermediate = self.layers[0].w_down.shape[1]
+        self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
 
     @torch.inference_mode()
     def forward(
@@ -129,7 +154,7 @@ class LlamaForward:
         t = input_ids.shape[0]
         for li, layer in enumerate(self.layers):
             x = F.rms_norm(h, (h.shape[-1],), layer.ln1, layer.eps1)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)
+            qkv = layer.qkv(x)
             q = qkv[:, : nq * d].view(t, nq, d)
             k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
             v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
@@ -138,12 +163,10 @@ class LlamaForward:
             cache.k[li].index_copy_(0, plan.slots, k)
             cache.v[li].index_copy_(0, plan.slots, v)
             attn = self._attention(q, cache.k[li], cache.v[li], plan, layer.scale)
-            h = h + F.linear(attn, layer.w_o, layer.b_o)
+            h = h + layer.o(attn)
             x = F.rms_norm(h, (h.shape[-1],), layer.ln2, layer.eps2)
-            gu = F.linear(x, layer.w_gu)
-            h = h + F.linear(
-                F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :], layer.w_down
-            )
+            gu = layer.gate_up(x)
+            h = h + layer.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
         out = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
@@ -180,4 +203,4 @@ class LlamaForward:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)
