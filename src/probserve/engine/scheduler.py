@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -114,6 +115,7 @@ class Scheduler:
             seq.block_table.append(block)
             parent = h
         seq.num_computed = seq.num_cached = len(seq.block_table) * bs
+        self.prefix_hit_tokens += seq.num_cached
         seq.num_hashed_blocks = len(seq.block_table)
         seq.last_block_hash = parent
 

@@ -1,0 +1,251 @@
+"""The high-throughput engine: the paged runner against transformers, batch invariance, prefix
+caching, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from conftest import run
+
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineOutput,
+    EngineRequest,
+    LogprobsSpec,
+    SamplingParams,
+)
+from probserve.engine.block_pool import BlockPool, block_hash
+from probserve.engine.core import build_runner
+from probserve.engine.scheduler import Chunk
+from probserve.engine.sequence import Sequence
+from probserve.models import LoadedModel
+
+TEXTS = [
+    "The capital of France is",
+    "In a hole in the ground there lived a hobbit. Not a nasty, dirty, wet hole, filled with",
+    "def add(a, b):\n    return",
+    "Water boils at",
+    "Once upon a time there was a little girl who lived in a village near the forest.",
+    "The three primary colours are",
+    "import numpy as np\nx = np.",
+    "My favourite food is",
+    "The quick brown fox",
+]
+
+
+def _ids(m: LoadedModel, text: str) -> tuple[int, ...]:
+    return tuple(m.tokenizer(text).input_ids)
+
+
+def _req(rid: str, ids: tuple[int, ...], n: int = 8, prompt: bool = True) -> EngineRequest:
+    return EngineRequest(
+        rid,
+        ids,
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+        LogprobsSpec(top_k=5, prompt=prompt),
+    )
+
+
+def _tokens(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def _logprobs(outs: list[EngineOutput]) -> np.ndarray:
+    parts = [o.logprobs.logprobs for o in outs if o.logprobs is not None]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def _same(a: list[EngineOutput], b: list[EngineOutput]) -> None:
+    assert _tokens(a) == _tokens(b)
+    np.testing.assert_allclose(_logprobs(a), _logprobs(b), atol=1e-4)
+    pa, pb = a[0].prompt_logprobs, b[0].prompt_logprobs
+    assert (pa is None) == (pb is None)
+    if pa is not None and pb is not None:
+        assert pa.token_ids.tolist() == pb.token_ids.tolist()
+        np.testing.assert_allclose(pa.logprobs, pb.logprobs, atol=1e-4)
+        np.testing.assert_allclose(pa.top_logprobs, pb.top_logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_name", ["smol", "tiny"])
+def test_paged_runner_logits_equal_transformers(model_name: str, request: pytest.FixtureRequest):
+    """One packed step mixing a fresh prefill, a chunk after a prefix and decode tokens."""
+    m: LoadedModel = request.getfixturevalue(model_name)
+    runner = build_runner(m, EngineConfig(kv_cache_gib=0.05, block_size=4))
+    pool = BlockPool(64, 4)
+    seqs = [
+        Sequence(_req(f"s{i}", _ids(m, t)), 10**6, frozenset()) for i, t in enumerate(TEXTS[:4])
+    ]
+    for seq in seqs:
+        for _ in range(-(-(seq.num_tokens + 2) // 4)):
+            seq.block_table.append(pool.allocate())
+    # step 1: whole prompt of s0, first 3 tokens of s1, whole prompts of s2, s3
+    first = [
+        Chunk(seqs[0], 0, seqs[0].num_tokens),
+        Chunk(seqs[1], 0, 3),
+        Chunk(seqs[2], 0, seqs[2].num_tokens),
+        Chunk(seqs[3], 0, seqs[3].num_tokens),
+    ]
+    runner.run(first)
+    for ch in first:
+        ch.seq.num_computed = ch.end
+    for seq in (seqs[0], seqs[2]):  # one decode token each
+        seq.append(42)
+    # step 2: decode s0 and s2, the rest of s1's prompt (a chunk after a prefix)
+    second = [
+        Chunk(seqs[0], seqs[0].num_computed, 1),
+        Chunk(seqs[1], 3, seqs[1].num_tokens - 3),
+        Chunk(seqs[2], seqs[2].num_computed, 1),
+    ]
+    out = runner.run(second)
+    with torch.inference_mode():
+        for row, seq in zip(out.sample_logits, (seqs[0], seqs[1], seqs[2]), strict=True):
+            ref = m.model(input_ids=torch.tensor([seq.token_ids]), use_cache=False).logits[0, -1]
+            _close(row, ref)
+        # prompt rows of s1's second chunk (positions 3..n-2)
+        ref = m.model(input_ids=torch.tensor([seqs[1].token_ids]), use_cache=False).logits[0]
+        for got, want in zip(
+            out.prompt_logits["s1"], ref[3 : seqs[1].num_prompt_tokens - 1], strict=True
+        ):
+            _close(got, want)
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Logits agree within 1e-4 where they matter: the 50 most likely tokens (and their
+    logprobs). Over the whole 49k-token row, float32 summation order (packed and fused matrix
+    products against transformers' separate ones) leaves noise up to ~1e-4 in the far tail, so
+    the whole row is held to 2e-4."""
+    top = torch.topk(ref, 50).indices
+    assert (got[top] - ref[top]).abs().max() <= 1e-4
+    lp_got, lp_ref = torch.log_softmax(got, -1), torch.log_softmax(ref, -1)
+    assert (lp_got[top] - lp_ref[top]).abs().max() <= 1e-4
+    assert (got - ref).abs().max() <= 2e-4
+
+
+def test_alone_and_among_eight_others_identical(smol: LoadedModel, engine_for):
+    eng = engine_for(smol)
+    target = _req("target", _ids(smol, TEXTS[1]), n=16)
+    alone = run(eng.generate(target))
+    others = [_req(f"o{i}", _ids(smol, t), n=12 + i) for i, t in enumerate(TEXTS[:8])]
+
+    async def crowd() -> list[list[EngineOutput]]:
+        tasks = [asyncio.ensure_future(eng.generate(r)) for r in others[:4]]
+        await asyncio.sleep(0.05)  # the target joins a running batch
+        tasks.append(
+            asyncio.ensure_future(
+                eng.generate(
+                    EngineRequest(
+                        "target2", target.prompt_token_ids, target.sampling, target.logprobs
+                    )
+                )
+            )
+        )
+        tasks += [asyncio.ensure_future(eng.generate(r)) for r in others[4:]]
+        return await asyncio.gather(*tasks)
+
+    results = run(crowd())
+    _same(alone, results[4])
+
+
+def _run_all(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
+    outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        for o in core.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def _mc_requests(m: LoadedModel) -> list[EngineRequest]:
+    """lm-eval multiple choice: one long context, several continuations; scored prompts."""
+    ctx = _ids(m, " ".join(TEXTS) * 2)
+    conts = [" Paris", " London", " a small dog", " forty-two"]
+    return [
+        EngineRequest(
+            f"mc{i}",
+            ctx + tuple(m.tokenizer(c, add_special_tokens=False).input_ids),
+            SamplingParams(temperature=0, max_tokens=1),
+            LogprobsSpec(1, prompt=True),
+        )
+        for i, c in enumerate(conts)
+    ] + [EngineRequest("score0", ctx, SamplingParams(max_tokens=0), LogprobsSpec(3, prompt=True))]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"prefix_caching": False},
+        {"prefix_caching": True, "block_size": 8},
+        {"prefix_caching": True, "max_num_batched_tokens": 7, "block_size": 4},
+        {"runner": "hf", "max_num_batched_tokens": 9},
+    ],
+    ids=["no-prefix-cache", "prefix-cache", "tiny-chunks", "hf-runner"],
+)
+def test_results_do_not_depend_on_engine_settings(smol: LoadedModel, config: dict):
+    baseline = _run_all(EngineCore(smol, EngineConfig(prefix_caching=False)), _mc_requests(smol))
+    core = EngineCore(smol, EngineConfig(**config))
+    # run the batch twice: the second time prompts hit the prefix cache (when on)
+    for _ in range(2):
+        outs = _run_all(core, _mc_requests(smol))
+        for req in _mc_requests(smol):
+            got = outs[req.request_id]
+            _same(got, baseline[req.request_id])
+            plp = got[0].prompt_logprobs
+            assert plp is not None and len(plp) == len(req.prompt_token_ids) - 1
+    if config.get("prefix_caching") and config.get("runner") != "hf":
+        assert core.pool.num_cached() > 0
+
+
+def test_prefix_cache_hit_scores_the_whole_prompt(smol: LoadedModel):
+    core = EngineCore(smol, EngineConfig(block_size=4))
+    reqs = _mc_requests(smol)
+    first = _run_all(core, reqs[:1])["mc0"]
+    again = EngineRequest("again", reqs[0].prompt_token_ids, reqs[0].sampling, reqs[0].logprobs)
+    core.add_request(again)
+    hits = core.scheduler.prefix_hit_tokens
+    outs = []
+    while core.has_work():
+        outs += core.step()
+    # every full block but the last came from the cache, yet every prompt position is scored
+    reused = core.scheduler.prefix_hit_tokens - hits
+    assert reused == (len(reqs[0].prompt_token_ids) - 1) // 4 * 4 > 0
+    assert len(outs[0].prompt_logprobs) == len(reqs[0].prompt_token_ids) - 1
+    _same(outs, first)
+
+
+def test_preemption_by_recomputation(smol: LoadedModel):
+    """A KV cache too small for every sequence at once: some are preempted and recomputed,
+    and every result equals the one computed alone."""
+    reqs = [_req(f"p{i}", _ids(smol, t), n=24) for i, t in enumerate(TEXTS[:6])]
+    alone = {
+        r.request_id: _run_all(EngineCore(smol, EngineConfig(block_size=4)), [r])[r.request_id]
+        for r in reqs
+    }
+    per_token = 4 * (2 * 30 * 3 * 64 + 576)
+    tight = EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=40 * 4 * per_token / 2**30))
+    outs = _run_all(tight, reqs)
+    assert tight.scheduler.num_preemptions > 0
+    for rid, expected in alone.items():
+        _same(outs[rid], expected)
+    assert tight.pool.num_in_use() == 0
+
+
+def test_block_pool_refcounts_and_eviction():
+    pool = BlockPool(3, 2)
+    a, b = pool.allocate(), pool.allocate()
+    h = block_hash(None, [1, 2])
+    pool.register(a, h, [1, 2])
+    pool.release(a)  # cached, evictable
+    assert pool.num_available() == 2 and pool.num_cached() == 1
+    assert pool.lookup(h, [1, 2]) == a and pool.num_available() == 1
+    assert pool.lookup(h, [9, 9]) is None  # a hash collision is not a hit
+    pool.release(a)
+    c = pool.allocate()
+    d = pool.allocate()  # evicts a: no free block left otherwise
+    assert {c, d} == {a, 2} and pool.num_cached() == 0 and pool.allocate() is None
+    pool.release(b)
+    assert pool.num_available() == 1
