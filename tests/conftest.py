@@ -59,6 +59,7 @@ def engine_for() -> Iterator:
     engines: list[AsyncEngine] = []
 
     def make(loaded: LoadedModel, **config: object) -> AsyncEngine:
+        config.setdefault("kv_cache_gib", 0.25)
         eng = AsyncEngine(EngineCore(loaded, EngineConfig(**config)))  # type: ignore[arg-type]
         engines.append(eng)
         return eng

@@ -75,7 +75,7 @@ def test_paged_runner_logits_equal_transformers(model_name: str, request: pytest
     """One packed step mixing a fresh prefill, a chunk after a prefix and decode tokens."""
     m: LoadedModel = request.getfixturevalue(model_name)
     runner = build_runner(m, EngineConfig(kv_cache_gib=0.05, block_size=4))
-    pool = BlockPool(64, 4)
+    pool = BlockPool(65, 4)
     seqs = [
         Sequence(_req(f"s{i}", _ids(m, t)), 10**6, frozenset()) for i, t in enumerate(TEXTS[:4])
     ]
@@ -186,8 +186,10 @@ def _mc_requests(m: LoadedModel) -> list[EngineRequest]:
     ids=["no-prefix-cache", "prefix-cache", "tiny-chunks", "hf-runner"],
 )
 def test_results_do_not_depend_on_engine_settings(smol: LoadedModel, config: dict):
-    baseline = _run_all(EngineCore(smol, EngineConfig(prefix_caching=False)), _mc_requests(smol))
-    core = EngineCore(smol, EngineConfig(**config))
+    baseline = _run_all(
+        EngineCore(smol, EngineConfig(prefix_caching=False, kv_cache_gib=0.25)), _mc_requests(smol)
+    )
+    core = EngineCore(smol, EngineConfig(kv_cache_gib=0.25, **config))
     # run the batch twice: the second time prompts hit the prefix cache (when on)
     for _ in range(2):
         outs = _run_all(core, _mc_requests(smol))
@@ -201,7 +203,7 @@ def test_results_do_not_depend_on_engine_settings(smol: LoadedModel, config: dic
 
 
 def test_prefix_cache_hit_scores_the_whole_prompt(smol: LoadedModel):
-    core = EngineCore(smol, EngineConfig(block_size=4))
+    core = EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=0.25))
     reqs = _mc_requests(smol)
     first = _run_all(core, reqs[:1])["mc0"]
     again = EngineRequest("again", reqs[0].prompt_token_ids, reqs[0].sampling, reqs[0].logprobs)
@@ -222,7 +224,9 @@ def test_preemption_by_recomputation(smol: LoadedModel):
     and every result equals the one computed alone."""
     reqs = [_req(f"p{i}", _ids(smol, t), n=24) for i, t in enumerate(TEXTS[:6])]
     alone = {
-        r.request_id: _run_all(EngineCore(smol, EngineConfig(block_size=4)), [r])[r.request_id]
+        r.request_id: _run_all(
+            EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=0.25)), [r]
+        )[r.request_id]
         for r in reqs
     }
     per_token = 4 * (2 * 30 * 3 * 64 + 576)
@@ -235,8 +239,9 @@ def test_preemption_by_recomputation(smol: LoadedModel):
 
 
 def test_block_pool_refcounts_and_eviction():
-    pool = BlockPool(3, 2)
+    pool = BlockPool(4, 2)  # block 0 is the null block: 3 usable
     a, b = pool.allocate(), pool.allocate()
+    assert 0 not in (a, b)
     h = block_hash(None, [1, 2])
     pool.register(a, h, [1, 2])
     pool.release(a)  # cached, evictable
@@ -246,6 +251,6 @@ def test_block_pool_refcounts_and_eviction():
     pool.release(a)
     c = pool.allocate()
     d = pool.allocate()  # evicts a: no free block left otherwise
-    assert {c, d} == {a, 2} and pool.num_cached() == 0 and pool.allocate() is None
+    assert {c, d} == {a, 3} and pool.num_cached() == 0 and pool.allocate() is None
     pool.release(b)
     assert pool.num_available() == 1

@@ -21,7 +21,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self._free: deque[int] = deque(range(num_blocks))
+        # block 0 is the null block: never handed out (masked attention positions read it)
+        self._free: deque[int] = deque(range(1, num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, int] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
@@ -32,7 +33,7 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     def num_in_use(self) -> int:
-        return self.num_blocks - self.num_available()
+        return self.num_blocks - 1 - self.num_available()
 
     def num_cached(self) -> int:
         return len(self._by_hash)

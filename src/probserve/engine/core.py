@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
     per_block = llama.KVCache.bytes_per_token(loaded.model.config) * config.block_size
-    return max(1, int(config.kv_cache_gib * 2**30) // per_block)
+    return max(2, int(config.kv_cache_gib * 2**30) // per_block)  # block 0 is the null block
 
 
 def uses_paged_runner(loaded: LoadedModel, config: EngineConfig) -> bool:
@@ -64,9 +64,8 @@ class EngineCore:
             self.pool,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
-            on_release=lambda seq: self.runner.release(seq),
         )
-        self.token_capacity = num_blocks * self.config.block_size
+        self.token_capacity = (num_blocks - 1) * self.config.block_size
 
     @property
     def runner(self) -> Runner:

@@ -16,7 +16,6 @@ from typing import Any, Protocol
 import torch
 
 from probserve.engine.scheduler import Chunk
-from probserve.engine.sequence import Sequence
 from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
 
 
@@ -32,8 +31,6 @@ class Runner(Protocol):
 
     def run(self, chunks: list[Chunk]) -> RunOutput: ...
 
-    def release(self, seq: Sequence) -> None: ...
-
 
 def _empty_logits(vocab: int) -> torch.Tensor:
     return torch.empty((0, vocab))
@@ -47,9 +44,6 @@ class PagedRunner:
         self.block_size = block_size
         self.cache = KVCache.allocate(model.config, num_blocks, block_size)
         self.vocab = self.forward.vocab_size
-
-    def release(self, seq: Sequence) -> None:
-        """Blocks are the scheduler's; nothing else is held per sequence."""
 
     def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -89,12 +83,11 @@ class PagedRunner:
                 table = c.seq.block_table[:width]
                 tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
             pos = torch.arange(longest)
-            plan.decode_keys = (
-                tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-            )
-            plan.decode_mask = (pos.unsqueeze(0) < lengths.unsqueeze(1)).view(
-                len(decode_seqs), 1, 1, longest
-            )
+            valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+            keys = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            # masked positions read the zeroed null block, never unwritten memory
+            plan.decode_keys = torch.where(valid, keys, 0)
+            plan.decode_mask = valid.view(len(decode_seqs), 1, 1, longest)
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
         return torch.tensor(ids, dtype=torch.long), torch.cat(positions), plan
 
@@ -139,9 +132,6 @@ class HFRunner:
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
-
-    def release(self, seq: Sequence) -> None:
-        seq.runner_state = None
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:

@@ -12,7 +12,6 @@ blocks are freed and it goes back to the head of the queue, to be recomputed lat
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from probserve.engine.block_pool import BlockPool, block_hash
@@ -53,13 +52,11 @@ class Scheduler:
         pool: BlockPool,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
-        on_release: Callable[[Sequence], None] | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.on_release = on_release
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -98,8 +95,7 @@ class Scheduler:
         seq.block_table.clear()
         seq.num_computed = seq.num_cached = seq.num_hashed_blocks = 0
         seq.last_block_hash = None
-        if self.on_release is not None:
-            self.on_release(seq)
+        seq.runner_state = None  # a runner's private per-sequence state goes with the blocks
 
     def _use_prefix_cache(self, seq: Sequence) -> None:
         """Reuse the longest run of cached full blocks, leaving at least one token to compute."""

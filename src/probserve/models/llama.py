@@ -49,16 +49,22 @@ class KVCache:
 
     @staticmethod
     def allocate(config: Any, num_blocks: int, block_size: int) -> KVCache:
+        """Memory is taken from the OS as blocks are first written (torch.empty), except block
+        0, the null block: zeros, never handed out, where masked key positions point."""
         kvh = config.num_key_value_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         slots = num_blocks * block_size
         shape = (config.num_hidden_layers, slots, kvh, d)
-        return KVCache(
-            torch.zeros(shape),
-            torch.zeros(shape),
-            torch.zeros(slots, config.hidden_size),
+        cache = KVCache(
+            torch.empty(shape),
+            torch.empty(shape),
+            torch.empty(slots, config.hidden_size),
             block_size,
         )
+        cache.k[:, :block_size].zero_()
+        cache.v[:, :block_size].zero_()
+        cache.hidden[:block_size].zero_()
+        return cache
 
 
 @dataclass
