@@ -267,12 +267,13 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.scoring:
-            unrelated = pool[:64]
-            print(
-                json.dumps(asyncio.run(run_scoring(url, args.model, unrelated, 8, args.timeout))),
-                flush=True,
-            )
-            mc = mc_prompts(pool[:16], choices=4, cont_len=5, seed=1)
+            # fresh prompts (other seeds): nothing of them is in the prefix cache yet
+            with httpx.Client(base_url=args.tokenizer_url or url, timeout=60) as c:
+                unrelated = make_prompts(c, 64, args.prompt_tokens, seed=1)
+                contexts = make_prompts(c, 16, args.prompt_tokens, seed=2)
+            row = asyncio.run(run_scoring(url, args.model, unrelated, 8, args.timeout))
+            print(json.dumps(row), flush=True)
+            mc = mc_prompts(contexts, choices=4, cont_len=5, seed=1)
             row = asyncio.run(run_scoring(url, args.model, mc, 8, args.timeout))
             row["workload"] = "scoring-multiple-choice (4 continuations per context)"
             print(json.dumps(row), flush=True)
@@ -282,6 +283,9 @@ def main() -> None:
             print(f"| {r['concurrency']} | {r['requests']} | {r['ok']} | {r['tok_per_s']} |")
     finally:
         if proc is not None:
+            with open(f"/proc/{proc.pid}/status") as f:
+                peak = next(line for line in f if line.startswith("VmHWM"))
+            print(f"server peak RSS: {peak.split(':')[1].strip()}")
             proc.terminate()
             proc.wait(timeout=60)
 

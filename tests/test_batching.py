@@ -254,3 +254,18 @@ def test_block_pool_refcounts_and_eviction():
     assert {c, d} == {a, 3} and pool.num_cached() == 0 and pool.allocate() is None
     pool.release(b)
     assert pool.num_available() == 1
+
+
+def test_continuations_sent_together_share_their_context(smol: LoadedModel):
+    """lm-eval sends a context's continuations in one request: the later ones wait for the
+    context's blocks instead of computing them again, and results stay exact."""
+    reqs = _mc_requests(smol)[:4]
+    core = EngineCore(smol, EngineConfig(block_size=8, kv_cache_gib=0.25))
+    outs = _run_all(core, reqs)
+    shared_blocks = (len(reqs[0].prompt_token_ids) - 8) // 8
+    assert core.scheduler.prefix_hit_tokens >= 3 * shared_blocks * 8
+    baseline = _run_all(
+        EngineCore(smol, EngineConfig(prefix_caching=False, kv_cache_gib=0.25)), reqs
+    )
+    for req in reqs:
+        _same(outs[req.request_id], baseline[req.request_id])

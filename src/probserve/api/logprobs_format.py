@@ -1,7 +1,9 @@
 """Engine logprobs (ids and float32 arrays) -> OpenAI's completions and chat logprobs shapes.
 
 JSON floats are finite: -inf (a token masked in processed mode) is written -9999.0, OpenAI's
-marker. float32 values become Python floats exactly, so they round-trip.
+marker. float32 values become Python floats exactly, so they round-trip. Token texts come from
+the TokenTable's precomputed lists, and the response models are built without re-validation
+(`model_construct`): this runs for every token of every logprobs request.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Iterable
 
 from probserve.api.protocol import ChatLogprobEntry, CompletionLogprobs, TopLogprob
 from probserve.api.text_stream import Piece
-from probserve.api.tokens import TokenTable, token_text
+from probserve.api.tokens import TokenTable
 from probserve.engine import TokenLogprobs
 
 NEG_INF_MARKER = -9999.0
@@ -31,35 +33,39 @@ class LogprobsFormatter:
 
     # ---- /v1/completions ------------------------------------------------------------------
     def completion(self, pieces: Iterable[Piece], k: int) -> CompletionLogprobs:
+        texts = self.table.legacy_texts
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for p in pieces:
-            tokens.append(token_text(self.table.token_bytes(p.token_id), legacy_prefix=True))
+            text = texts[p.token_id]
+            tokens.append(text)
             offsets.append(p.offset)
             if p.logprobs is None:  # the first prompt token: no context
                 values.append(None)
                 tops.append(None)
                 continue
             lp, j = p.logprobs, p.row
-            values.append(finite(lp.logprobs[j]))
+            value = finite(lp.logprobs[j])
+            values.append(value)
             top: dict[str, float] = {}
             for tid, v in zip(
                 lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True
             ):
-                top.setdefault(token_text(self.table.token_bytes(tid), True), finite(v))
-            top.setdefault(tokens[-1], finite(lp.logprobs[j]))
+                top.setdefault(texts[tid], v if math.isfinite(v) else finite(v))
+            top.setdefault(text, value)
             tops.append(top)
-        return CompletionLogprobs(
+        return CompletionLogprobs.model_construct(
             tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
         )
 
     # ---- /v1/chat/completions -------------------------------------------------------------
     def _top(self, token_id: int, value: float) -> TopLogprob:
-        data = self.table.token_bytes(token_id)
-        return TopLogprob(
-            token=token_text(data, legacy_prefix=False), logprob=finite(value), bytes=list(data)
+        return TopLogprob.model_construct(
+            token=self.table.chat_texts[token_id],
+            logprob=value if math.isfinite(value) else finite(value),
+            bytes=self.table.byte_lists[token_id],
         )
 
     def chat(self, pieces: Iterable[Piece], k: int) -> list[ChatLogprobEntry]:
@@ -68,14 +74,20 @@ class LogprobsFormatter:
             if p.hidden or p.logprobs is None:
                 continue
             lp, j = p.logprobs, p.row
-            head = self._top(p.token_id, float(lp.logprobs[j]))
             alts = [
                 self._top(tid, v)
                 for tid, v in zip(
                     lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True
                 )
             ]
-            entries.append(ChatLogprobEntry(**head.model_dump(), top_logprobs=alts))
+            entries.append(
+                ChatLogprobEntry.model_construct(
+                    token=self.table.chat_texts[p.token_id],
+                    logprob=finite(lp.logprobs[j]),
+                    bytes=self.table.byte_lists[p.token_id],
+                    top_logprobs=alts,
+                )
+            )
         return entries
 
     def prompt_logprobs(
@@ -88,12 +100,10 @@ class LogprobsFormatter:
             entry: dict[str, dict[str, object]] = {}
             tid = int(scores.token_ids[j])
             entry[str(tid)] = self._vllm_entry(tid, scores.logprobs[j], scores.ranks[j])
-            for r, (aid, v) in enumerate(
-                zip(
-                    scores.top_ids[j, :k].tolist(), scores.top_logprobs[j, :k].tolist(), strict=True
-                ),
-                start=1,
-            ):
+            alts = zip(
+                scores.top_ids[j, :k].tolist(), scores.top_logprobs[j, :k].tolist(), strict=True
+            )
+            for r, (aid, v) in enumerate(alts, start=1):
                 entry.setdefault(str(aid), self._vllm_entry(aid, v, r))
             out.append(entry)
         return out
@@ -102,5 +112,5 @@ class LogprobsFormatter:
         return {
             "logprob": finite(value),
             "rank": int(rank),
-            "decoded_token": token_text(self.table.token_bytes(int(tid)), False),
+            "decoded_token": self.table.chat_texts[int(tid)],
         }

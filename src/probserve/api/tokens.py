@@ -45,6 +45,10 @@ class TokenTable:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._bytes = self._build(tokenizer, vocab_size)
+        # display texts, computed once: formatting top-20 logprobs per token stays cheap
+        self.legacy_texts = [token_text(b, legacy_prefix=True) for b in self._bytes]
+        self.chat_texts = [token_text(b, legacy_prefix=False) for b in self._bytes]
+        self.byte_lists = [list(b) for b in self._bytes]
 
     @staticmethod
     def _build(tokenizer: Any, vocab_size: int) -> list[bytes]:

@@ -61,6 +61,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        # full blocks being computed right now, by hash: a request that would compute the same
+        # block again waits for it instead (lm-eval sends a context's continuations together)
+        self._in_flight: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -93,27 +96,33 @@ class Scheduler:
         for block in reversed(seq.block_table):
             self.pool.release(block)
         seq.block_table.clear()
+        for h in [h for h, owner in self._in_flight.items() if owner is seq]:
+            del self._in_flight[h]
         seq.num_computed = seq.num_cached = seq.num_hashed_blocks = 0
         seq.last_block_hash = None
         seq.runner_state = None  # a runner's private per-sequence state goes with the blocks
 
-    def _use_prefix_cache(self, seq: Sequence) -> None:
-        """Reuse the longest run of cached full blocks, leaving at least one token to compute."""
+    def _use_prefix_cache(self, seq: Sequence) -> list[int]:
+        """Reuse the longest run of cached full blocks, leaving at least one token to compute.
+        Returns the hashes of the full blocks the sequence will compute itself."""
         if not self.pool.prefix_caching:
-            return
-        bs, parent = self.block_size, None
+            return []
+        bs, parent, last_hit = self.block_size, None, None
+        missing: list[int] = []
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
-            block = self.pool.lookup(h, tokens)
+            block = None if missing else self.pool.lookup(h, tokens)
             if block is None:
-                break
-            seq.block_table.append(block)
+                missing.append(h)
+            else:
+                seq.block_table.append(block)
+                last_hit = h
             parent = h
         seq.num_computed = seq.num_cached = len(seq.block_table) * bs
-        self.prefix_hit_tokens += seq.num_cached
         seq.num_hashed_blocks = len(seq.block_table)
-        seq.last_block_hash = parent
+        seq.last_block_hash = last_hit
+        return missing
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Offer each newly completed block to the prefix cache."""
@@ -123,6 +132,8 @@ class Scheduler:
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(seq.last_block_hash, tokens)
             self.pool.register(seq.block_table[i], h, tokens)
+            if self._in_flight.get(h) is seq:
+                del self._in_flight[h]
             seq.last_block_hash = h
             seq.num_hashed_blocks += 1
 
@@ -148,18 +159,27 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: nothing more fits
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self._use_prefix_cache(seq)
+            missing = self._use_prefix_cache(seq)
+            if missing and missing[0] in self._in_flight:
+                self._free_blocks(seq)  # its next block is being computed: wait for it
+                deferred.append(self.waiting.popleft())
+                continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self._free_blocks(seq)
                 break
             self.waiting.popleft()
+            self.prefix_hit_tokens += seq.num_cached
+            for h in missing:
+                self._in_flight.setdefault(h, seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         return chunks
 
     def _preempt(self, seq: Sequence) -> None:
