@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -10,9 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from probserve.api.completions import ERRORS
-from probserve.api.disconnect import unless_disconnected
 from probserve.api.errors import bad_request
-from probserve.api.generation import Candidate, merge, submit_all
+from probserve.api.generation import Candidate, merge, run_all, submit_all
 from probserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -25,7 +23,12 @@ from probserve.api.protocol import (
     ChatMessage,
     Usage,
 )
-from probserve.api.sampling import candidate_seed, logprobs_spec, sampling_params, stop_strings
+from probserve.api.sampling import (
+    candidate_seed,
+    check_request,
+    logprobs_spec,
+    sampling_params,
+)
 from probserve.api.sse import event, sse_response
 from probserve.api.state import ServerState
 from probserve.api.text_stream import Piece, TextStream
@@ -55,11 +58,13 @@ def chat_prompt_ids(
     template_kwargs: dict | None = None,
 ) -> list[int]:
     tok = state.loaded.tokenizer
+    dicts = message_dicts(messages)
+    state.config.limits.check_messages(len(dicts), sum(len(m["content"]) for m in dicts))
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
     try:
         text = tok.apply_chat_template(
-            message_dicts(messages),
+            dicts,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
             **(template_kwargs or {}),
@@ -96,6 +101,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state: ServerState = request.app.state.probserve
     model = state.check_model(body.model)
     k = _check(state, body)
+    limits = state.config.limits
+    stops = check_request(body, limits)
+    limits.check_sequences(1, body.n, "n")
     prompt_ids = chat_prompt_ids(
         state, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )
@@ -110,7 +118,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     if spec is not None and body.prompt_logprobs is not None:
         spec = type(spec)(max(spec.top_k, body.prompt_logprobs), spec.prompt, spec.mode)
-    stops = stop_strings(body.stop)
     requests = [
         EngineRequest(
             AsyncEngine.new_request_id("chat"),
@@ -133,11 +140,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return sse_response(
             _stream(state, candidates, cid, model, k, len(prompt_ids), include_usage, request)
         )
-    try:
-        await unless_disconnected(request, asyncio.gather(*(c.run() for c in candidates)))
-    finally:
-        for c in candidates:
-            c.stream.close()
+    await run_all(request, candidates, state.config.limits.request_timeout)
     choices = []
     for i, cand in enumerate(candidates):
         prompt_lp = None
@@ -187,7 +190,8 @@ async def _stream(
                 for i in range(len(candidates))
             ]
         )
-        async for i, delta in merge([c.deltas() for c in candidates]):
+        timeout = state.config.limits.request_timeout
+        async for i, delta in merge([c.deltas() for c in candidates], timeout):
             lp = _logprobs(state, delta.pieces, k)
             if delta.text or (lp and lp.content):
                 yield chunk(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -10,9 +9,14 @@ from dataclasses import dataclass, replace
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from probserve.api.disconnect import unless_disconnected
 from probserve.api.errors import bad_request
-from probserve.api.generation import Candidate, Delta, merge, submit_all
+from probserve.api.generation import (
+    Candidate,
+    Delta,
+    merge,
+    run_all,
+    submit_all,
+)
 from probserve.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -21,7 +25,12 @@ from probserve.api.protocol import (
     ErrorResponse,
     Usage,
 )
-from probserve.api.sampling import candidate_seed, logprobs_spec, sampling_params, stop_strings
+from probserve.api.sampling import (
+    candidate_seed,
+    check_request,
+    logprobs_spec,
+    sampling_params,
+)
 from probserve.api.sse import event, sse_response
 from probserve.api.state import ServerState
 from probserve.api.text_stream import Piece, TextStream
@@ -29,7 +38,9 @@ from probserve.engine import AsyncEngine, EngineRequest, TokenLogprobs
 
 router = APIRouter()
 
-ERRORS: dict[int | str, dict] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 500)}
+ERRORS: dict[int | str, dict] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500)
+}
 
 
 @dataclass
@@ -103,11 +114,14 @@ def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
         raise bad_request("best_of is not supported with stream", "best_of")
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
+    if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+        cfg.limits.check_sequences(len(body.prompt), best_of, "prompt")
+    cfg.limits.check_sequences(1, best_of, "best_of" if body.best_of else "n")
     return _Plan(_prompts(state, body.prompt), body.n, best_of, body.echo, body.logprobs)
 
 
 async def _start(state: ServerState, body: CompletionRequest, plan: _Plan) -> list[Candidate]:
-    stops = stop_strings(body.stop)
+    stops = check_request(body, state.config.limits)
     needs_lp = plan.k is not None or plan.best_of > plan.n
     spec = logprobs_spec(
         plan.k if needs_lp else None,
@@ -157,11 +171,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return sse_response(
             _stream(state, plan, candidates, cid, model, prompt_tokens, include_usage, request)
         )
-    try:
-        await unless_disconnected(request, asyncio.gather(*(c.run() for c in candidates)))
-    finally:
-        for c in candidates:
-            c.stream.close()
+    await run_all(request, candidates, state.config.limits.request_timeout)
     choices: list[CompletionChoice] = []
     for pi, prompt in enumerate(plan.prompts):
         group = candidates[pi * plan.best_of : (pi + 1) * plan.best_of]
@@ -206,7 +216,8 @@ async def _stream(
 ) -> AsyncIterator[str]:
     started = [False] * len(candidates)
     try:
-        async for i, delta in merge([c.deltas() for c in candidates]):
+        timeout = state.config.limits.request_timeout
+        async for i, delta in merge([c.deltas() for c in candidates], timeout):
             prompt = plan.prompts[i // plan.best_of]
             echo_now = plan.echo and not started[i]
             started[i] = True

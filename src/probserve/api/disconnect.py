@@ -9,6 +9,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from probserve.api.errors import APIError
+
 T = TypeVar("T")
 
 POLL_SECONDS = 0.25
@@ -16,7 +18,7 @@ POLL_SECONDS = 0.25
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it (which aborts its engine
-    requests) and raise CancelledError."""
+    requests) and raise APIError 499 (nginx's "client closed request"; nobody reads it)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -24,7 +26,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise APIError(499, "client closed request", None, "client_closed_request")
     finally:
         if not task.done():
             task.cancel()

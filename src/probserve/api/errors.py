@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from probserve.engine import RequestError
+from probserve.engine import EngineOverloaded, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def _engine_request_error(_: Request, exc: RequestError) -> JSONResponse:
         return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
+        return error_response(429, str(exc), None, "overloaded", {"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

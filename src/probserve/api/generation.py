@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from starlette.requests import Request
+
+from probserve.api.disconnect import unless_disconnected
 from probserve.api.errors import APIError
 from probserve.api.text_stream import Piece, TextStream
 from probserve.engine import (
@@ -90,6 +93,7 @@ class Candidate:
 
 async def submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
     """Submit every request or none: a RequestError on one closes those already queued."""
+    engine.check_capacity(len(requests))
     streams: list[RequestStream] = []
     try:
         for req in requests:
@@ -101,8 +105,14 @@ async def submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list
     return streams
 
 
-async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
-    """Interleave several async iterators as items arrive: yields (iterator index, item)."""
+async def merge(
+    iterators: list[AsyncIterator[T]], timeout: float = 0
+) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several async iterators as items arrive: yields (iterator index, item). Past
+    `timeout` seconds (0: none) it raises a 408 APIError (a stream turns it into an error
+    event) and the iterators are cancelled, which aborts their engine requests."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout if timeout > 0 else None
     queue: asyncio.Queue[tuple[int, T | None, BaseException | None, bool]] = asyncio.Queue()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
@@ -117,7 +127,11 @@ async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
     remaining = len(tasks)
     try:
         while remaining:
-            i, item, exc, done = await queue.get()
+            try:
+                wait = None if end is None else max(0.0, end - loop.time())
+                i, item, exc, done = await asyncio.wait_for(queue.get(), wait)
+            except TimeoutError:
+                raise _timeout_error(timeout) from None
             if exc is not None:
                 raise exc
             if done:
@@ -130,3 +144,30 @@ async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
+
+
+def _timeout_error(timeout: float) -> APIError:
+    return APIError(
+        408,
+        f"the request ran past the server's limit of {timeout:g} s and was stopped",
+        None,
+        "timeout",
+    )
+
+
+async def run_all(request: Request, candidates: list[Candidate], timeout: float) -> None:
+    """Run every candidate to its end (non-streamed responses). A client that disconnects, or a
+    request that passes `timeout` seconds (0: none), aborts them all."""
+    try:
+        gathered = asyncio.gather(*(c.run() for c in candidates))
+        # when the work is cancelled (client gone), its outcome is nobody's: mark it seen
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+        work: Awaitable[object] = gathered
+        if timeout > 0:
+            work = asyncio.wait_for(work, timeout)
+        await unless_disconnected(request, work)
+    except TimeoutError:
+        raise _timeout_error(timeout) from None
+    finally:
+        for c in candidates:
+            c.stream.close()

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 from probserve.api.errors import bad_request
+from probserve.api.limits import Limits
 from probserve.api.protocol import SamplingFields
 from probserve.engine import LogprobsMode, LogprobsSpec, SamplingParams
+
+
+def check_request(req: SamplingFields, limits: Limits) -> tuple[str, ...]:
+    """Apply the request limits shared by completions and chat; returns the stop strings."""
+    stops = stop_strings(req.stop)
+    limits.check_stop(stops)
+    limits.check_logit_bias(req.logit_bias)
+    return stops
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -32,6 +41,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
 def sampling_params(
     req: SamplingFields, max_tokens: int | None, vocab_size: int, seed: int | None
 ) -> SamplingParams:
+    """The engine's parameters for one candidate (limits are checked by `check_request`)."""
     for tid in req.stop_token_ids or ():
         if not 0 <= tid < vocab_size:
             raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")

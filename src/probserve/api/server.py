@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
+import socket
+from types import FrameType
+
+import uvicorn
 
 from probserve.api.app import create_app
+from probserve.api.limits import Limits
 from probserve.api.state import ServerConfig, ServerState
 from probserve.engine import AsyncEngine, EngineConfig, EngineCore, LogprobsMode
 from probserve.models import LoadedModel, load_model
@@ -16,9 +23,30 @@ log = logging.getLogger(__name__)
 API_KEY_ENV = "PROBSERVE_API_KEY"
 
 
-def api_keys(flag: str | None) -> tuple[str, ...]:
+def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
+    """Keys from --api-key (comma-separated), else PROBSERVE_API_KEY, plus one per line of
+    --api-key-file (blank lines and # comments skipped)."""
     raw = flag if flag is not None else os.environ.get(API_KEY_ENV, "")
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    keys = [k.strip() for k in raw.split(",") if k.strip()]
+    if key_file:
+        with open(key_file, encoding="utf-8") as f:
+            keys += [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
+    return tuple(keys)
+
+
+def limits(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_body_bytes=args.max_body_bytes,
+        max_sequences=args.max_sequences,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+        max_logit_bias=args.max_logit_bias,
+        max_messages=args.max_messages,
+        max_message_chars=args.max_message_chars,
+        max_queued=args.max_queued,
+        request_timeout=args.request_timeout,
+        drain_timeout=args.drain_timeout,
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -41,17 +69,59 @@ def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
         max_logprobs=args.max_logprobs,
         max_top_logprobs=args.max_top_logprobs,
         logprobs_mode=LogprobsMode(args.logprobs_mode),
-        api_keys=api_keys(args.api_key),
+        api_keys=api_keys(args.api_key, args.api_key_file),
+        limits=limits(args),
     )
-    engine = AsyncEngine(EngineCore(loaded, engine_config(args)))
+    engine = AsyncEngine(EngineCore(loaded, engine_config(args)), max_pending=args.max_queued)
     return ServerState(loaded, engine, config)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    import uvicorn
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM (or Ctrl-C): stop accepting connections, let every response in flight finish
+    (streams included) for up to `drain_timeout` seconds, then shut down as uvicorn does (the
+    app's lifespan stops the engine). uvicorn's own shutdown tells open connections to close,
+    which cuts streams short; draining first keeps them whole."""
 
+    def __init__(self, config: uvicorn.Config, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal once it has shut down; a drained SIGTERM is a
+        # clean, intended exit, so the process ends with status 0 instead
+        if sig == signal.SIGTERM and self._captured_signals[-1:] == [sig]:
+            self._captured_signals.pop()
+
+    def _busy(self) -> bool:
+        return any(
+            getattr(conn, "cycle", None) is not None and not conn.cycle.response_complete
+            for conn in self.server_state.connections
+        )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while self._busy() and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if self._busy():
+            log.warning("drain timeout (%gs) passed with responses in flight", self.drain_timeout)
+        await super().shutdown(sockets)
+
+
+def run_server(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     app = create_app(build_state(loaded, args))
     log.info("serving %s on http://%s:%d/v1", loaded.name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+    )
+    DrainingServer(config, args.drain_timeout).run()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from probserve.api.errors import APIError
+from probserve.api.limits import Limits
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.tokens import TokenTable
 from probserve.engine import AsyncEngine, LogprobsMode
@@ -18,6 +19,7 @@ class ServerConfig:
     max_top_logprobs: int = 20  # chat `top_logprobs` cap
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     api_keys: tuple[str, ...] = ()
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass

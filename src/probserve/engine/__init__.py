@@ -5,6 +5,7 @@ from probserve.engine.config import EngineConfig
 from probserve.engine.core import EngineCore
 from probserve.engine.types import (
     EngineOutput,
+    EngineOverloaded,
     EngineRequest,
     FinishReason,
     LogprobsMode,
@@ -19,6 +20,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "EngineOutput",
+    "EngineOverloaded",
     "EngineRequest",
     "FinishReason",
     "LogprobsMode",

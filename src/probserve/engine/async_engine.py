@@ -17,7 +17,13 @@ import uuid
 from dataclasses import dataclass
 
 from probserve.engine.core import EngineCore
-from probserve.engine.types import EngineOutput, EngineRequest, FinishReason, RequestError
+from probserve.engine.types import (
+    EngineOutput,
+    EngineOverloaded,
+    EngineRequest,
+    FinishReason,
+    RequestError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +72,9 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, max_pending: int = 1024) -> None:
         self.core = core
+        self.max_pending = max_pending  # requests queued or running; past it: EngineOverloaded
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._streams: dict[str, _Stream] = {}
@@ -105,6 +112,8 @@ class AsyncEngine:
         self.start()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
+            if len(self._streams) >= self.max_pending:
+                raise EngineOverloaded(f"the server is busy ({self.max_pending} requests queued)")
             if request.request_id in self._streams:
                 raise RequestError(f"request id {request.request_id!r} is already in use")
             self._streams[request.request_id] = stream
@@ -115,6 +124,14 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest) -> list[EngineOutput]:
         """Submit and collect every output (for callers that do not stream)."""
         return [out async for out in await self.submit(request)]
+
+    def check_capacity(self, n: int) -> None:
+        """Raise EngineOverloaded unless `n` more requests fit in the queue now."""
+        with self._lock:
+            if len(self._streams) + n > self.max_pending:
+                raise EngineOverloaded(
+                    f"the server is busy ({len(self._streams)} of {self.max_pending} queued)"
+                )
 
     def abort(self, request_id: str) -> None:
         """Abort a request: it is removed, and its state freed, before the next step runs."""

@@ -176,6 +176,9 @@ class EngineCore:
             return outputs
         result = sample(run.sample_logits, [self._sampler_row(seq) for seq in to_sample])
         for j, seq in enumerate(to_sample):
+            if result.errors[j] is not None:
+                outputs.append(self._fail(seq, result.errors[j] or "sampling failed"))
+                continue
             outputs.append(
                 self._emit(
                     seq,
@@ -245,6 +248,16 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+        )
+
+    def _fail(self, seq: Sequence, message: str) -> EngineOutput:
+        log.warning("request %s failed: %s", seq.request_id, message)
+        self.scheduler.finish(seq)
+        return EngineOutput(
+            seq.request_id,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            error=message,
         )
 
     def fail_running(self, message: str) -> list[EngineOutput]:

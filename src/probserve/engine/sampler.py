@@ -9,8 +9,8 @@ Processors apply in this order (each only when the request asks for it):
 4. temperature (skipped when greedy: temperature 0 means argmax),
 5. top-k, 6. top-p (nucleus), 7. min-p (relative to the most likely token).
 
-Sampling draws with a per-request `torch.Generator` (the exponential-race form of a categorical
-draw), so a seeded request gives the same tokens whatever else shares the batch.
+Sampling draws one uniform number from a per-request `torch.Generator` and inverts the row's
+cumulative distribution, so a seeded request gives the same tokens whatever else shares the batch.
 Logprobs are raw (log_softmax of the model's logits) or processed (log_softmax of the final
 distribution; masked tokens -inf), per request.
 """
@@ -43,6 +43,7 @@ class SamplerRow:
 class SamplerResult:
     token_ids: np.ndarray  # int64 [B]
     logprobs: list[TokenLogprobs | None]
+    errors: list[str | None]  # why a row failed (None: it did not)
 
 
 def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
@@ -98,27 +99,41 @@ def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
     return out
 
 
+def _choose(row: SamplerRow, proc: torch.Tensor) -> int:
+    if row.params.greedy:
+        return int(torch.argmax(proc))
+    # inverse-CDF draw with one uniform from the request's own generator
+    probs = torch.softmax(proc, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(1, generator=row.generator) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), proc.shape[0] - 1)
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
-    """Choose one token for each row of `logits` [B, V] and compute the logprobs asked for."""
+    """Choose one token for each row of `logits` [B, V] and compute the logprobs asked for.
+
+    A row that fails (NaN logits, an error in a processor) fails alone: its `errors` entry says
+    why and the other rows are sampled as usual."""
     logits = logits.float()
-    processed = [
-        process_row(logits[i], row) if row.params.needs_processing else logits[i]
-        for i, row in enumerate(rows)
-    ]
-    chosen = torch.empty(len(rows), dtype=torch.long)
-    for i, (row, proc) in enumerate(zip(rows, processed, strict=True)):
-        if row.params.greedy:
-            chosen[i] = torch.argmax(proc)
-        else:
-            probs = torch.softmax(proc, dim=-1)
-            race = torch.empty_like(probs).exponential_(generator=row.generator)
-            chosen[i] = torch.argmax(probs / race)
+    errors: list[str | None] = [None] * len(rows)
+    bad = torch.isnan(logits).any(dim=1).tolist()
+    processed: list[torch.Tensor] = []
+    chosen = torch.zeros(len(rows), dtype=torch.long)
+    for i, row in enumerate(rows):
+        try:
+            if bad[i]:
+                raise FloatingPointError("the model produced NaN logits")
+            proc = process_row(logits[i], row) if row.params.needs_processing else logits[i]
+            chosen[i] = _choose(row, proc)
+        except Exception as exc:  # one request's failure must not fail the batch
+            errors[i] = f"{type(exc).__name__}: {exc}"
+            proc = logits[i]
+        processed.append(proc)
 
     results: list[TokenLogprobs | None] = [None] * len(rows)
-    raw_idx = [i for i, r in enumerate(rows) if r.logprobs and r.logprobs.mode == LogprobsMode.RAW]
-    proc_idx = [
-        i for i, r in enumerate(rows) if r.logprobs and r.logprobs.mode == LogprobsMode.PROCESSED
-    ]
+    ok = [i for i in range(len(rows)) if errors[i] is None and rows[i].logprobs]
+    raw_idx = [i for i in ok if rows[i].logprobs.mode == LogprobsMode.RAW]  # type: ignore[union-attr]
+    proc_idx = [i for i in ok if rows[i].logprobs.mode == LogprobsMode.PROCESSED]  # type: ignore[union-attr]
     for idx, sources in (
         (raw_idx, logits[raw_idx] if raw_idx else None),
         (proc_idx, torch.stack([processed[i] for i in proc_idx]) if proc_idx else None),
@@ -137,4 +152,4 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
                 top_ids=block.top_ids[j : j + 1, :k],
                 top_logprobs=block.top_logprobs[j : j + 1, :k],
             )
-    return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results)
+    return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results, errors=errors)

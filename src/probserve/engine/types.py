@@ -133,6 +133,10 @@ class EngineOutput:
         return self.finish_reason is not None
 
 
+class EngineOverloaded(RuntimeError):
+    """The engine's queue is full; the caller should retry later."""
+
+
 class RequestError(ValueError):
     """A request the engine refuses (bad token ids, too long for the context, bad params).
     `param` names the offending field, for the API's error envelope."""
