@@ -17,6 +17,16 @@ log = logging.getLogger("probserve.access")
 OPEN_PATHS = frozenset({"/health"})
 
 
+async def send_error(
+    send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]
+) -> None:
+    """An error response in OpenAI's envelope, sent from middleware (outside FastAPI)."""
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class AuthMiddleware:
     """Requires `Authorization: Bearer KEY` with one of `keys` (constant-time compare) on every
     path but /health. No keys: open."""
@@ -40,26 +50,13 @@ class AuthMiddleware:
         if self._allowed(scope):
             await self.app(scope, receive, send)
             return
-        body = json.dumps(
-            error_body(
-                401,
-                "invalid or missing API key (Authorization: Bearer ...)",
-                None,
-                "invalid_api_key",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        await send_error(
+            send,
+            401,
+            "invalid or missing API key (Authorization: Bearer ...)",
+            "invalid_api_key",
+            [(b"www-authenticate", b"Bearer")],
         )
-        await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimitMiddleware:
@@ -70,26 +67,8 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            error_body(
-                413,
-                f"the request body is larger than {self.max_bytes} bytes",
-                None,
-                "request_too_large",
-            )
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"the request body is larger than {self.max_bytes} bytes"
+        await send_error(send, 413, message, "request_too_large", [(b"connection", b"close")])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
