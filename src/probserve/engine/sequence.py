@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from probserve.engine.types import EngineRequest, FinishReason, TokenLogprobs
+from probserve.engine.types import EngineRequest, TokenLogprobs
 
 
 class SeqStatus(enum.Enum):
@@ -36,7 +36,6 @@ class Sequence:
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     generator: torch.Generator | None = None
     prompt_tensor: torch.Tensor = field(init=False)
-    finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_token_ids)
