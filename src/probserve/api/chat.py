@@ -161,11 +161,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         id=cid,
         model=model,
         choices=choices,
-        usage=Usage(
-            prompt_tokens=len(prompt_ids),
-            completion_tokens=completion_tokens,
-            total_tokens=len(prompt_ids) + completion_tokens,
-        ),
+        usage=Usage.of(len(prompt_ids), completion_tokens),
     )
     return Response(resp.model_dump_json(), media_type="application/json")
 
@@ -207,11 +203,4 @@ async def _stream(
     completion_tokens = sum(c.num_tokens for c in candidates)
     request.state.usage = (prompt_tokens, completion_tokens)
     if include_usage:
-        yield chunk(
-            [],
-            Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
-        )
+        yield chunk([], Usage.of(prompt_tokens, completion_tokens))

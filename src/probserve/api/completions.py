@@ -192,14 +192,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     completion_tokens = sum(c.num_tokens for c in candidates)
     request.state.usage = (prompt_tokens, completion_tokens)
     resp = CompletionResponse(
-        id=cid,
-        model=model,
-        choices=choices,
-        usage=Usage(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        ),
+        id=cid, model=model, choices=choices, usage=Usage.of(prompt_tokens, completion_tokens)
     )
     return Response(resp.model_dump_json(), media_type="application/json")
 
@@ -230,14 +223,7 @@ async def _stream(
     if include_usage:
         yield event(
             CompletionResponse(
-                id=cid,
-                model=model,
-                choices=[],
-                usage=Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=prompt_tokens + completion_tokens,
-                ),
+                id=cid, model=model, choices=[], usage=Usage.of(prompt_tokens, completion_tokens)
             )
         )
 

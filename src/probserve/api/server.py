@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -35,18 +36,8 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
 
 
 def limits(args: argparse.Namespace) -> Limits:
-    return Limits(
-        max_body_bytes=args.max_body_bytes,
-        max_sequences=args.max_sequences,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_chars,
-        max_logit_bias=args.max_logit_bias,
-        max_messages=args.max_messages,
-        max_message_chars=args.max_message_chars,
-        max_queued=args.max_queued,
-        request_timeout=args.request_timeout,
-        drain_timeout=args.drain_timeout,
-    )
+    """Every Limits field has a flag of the same name (cli._add_limit_args)."""
+    return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
