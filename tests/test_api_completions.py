@@ -269,8 +269,16 @@ def test_stream_equals_non_stream(client: openai.OpenAI):
         if c.choices[0].logprobs:
             for key in cat:
                 cat[key] += getattr(c.choices[0].logprobs, key)
-    for key in cat:
-        assert cat[key] == getattr(full.logprobs, key)
+    # the second request may reuse cached prompt blocks (another batch shape): values agree
+    # within the contract's 1e-4, everything else exactly
+    assert cat["tokens"] == full.logprobs.tokens
+    assert cat["text_offset"] == full.logprobs.text_offset
+    assert cat["token_logprobs"] == pytest.approx(full.logprobs.token_logprobs, abs=1e-4)
+    for got, want in zip(cat["top_logprobs"], full.logprobs.top_logprobs, strict=True):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.keys() == want.keys()
+            assert got == pytest.approx(want, abs=1e-4)
     assert body[-1].choices[0].finish_reason == "length"
 
 
