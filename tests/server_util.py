@@ -12,7 +12,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from probserve.api.app import create_app
-from probserve.api.server import build_state
+from probserve.api.server import build_state, uvicorn_config
+from probserve.api.state import ServerState
 from probserve.cli import build_parser
 from probserve.models import LoadedModel
 
@@ -28,13 +29,12 @@ def serve_args(*extra: str) -> argparse.Namespace:
 
 
 @contextmanager
-def running_server(loaded: LoadedModel, *extra: str) -> Iterator[str]:
-    """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`."""
-    app = create_app(build_state(loaded, serve_args(*extra)))
+def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, ServerState]]:
+    """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`, and its state."""
+    state = build_state(loaded, serve_args(*extra))
+    app = create_app(state)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, state.config.limits, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -43,7 +43,14 @@ def running_server(loaded: LoadedModel, *extra: str) -> Iterator[str]:
             raise RuntimeError("server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", state
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def running_server(loaded: LoadedModel, *extra: str) -> Iterator[str]:
+    """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`."""
+    with running_state(loaded, *extra) as (url, _):
+        yield url

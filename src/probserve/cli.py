@@ -61,48 +61,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """One flag per Limits field, named after it, typed and documented by its declaration."""
+    import dataclasses
+
     from probserve.api.limits import Limits
 
-    d = Limits()
-    p.add_argument(
-        "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
-    )
-    p.add_argument(
-        "--max-sequences",
-        type=int,
-        default=d.max_sequences,
-        help="prompts x best_of (or n) per request",
-    )
-    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars)
-    p.add_argument(
-        "--max-logit-bias", type=int, default=d.max_logit_bias, help="entries in logit_bias"
-    )
-    p.add_argument("--max-messages", type=int, default=d.max_messages)
-    p.add_argument(
-        "--max-message-chars",
-        type=int,
-        default=d.max_message_chars,
-        help="characters in all messages of a chat request",
-    )
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        default=d.max_queued,
-        help="engine requests queued or running; past it new requests get 429",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=d.request_timeout,
-        help="seconds before a request is aborted (0: never)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=d.drain_timeout,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
+    for f in dataclasses.fields(Limits):
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f.metadata.get("help"),
+        )
 
 
 def _fmt(lp: float) -> str:

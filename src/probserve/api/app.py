@@ -10,7 +10,12 @@ from fastapi import FastAPI
 from probserve import __version__
 from probserve.api import chat, completions, routes_misc
 from probserve.api.errors import install_error_handlers
-from probserve.api.middleware import AccessLogMiddleware, AuthMiddleware, BodyLimitMiddleware
+from probserve.api.middleware import (
+    AccessLogMiddleware,
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    ScopeGuardMiddleware,
+)
 from probserve.api.state import ServerState
 
 
@@ -29,7 +34,12 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(routes_misc.router)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.limits.max_body_bytes)
+    limits = state.config.limits
+    # the last added runs first: scope guard, access log, auth, body limits, then the routes
+    app.add_middleware(
+        BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout
+    )
     app.add_middleware(AuthMiddleware, keys=state.config.api_keys)
     app.add_middleware(AccessLogMiddleware)
+    app.add_middleware(ScopeGuardMiddleware)
     return app

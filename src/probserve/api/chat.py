@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 
@@ -10,7 +11,8 @@ from fastapi.responses import Response
 
 from probserve.api.completions import ERRORS
 from probserve.api.errors import bad_request
-from probserve.api.generation import Candidate, merge, run_all, submit_all
+from probserve.api.generation import Candidate, merge, run_all, share_prompt_scores, submit_all
+from probserve.api.prompts import chat_prompt_ids
 from probserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -20,7 +22,6 @@ from probserve.api.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     Usage,
 )
 from probserve.api.sampling import (
@@ -35,43 +36,6 @@ from probserve.api.text_stream import Piece, TextStream
 from probserve.engine import AsyncEngine, EngineRequest
 
 router = APIRouter()
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    out = []
-    for m in messages:
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            content = "".join(part.text for part in m.content)
-        role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
-    return out
-
-
-def chat_prompt_ids(
-    state: ServerState,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict | None = None,
-) -> list[int]:
-    tok = state.loaded.tokenizer
-    dicts = message_dicts(messages)
-    state.config.limits.check_messages(len(dicts), sum(len(m["content"]) for m in dicts))
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = tok.apply_chat_template(
-            dicts,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **(template_kwargs or {}),
-        )
-    except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
-        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
-    return list(tok(text, add_special_tokens=False).input_ids)
 
 
 def _check(state: ServerState, body: ChatCompletionRequest) -> int | None:
@@ -104,8 +68,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     limits = state.config.limits
     stops = check_request(body, limits)
     limits.check_sequences(1, body.n, "n")
-    prompt_ids = chat_prompt_ids(
-        state, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+    prompt_ids = await chat_prompt_ids(
+        state.loaded, limits, body.messages, body.add_generation_prompt, body.chat_template_kwargs
     )
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else (body.max_tokens)
@@ -117,7 +81,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         default=state.config.logprobs_mode,
     )
     if spec is not None and body.prompt_logprobs is not None:
-        spec = type(spec)(max(spec.top_k, body.prompt_logprobs), spec.prompt, spec.mode)
+        spec = dataclasses.replace(spec, top_k=max(spec.top_k, body.prompt_logprobs))
+    # one candidate scores the prompt; the others share its scores
+    sibling_spec = dataclasses.replace(spec, prompt=False) if spec is not None else None
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
     requests = [
         EngineRequest(
             AsyncEngine.new_request_id("chat"),
@@ -125,7 +92,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             sampling_params(
                 body, max_tokens, state.loaded.vocab_size, candidate_seed(body.seed, c)
             ),
-            spec,
+            sibling_spec if c else spec,
+            cid,
         )
         for c in range(body.n)
     ]
@@ -134,7 +102,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         Candidate(r, s, TextStream(state.table, 0, stops, body.skip_special_tokens))
         for r, s in zip(requests, streams, strict=True)
     ]
-    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    if spec is not None and spec.prompt:
+        share_prompt_scores(candidates)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(

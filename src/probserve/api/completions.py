@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -15,7 +16,15 @@ from probserve.api.generation import (
     Delta,
     merge,
     run_all,
+    share_prompt_scores,
     submit_all,
+)
+from probserve.api.prompts import (
+    Prompt,
+    build_completion_prompts,
+    check_text_size,
+    completion_id_lists,
+    off_loop,
 )
 from probserve.api.protocol import (
     CompletionChoice,
@@ -39,48 +48,8 @@ from probserve.engine import AsyncEngine, EngineRequest, TokenLogprobs
 router = APIRouter()
 
 ERRORS: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
 }
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    text: str  # the prompt's text as its tokens decode (what echo returns)
-    pieces: list[Piece]  # one per prompt token, offsets from 0
-
-
-def _prompts(state: ServerState, prompt: object) -> list[Prompt]:
-    tok = state.loaded.tokenizer
-    if isinstance(prompt, str):
-        id_lists = [tok(prompt, add_special_tokens=True).input_ids]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        id_lists = [tok(p, add_special_tokens=True).input_ids for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        id_lists = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        id_lists = [list(p) for p in prompt]
-    else:
-        raise bad_request(
-            "prompt must be a non-empty string, list of strings, list of token "
-            "ids or list of lists of token ids",
-            "prompt",
-        )
-    out = []
-    for ids in id_lists:
-        if not ids:
-            raise bad_request("a prompt is empty: at least one token is needed", "prompt")
-        bad = next((t for t in ids if not 0 <= t < state.loaded.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"token id {bad} is outside the vocabulary (0..{state.loaded.vocab_size - 1})",
-                "prompt",
-            )
-        ts = TextStream(state.table)
-        ts.add_all(ids)
-        pieces = ts.release(final=True)
-        out.append(Prompt(ids, ts.text, pieces))
-    return out
 
 
 def _scored(prompt: Prompt, scores: TokenLogprobs | None) -> list[Piece]:
@@ -99,9 +68,10 @@ class _Plan:
     best_of: int
     echo: bool
     k: int | None  # logprobs asked for (None: no logprobs in the response)
+    stops: tuple[str, ...]
 
 
-def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
+async def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
     cfg = state.config
     if body.logprobs is not None and body.logprobs > cfg.max_logprobs:
         raise bad_request(
@@ -117,11 +87,19 @@ def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
     if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
         cfg.limits.check_sequences(len(body.prompt), best_of, "prompt")
     cfg.limits.check_sequences(1, best_of, "best_of" if body.best_of else "n")
-    return _Plan(_prompts(state, body.prompt), body.n, best_of, body.echo, body.logprobs)
+    stops = check_request(body, cfg.limits)
+    prompts = completion_id_lists(body.prompt)
+    if isinstance(prompts[0], str):
+        check_text_size(cfg.limits, prompts)  # type: ignore[arg-type]
+    built = await off_loop(
+        build_completion_prompts, state.loaded, state.table, prompts, state.engine.core.max_context
+    )
+    return _Plan(built, body.n, best_of, body.echo, body.logprobs, stops)
 
 
-async def _start(state: ServerState, body: CompletionRequest, plan: _Plan) -> list[Candidate]:
-    stops = check_request(body, state.config.limits)
+async def _start(
+    state: ServerState, body: CompletionRequest, plan: _Plan, group: str
+) -> list[Candidate]:
     needs_lp = plan.k is not None or plan.best_of > plan.n
     spec = logprobs_spec(
         plan.k if needs_lp else None,
@@ -129,6 +107,9 @@ async def _start(state: ServerState, body: CompletionRequest, plan: _Plan) -> li
         mode=body.logprobs_mode,
         default=state.config.logprobs_mode,
     )
+    # the prompt's scores are the same for every candidate: the first computes them, the others
+    # share them (n candidates never score one prompt n times)
+    sibling_spec = dataclasses.replace(spec, prompt=False) if spec is not None else None
     requests: list[EngineRequest] = []
     texts: list[TextStream] = []
     for prompt in plan.prompts:
@@ -136,12 +117,19 @@ async def _start(state: ServerState, body: CompletionRequest, plan: _Plan) -> li
             sp = sampling_params(
                 body, body.max_tokens, state.loaded.vocab_size, candidate_seed(body.seed, c)
             )
+            rid = AsyncEngine.new_request_id("cmpl")
             requests.append(
-                EngineRequest(AsyncEngine.new_request_id("cmpl"), tuple(prompt.ids), sp, spec)
+                EngineRequest(rid, tuple(prompt.ids), sp, sibling_spec if c else spec, group)
             )
-            texts.append(TextStream(state.table, len(prompt.text), stops, body.skip_special_tokens))
+            texts.append(
+                TextStream(state.table, len(prompt.text), plan.stops, body.skip_special_tokens)
+            )
     streams = await submit_all(state.engine, requests)
-    return [Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)]
+    cands = [Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)]
+    if spec is not None and spec.prompt:
+        for i in range(0, len(cands), plan.best_of):
+            share_prompt_scores(cands[i : i + plan.best_of])
+    return cands
 
 
 def _choice_logprobs(
@@ -162,9 +150,9 @@ def _choice_logprobs(
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.probserve
     model = state.check_model(body.model)
-    plan = _plan(state, body)
-    candidates = await _start(state, body, plan)
+    plan = await _plan(state, body)
     cid = f"cmpl-{uuid.uuid4().hex}"
+    candidates = await _start(state, body, plan, cid)
     prompt_tokens = sum(len(p.ids) for p in plan.prompts)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from probserve.engine import EngineOverloaded, RequestError
+from probserve.engine import EngineDead, EngineOverloaded, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +19,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -47,12 +48,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+def _printable(text: str | None) -> str | None:
+    """A client's text quoted in an error (a field name, a model) may hold lone surrogates,
+    which JSON responses cannot carry: they are escaped (\\ud800)."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": _TYPES.get(status, "invalid_request_error"),
-            "param": param,
+            "param": _printable(param),
             "code": code,
         }
     }
@@ -96,10 +105,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
         return error_response(429, str(exc), None, "overloaded", {"Retry-After": "1"})
 
+    @app.exception_handler(EngineDead)
+    async def _dead(_: Request, exc: EngineDead) -> JSONResponse:
+        return error_response(503, str(exc), None, "engine_dead")
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
+        # in a union (a prompt is text, texts or ids), the member whose own check failed says
+        # most: a value error (a lone surrogate, say) over "should be a valid string"
+        first = next((e for e in errors if e.get("type") == "value_error"), None)
+        first = first or (errors[0] if errors else {})
         param = _param_from_loc(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":

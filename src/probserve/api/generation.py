@@ -49,6 +49,10 @@ class Candidate:
     finish_reason: str | None = None
     num_tokens: int = 0  # tokens the engine generated (billed), stop strings aside
     logprob_sum: float = 0.0
+    # prompt scores shared among the candidates of one prompt: the first candidate's engine
+    # request scores the prompt and publishes the result; its siblings wait for it
+    publish_prompt: asyncio.Future[TokenLogprobs | None] | None = None
+    shared_prompt: asyncio.Future[TokenLogprobs | None] | None = None
 
     @property
     def mean_logprob(self) -> float:
@@ -69,6 +73,9 @@ class Candidate:
                     self.logprob_sum += float(out.logprobs.logprobs.astype("float64").sum())
                 if out.prompt_logprobs is not None:
                     self.prompt_scores = out.prompt_logprobs
+                    self._publish(out.prompt_logprobs)
+                if first and self.shared_prompt is not None:
+                    self.prompt_scores = await asyncio.shield(self.shared_prompt)
                 finish: str | None = None
                 if self.text.stopped:
                     finish = "stop"
@@ -83,12 +90,25 @@ class Candidate:
                     self.finish_reason = finish
                     return
         finally:
+            self._publish(None)  # a sibling never waits for a candidate that has ended
             self.stream.close()
+
+    def _publish(self, scores: TokenLogprobs | None) -> None:
+        if self.publish_prompt is not None and not self.publish_prompt.done():
+            self.publish_prompt.set_result(scores)
 
     async def run(self) -> Candidate:
         async for _ in self.deltas():
             pass
         return self
+
+
+def share_prompt_scores(candidates: list[Candidate]) -> None:
+    """The first candidate's prompt scores serve all of `candidates` (one prompt's)."""
+    future: asyncio.Future[TokenLogprobs | None] = asyncio.get_running_loop().create_future()
+    candidates[0].publish_prompt = future
+    for cand in candidates[1:]:
+        cand.shared_prompt = future
 
 
 async def submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
@@ -159,10 +179,7 @@ async def run_all(request: Request, candidates: list[Candidate], timeout: float)
     """Run every candidate to its end (non-streamed responses). A client that disconnects, or a
     request that passes `timeout` seconds (0: none), aborts them all."""
     try:
-        gathered = asyncio.gather(*(c.run() for c in candidates))
-        # when the work is cancelled (client gone), its outcome is nobody's: mark it seen
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
-        work: Awaitable[object] = gathered
+        work: Awaitable[object] = _run_together(candidates)
         if timeout > 0:
             work = asyncio.wait_for(work, timeout)
         await unless_disconnected(request, work)
@@ -171,3 +188,14 @@ async def run_all(request: Request, candidates: list[Candidate], timeout: float)
     finally:
         for c in candidates:
             c.stream.close()
+
+
+async def _run_together(candidates: list[Candidate]) -> None:
+    """Run the candidates concurrently; the first failure cancels the others (no task is left
+    waiting on an engine stream that will never speak again) and is raised as it is."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for c in candidates:
+                group.create_task(c.run())
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None

@@ -4,23 +4,38 @@ the body). docs/operations.md lists them all and what a client sees."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from probserve.api.errors import bad_request
 
 
+def _limit(default: float, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 4 * 2**20  # 413 past this
-    max_sequences: int = 64  # prompts x best_of (or n) in one request
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256  # per stop string
-    max_logit_bias: int = 1024  # entries
-    max_messages: int = 512
-    max_message_chars: int = 1_000_000  # all messages' text together
-    max_queued: int = 1024  # engine requests waiting or running; past it: 429
-    request_timeout: float = 600.0  # seconds; past it the request is aborted (0: none)
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    """Each field is a `probserve serve` flag of the same name (`--max-body-bytes`, ...)."""
+
+    max_body_bytes: int = _limit(4 * 2**20, "larger request bodies get 413")
+    max_sequences: int = _limit(64, "prompts x best_of (or n) per request")
+    max_stop_strings: int = _limit(16, "stop strings per request")
+    max_stop_chars: int = _limit(256, "characters per stop string")
+    max_stop_token_ids: int = _limit(1024, "entries in stop_token_ids")
+    max_logit_bias: int = _limit(1024, "entries in logit_bias")
+    max_messages: int = _limit(512, "messages per chat request")
+    max_message_chars: int = _limit(1_000_000, "characters in all messages of a chat request")
+    max_prompt_chars: int = _limit(1_000_000, "characters in a request's text prompts")
+    max_queued: int = _limit(1024, "engine requests queued or running; past it new ones get 429")
+    request_timeout: float = _limit(600.0, "seconds before a request is aborted (0: never)")
+    drain_timeout: float = _limit(30.0, "seconds in-flight requests get to finish after SIGTERM")
+    header_timeout: float = _limit(10.0, "seconds a client may take to send a request's headers")
+    body_timeout: float = _limit(30.0, "seconds a client may take to send a request's body (408)")
+    max_connections: int = _limit(1024, "open connections; past it new requests get 503")
+    engine_stall_timeout: float = _limit(
+        120.0, "seconds one engine step may run before /health reports the engine stuck (503)"
+    )
 
     def check_sequences(self, prompts: int, per_prompt: int, param: str) -> None:
         total = prompts * per_prompt
@@ -39,6 +54,14 @@ class Limits:
         if any(len(s) > self.max_stop_chars for s in stop):
             raise bad_request(
                 f"a stop string may have at most {self.max_stop_chars} characters", "stop"
+            )
+
+    def check_stop_token_ids(self, ids: Sequence[int] | None) -> None:
+        if ids and len(ids) > self.max_stop_token_ids:
+            raise bad_request(
+                f"stop_token_ids may have at most {self.max_stop_token_ids} entries "
+                f"(got {len(ids)})",
+                "stop_token_ids",
             )
 
     def check_logit_bias(self, bias: dict[str, float] | None) -> None:

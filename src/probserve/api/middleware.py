@@ -1,7 +1,9 @@
-"""ASGI middleware: Bearer-key auth and one log line per request."""
+"""ASGI middleware: scope guard, Bearer-key auth, body size and time limits, and one log line
+per request."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -18,13 +20,27 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 async def send_error(
-    send: Send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]]
+    send: Send, status: int, message: str, code: str | None, headers: list[tuple[bytes, bytes]]
 ) -> None:
     """An error response in OpenAI's envelope, sent from middleware (outside FastAPI)."""
     body = json.dumps(error_body(status, message, None, code)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class ScopeGuardMiddleware:
+    """Only HTTP (and the lifespan) reach the app: a websocket, or any other scope, is refused
+    whatever the auth settings (deny by default; the API has no websocket route)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "lifespan"):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
 
 
 class AuthMiddleware:
@@ -60,11 +76,14 @@ class AuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives)."""
+    """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives);
+    408 for a body not fully received within `timeout` seconds (a client that sends less than
+    its Content-Length, or trickles bytes, holds nothing for long)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def _reject(self, send: Send) -> None:
         message = f"the request body is larger than {self.max_bytes} bytes"
@@ -78,12 +97,20 @@ class BodyLimitMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await self._reject(send)
             return
-        # read the body up front (bounded), so a chunked body over the limit is refused too
+        # read the body up front (bounded in size and time), so a chunked body over the limit
+        # is refused too
         chunks: list[bytes] = []
         size = 0
         more = True
+        deadline = asyncio.get_running_loop().time() + self.timeout
         while more:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                message = f"the request body did not arrive within {self.timeout:g} s"
+                await send_error(send, 408, message, "body_timeout", [(b"connection", b"close")])
+                return
             if message["type"] != "http.request":
                 break
             chunk = message.get("body", b"")
@@ -119,16 +146,27 @@ class AccessLogMiddleware:
             return
         started = time.perf_counter()
         status = 0
+        logged = False
 
         async def wrapped(message: Message) -> None:
-            nonlocal status
+            nonlocal status, logged
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
+                logged = True
                 self._log(scope, status, started)
 
-        await self.app(scope, receive, wrapped)
+        try:
+            await self.app(scope, receive, wrapped)
+        except Exception as exc:
+            # an unexpected error: the envelope (if nothing was sent yet) and a log line
+            log.exception("unexpected error")
+            if not logged:
+                self._log(scope, status or 500, started)
+            if status:
+                raise  # the response had started: the server closes the connection
+            await send_error(send, 500, f"internal error: {type(exc).__name__}", None, [])
 
     @staticmethod
     def _log(scope: Scope, status: int, started: float) -> None:
@@ -137,9 +175,16 @@ class AccessLogMiddleware:
         tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
         log.info(
             "%s %s %d%s %.1fms",
-            scope.get("method"),
-            scope.get("path"),
+            escape_log(str(scope.get("method"))),
+            escape_log(str(scope.get("path"))),
             status,
             tokens,
             (time.perf_counter() - started) * 1000,
         )
+
+
+def escape_log(text: str) -> str:
+    """Control characters (a `%0A` in a path, say) escaped, so no client can forge log lines."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)

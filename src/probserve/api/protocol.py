@@ -10,13 +10,49 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 LogprobsModeName = Literal["raw", "processed"]
 
+# the range of a 64-bit signed integer: seeds and other integers past it are a 400
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _utf8(text: str) -> str:
+    """Reject strings that cannot be encoded as UTF-8 (JSON escapes of lone surrogates such as
+    "\\ud800"): no tokenizer, template or response could carry them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the string holds a lone surrogate (U+{ord(text[exc.start]):04X}), which is not "
+            "valid Unicode"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
+def _json_utf8(value: Any, depth: int = 0) -> Any:
+    """Every string (keys included) of a JSON value is valid Unicode, nesting at most 32 deep."""
+    if depth > 32:
+        raise ValueError("the value is nested more than 32 levels deep")
+    if isinstance(value, str):
+        _utf8(value)
+    elif isinstance(value, list):
+        for v in value:
+            _json_utf8(v, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _utf8(k)
+            _json_utf8(v, depth + 1)
+    return value
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # JSON's non-standard NaN/Infinity literals are refused: every float is finite
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
@@ -26,18 +62,18 @@ class StreamOptions(BaseModel):
 class SamplingFields(_Request):
     """Fields shared by completions and chat."""
 
-    model: str | None = None
+    model: Text | None = None
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    logit_bias: dict[Text, float] | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vendor extensions (vLLM's names)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -49,7 +85,7 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
 
 
-PromptType = str | list[str] | list[int] | list[list[int]]
+PromptType = Text | list[Text] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
@@ -58,18 +94,18 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -80,7 +116,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    # extra variables for the model's own chat template (never a template of the client's)
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_json_utf8)] | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -205,7 +242,7 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(_Request):
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True

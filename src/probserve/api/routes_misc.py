@@ -4,10 +4,11 @@ server root: GET /tokenizer_info, POST /tokenize, POST /detokenize."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-from probserve.api.chat import chat_prompt_ids
 from probserve.api.completions import ERRORS
 from probserve.api.errors import bad_request
+from probserve.api.prompts import chat_prompt_ids, check_text_size, off_loop
 from probserve.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -27,8 +28,15 @@ def _state(request: Request) -> ServerState:
 
 
 @router.get("/health")
-async def health(request: Request) -> dict[str, object]:
-    return {"status": "ok", **_state(request).engine.stats()}
+async def health(request: Request) -> JSONResponse:
+    """200 with the engine's counts while it serves; 503 when its thread has died or one step
+    has been running past --engine-stall-timeout (a load balancer must stop sending traffic)."""
+    engine = _state(request).engine
+    status, reason = engine.health()
+    body: dict[str, object] = {"status": status, **engine.stats()}
+    if reason is not None:
+        body["reason"] = reason
+    return JSONResponse(body, 200 if status == "ok" else 503)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
@@ -72,11 +80,16 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        ids = chat_prompt_ids(st, body.messages, body.add_generation_prompt)
-    else:
-        ids = list(
-            st.loaded.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        ids = await chat_prompt_ids(
+            st.loaded, st.config.limits, body.messages, body.add_generation_prompt
         )
+    else:
+        prompt = body.prompt or ""
+        check_text_size(st.config.limits, [prompt])
+        encoded = await off_loop(
+            lambda: st.loaded.tokenizer(prompt, add_special_tokens=body.add_special_tokens)
+        )
+        ids = list(encoded.input_ids)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.loaded.context_length)
 
 
@@ -86,4 +99,4 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     bad = next((t for t in body.tokens if t >= st.loaded.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary", "tokens")
-    return DetokenizeResponse(prompt=st.table.decode(body.tokens))
+    return DetokenizeResponse(prompt=await off_loop(st.table.decode, body.tokens))

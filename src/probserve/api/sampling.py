@@ -12,6 +12,7 @@ def check_request(req: SamplingFields, limits: Limits) -> tuple[str, ...]:
     """Apply the request limits shared by completions and chat; returns the stop strings."""
     stops = stop_strings(req.stop)
     limits.check_stop(stops)
+    limits.check_stop_token_ids(req.stop_token_ids)
     limits.check_logit_bias(req.logit_bias)
     return stops
 

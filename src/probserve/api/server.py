@@ -12,8 +12,10 @@ import socket
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from probserve.api.app import create_app
+from probserve.api.connections import guarded_protocol
 from probserve.api.limits import Limits
 from probserve.api.state import ServerConfig, ServerState
 from probserve.engine import AsyncEngine, EngineConfig, EngineCore, LogprobsMode
@@ -63,8 +65,26 @@ def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
         api_keys=api_keys(args.api_key, args.api_key_file),
         limits=limits(args),
     )
-    engine = AsyncEngine(EngineCore(loaded, engine_config(args)), max_pending=args.max_queued)
+    engine = AsyncEngine(
+        EngineCore(loaded, engine_config(args)),
+        max_pending=args.max_queued,
+        stall_timeout=args.engine_stall_timeout,
+    )
     return ServerState(loaded, engine, config)
+
+
+def uvicorn_config(app: FastAPI, limits: Limits, host: str, port: int) -> uvicorn.Config:
+    """uvicorn for probserve: header deadline, bounded connections, our own access log."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol(limits.header_timeout),
+        limit_concurrency=limits.max_connections,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(limits.drain_timeout)),
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -103,16 +123,20 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
+    the server: never a live socket in front of a dead engine)."""
     loaded = load_model(args.model)
-    app = create_app(build_state(loaded, args))
+    state = build_state(loaded, args)
+    app = create_app(state)
     log.info("serving %s on http://%s:%d/v1", loaded.name, args.host, args.port)
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+    server = DrainingServer(
+        uvicorn_config(app, state.config.limits, args.host, args.port), args.drain_timeout
     )
-    DrainingServer(config, args.drain_timeout).run()
-    return 0
+
+    def engine_died(reason: str) -> None:
+        log.critical("shutting down: %s", reason)
+        server.should_exit = True
+
+    state.engine.on_fatal = engine_died
+    server.run()
+    return 1 if state.engine.health()[0] == "dead" else 0

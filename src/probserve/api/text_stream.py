@@ -44,9 +44,35 @@ class TextStream:
         self.stop = tuple(s for s in stop if s)
         self.skip_special = skip_special_tokens
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # the returned text so far (complete characters)
+        # the returned text so far (complete characters), as parts joined on demand: appending
+        # one token's characters stays O(1), so a 100k-token prompt costs linear time
+        self._parts: list[str] = []
+        self._len = 0
         self._pending: list[Piece] = []
+        self._open = 0  # index in _pending of the first piece of a character still incomplete
         self.stopped = False  # a stop string was found
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def _tail(self, n: int) -> str:
+        """The last `n` characters of the text (fewer if the text is shorter)."""
+        out: list[str] = []
+        got = 0
+        for part in reversed(self._parts):
+            if got >= n:
+                break
+            out.append(part)
+            got += len(part)
+        return "".join(reversed(out))[-n:] if n > 0 else ""
+
+    def _append(self, chars: str) -> None:
+        if chars:
+            self._parts.append(chars)
+            self._len += len(chars)
 
     # ---- feeding --------------------------------------------------------------------------
     def add(
@@ -59,18 +85,19 @@ class TextStream:
         if self.stopped:
             return
         hidden = hidden or (self.skip_special and token_id in self.table.special_ids)
-        offset = self.base + len(self.text)
+        offset = self.base + self._len
         if hidden:
             self._pending.append(Piece(token_id, "", offset, True, logprobs, row))
             return
-        start = len(self.text)
+        start = self._len
         chars = self._decoder.decode(self.table.token_bytes(token_id), final=False)
         incomplete = bool(self._decoder.getstate()[0])
-        self.text += chars
+        self._append(chars)
         self._pending.append(Piece(token_id, chars, offset, False, logprobs, row, incomplete))
-        if not incomplete:
-            for p in self._pending:
+        if not incomplete:  # a character completed: the pieces that held its bytes are complete
+            for p in self._pending[self._open :]:
                 p.incomplete = False
+            self._open = len(self._pending)
         if self.stop and chars:
             self._check_stop(start)
 
@@ -81,12 +108,14 @@ class TextStream:
     def _check_stop(self, new_start: int) -> None:
         longest = max(len(s) for s in self.stop)
         search_from = max(0, new_start - longest + 1)
-        hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+        window = self._tail(self._len - search_from)
+        hits = [search_from + i for s in self.stop if (i := window.find(s)) >= 0]
         if not hits:
             return
         cut = min(hits)
         self.stopped = True
-        self.text = self.text[:cut]
+        self._parts = [self.text[:cut]]
+        self._len = cut
         kept: list[Piece] = []
         for p in self._pending:
             start = p.offset - self.base
@@ -104,9 +133,10 @@ class TextStream:
     def _holdback(self) -> int:
         """How many trailing characters could still begin a stop string."""
         best = 0
+        tail = self._tail(max((len(s) for s in self.stop), default=0))
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
+            for k in range(min(len(s) - 1, len(tail)), best, -1):
+                if tail.endswith(s[:k]):
                     best = k
                     break
         return best
@@ -121,14 +151,15 @@ class TextStream:
                     target = next((p for p in reversed(self._pending) if not p.hidden), None)
                     if target is not None:
                         target.text += tail
-                    self.text += tail
-            out, self._pending = self._pending, []
+                    self._append(tail)
+            out, self._pending, self._open = self._pending, [], 0
             return out
-        safe = self.base + len(self.text) - self._holdback()
+        safe = self.base + self._len - self._holdback()
         n = 0
         for p in self._pending:
             if p.incomplete or p.offset + len(p.text) > safe:
                 break
             n += 1
         out, self._pending = self._pending[:n], self._pending[n:]
+        self._open = max(0, self._open - n)
         return out

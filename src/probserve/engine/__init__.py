@@ -4,6 +4,7 @@ from probserve.engine.async_engine import AsyncEngine, RequestStream
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import EngineCore
 from probserve.engine.types import (
+    EngineDead,
     EngineOutput,
     EngineOverloaded,
     EngineRequest,
@@ -19,6 +20,7 @@ __all__ = [
     "AsyncEngine",
     "EngineConfig",
     "EngineCore",
+    "EngineDead",
     "EngineOutput",
     "EngineOverloaded",
     "EngineRequest",

@@ -8,12 +8,21 @@ stay cached (least recently released evicted first) until their space is needed.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
+import numpy as np
 
-def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
-    return hash((parent, tuple(tokens)))
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
+    """SHA-256 of the parent block's hash and this block's token ids: collision-resistant, so
+    no crafted prompt can make a request read another's KV (Python's hash() could be forced)."""
+    h = hashlib.sha256(parent or b"")
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
 
 
 class BlockPool:
@@ -24,9 +33,9 @@ class BlockPool:
         # block 0 is the null block: never handed out (masked attention positions read it)
         self._free: deque[int] = deque(range(1, num_blocks))
         self._ref = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[BlockHash, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     def num_available(self) -> int:
@@ -57,7 +66,7 @@ class BlockPool:
             else:
                 self._free.append(block)
 
-    def lookup(self, h: int, tokens: Sequence[int]) -> int | None:
+    def lookup(self, h: BlockHash, tokens: Sequence[int]) -> int | None:
         """A cached block holding exactly `tokens` after the chain `h`, now referenced."""
         block = self._by_hash.get(h)
         if block is None or self._tokens_of.get(block) != tuple(tokens):
@@ -67,7 +76,7 @@ class BlockPool:
         self._ref[block] += 1
         return block
 
-    def register(self, block: int, h: int, tokens: Sequence[int]) -> None:
+    def register(self, block: int, h: BlockHash, tokens: Sequence[int]) -> None:
         if not self.prefix_caching or h in self._by_hash or block in self._hash_of:
             return
         self._hash_of[block] = h

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from probserve.engine.block_pool import BlockPool
 from probserve.engine.config import EngineConfig
 from probserve.engine.logprobs import score_positions
-from probserve.engine.runner import HFRunner, PagedRunner, Runner
+from probserve.engine.runner import HFRunner, PagedRunner, Runner, ScoreRows
 from probserve.engine.sampler import SamplerRow, sample
 from probserve.engine.scheduler import Chunk, Scheduler
 from probserve.engine.sequence import Sequence
@@ -88,6 +86,11 @@ class EngineCore:
             self.step()
         self.pool.reset_prefix_cache()
 
+    @property
+    def max_context(self) -> int:
+        """Tokens one sequence may hold: the model's context, or the KV cache's if smaller."""
+        return min(self.context_length, self.token_capacity)
+
     # ---- requests -------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> int:
         """Check a request against the model; returns the max total length it may reach."""
@@ -101,7 +104,7 @@ class EngineCore:
                 "prompt",
             )
         sp = req.sampling
-        limit = min(self.context_length, self.token_capacity)
+        limit = self.max_context
         if sp.max_tokens is not None and n + sp.max_tokens > limit:
             raise RequestError(
                 f"this model's maximum context length is {limit} tokens; the "
@@ -164,7 +167,7 @@ class EngineCore:
             seq = ch.seq
             seq.num_computed = ch.end
             self.scheduler.register_full_blocks(seq)
-            prompt_lp = self._collect_prompt_scores(ch, run.prompt_logits.get(seq.request_id))
+            prompt_lp = self._collect_prompt_scores(ch, run.prompt_rows.get(seq.request_id))
             if seq.request.sampling.max_tokens == 0:
                 if ch.end >= seq.num_tokens:
                     outputs.append(self._finish(seq, FinishReason.LENGTH, prompt_lp))
@@ -190,15 +193,13 @@ class EngineCore:
         return outputs
 
     # ---- helpers --------------------------------------------------------------------------
-    def _collect_prompt_scores(
-        self, ch: Chunk, logits: torch.Tensor | None
-    ) -> TokenLogprobs | None:
+    def _collect_prompt_scores(self, ch: Chunk, rows: ScoreRows | None) -> TokenLogprobs | None:
         """Score this chunk's prompt rows; once the prompt is complete, return all its scores."""
         seq = ch.seq
-        if logits is not None:
+        if rows is not None:
             a, b = ch.score_range
             k = seq.request.logprobs.top_k if seq.request.logprobs else 0
-            seq.prompt_parts.append(score_positions(logits, seq.prompt_tensor[a + 1 : b + 1], k))
+            seq.prompt_parts.append(score_positions(rows, seq.prompt_tensor[a + 1 : b + 1], k))
         if seq.wants_prompt_scores and ch.end >= seq.num_prompt_tokens:
             seq.prompt_scored = True
             parts, seq.prompt_parts = seq.prompt_parts, []

@@ -6,10 +6,15 @@ torch as compact numpy arrays.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from probserve.engine.types import TokenLogprobs
+
+if TYPE_CHECKING:
+    from probserve.engine.runner import ScoreRows
 
 # rows of the vocabulary handled at once when scoring long prompts (bounds peak memory)
 SCORE_CHUNK_ROWS = 256
@@ -34,16 +39,17 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
     )
 
 
-def score_positions(logits: torch.Tensor, targets: torch.Tensor, k: int) -> TokenLogprobs:
-    """Raw logprobs of `targets` [n] under `logits` [n, V] (position i predicts targets[i]),
-    in chunks of rows so a long prompt never materialises n x V log-probabilities at once."""
+def score_positions(rows: ScoreRows, targets: torch.Tensor, k: int) -> TokenLogprobs:
+    """Raw logprobs of `targets` [n] under `rows` (row i predicts targets[i]), in slices of
+    rows, so a long prompt never materialises n x V logits or log-probabilities at once."""
+    n = len(rows)
     parts = [
         gather_logprobs(
-            torch.log_softmax(logits[start : start + SCORE_CHUNK_ROWS].float(), dim=-1),
+            torch.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float(), dim=-1),
             targets[start : start + SCORE_CHUNK_ROWS],
             k,
         )
-        for start in range(0, logits.shape[0], SCORE_CHUNK_ROWS)
+        for start in range(0, n, SCORE_CHUNK_ROWS)
     ]
     if not parts:
         empty_i = np.zeros((0,), dtype=np.int64)

@@ -3,13 +3,16 @@
 `PagedRunner` (Llama family) packs every chunk of the step into one forward over the paged KV
 cache (models/llama.py) and computes logits only for the rows that need them: the sampled
 position of each sequence that reaches its last token, and prompt positions of sequences that
-score their prompt (cached-prefix positions included, from the cached hidden states).
+score their prompt (cached-prefix positions included, from the cached hidden states). Prompt rows
+leave the runner as hidden states (`ScoreRows`): the scorer turns them into logits a slice at a
+time, so scoring a long cached prompt never holds all its logits at once.
 `HFRunner` (any other causal LM) runs transformers' own forward per sequence with a DynamicCache.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,10 +23,25 @@ from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, Prefill
 
 
 @dataclass
+class ScoreRows:
+    """The rows that score a chunk's prompt positions (Chunk.score_range), as hidden states and
+    the head that makes them logits, or as logits already (`head` None)."""
+
+    rows: torch.Tensor  # [n, H] hidden states, or [n, V] logits
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        rows = self.rows[start:end]
+        return rows if self.head is None else self.head(rows)
+
+
+@dataclass
 class RunOutput:
     sample_logits: torch.Tensor  # [S, V]: rows of the chunks that sample, in chunk order
-    prompt_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # id -> rows of
-    # Chunk.score_range
+    prompt_rows: dict[str, ScoreRows] = field(default_factory=dict)  # request id -> its rows
 
 
 class Runner(Protocol):
@@ -96,7 +114,7 @@ class PagedRunner:
         input_ids, positions, plan = self._plan(chunks)
         hidden = self.forward.forward(input_ids, positions, plan, self.cache)
         sample_rows: list[int] = []
-        prompt_logits: dict[str, torch.Tensor] = {}
+        prompt_rows: dict[str, ScoreRows] = {}
         row = 0
         for ch in chunks:
             a, b = ch.score_range
@@ -108,14 +126,15 @@ class PagedRunner:
                     a = ch.start
                 if b > a:
                     parts.append(hidden[row + a - ch.start : row + b - ch.start])
-                prompt_logits[ch.seq.request_id] = self.forward.logits(torch.cat(parts))
+                rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+                prompt_rows[ch.seq.request_id] = ScoreRows(rows, self.forward.logits)
             if ch.samples:
                 sample_rows.append(row + ch.length - 1)
             row += ch.length
         sample = (
             self.forward.logits(hidden[sample_rows]) if sample_rows else _empty_logits(self.vocab)
         )
-        return RunOutput(sample, prompt_logits)
+        return RunOutput(sample, prompt_rows)
 
 
 class HFRunner:
@@ -136,7 +155,7 @@ class HFRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:
         rows: list[torch.Tensor] = []
-        prompt_logits: dict[str, torch.Tensor] = {}
+        prompt_rows: dict[str, ScoreRows] = {}
         for ch in chunks:
             seq = ch.seq
             if seq.runner_state is None:
@@ -146,8 +165,8 @@ class HFRunner:
             logits = out.logits[0].float()
             a, b = ch.score_range
             if b > a:
-                prompt_logits[seq.request_id] = logits[a - ch.start : b - ch.start]
+                prompt_rows[seq.request_id] = ScoreRows(logits[a - ch.start : b - ch.start])
             if ch.samples:
                 rows.append(logits[-1])
         sample = torch.stack(rows) if rows else _empty_logits(self.vocab)
-        return RunOutput(sample, prompt_logits)
+        return RunOutput(sample, prompt_rows)

@@ -94,6 +94,9 @@ def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
         out[torch.tensor(sorted(row.stop_ids), dtype=torch.long)] = float("-inf")
     apply_penalties(out, row)
     if not p.greedy and p.temperature != 1.0:
+        # shifted so the largest logit is 0 first: dividing by a tiny temperature then gives
+        # -inf for the others instead of overflowing to inf - inf = NaN (softmax is unchanged)
+        out -= out.max()
         out /= p.temperature
     apply_filters(out, p)
     return out
@@ -105,6 +108,9 @@ def _choose(row: SamplerRow, proc: torch.Tensor) -> int:
     # inverse-CDF draw with one uniform from the request's own generator
     probs = torch.softmax(proc, dim=-1)
     cdf = probs.cumsum(dim=-1)
+    total = float(cdf[-1])
+    if not total > 0.0 or not torch.isfinite(cdf[-1]):  # never pick an id silently
+        raise FloatingPointError("the sampling distribution is not finite")
     u = torch.rand(1, generator=row.generator) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), proc.shape[0] - 1)
 

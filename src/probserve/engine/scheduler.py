@@ -3,18 +3,25 @@ recomputation and prefix caching.
 
 Each step gets at most `max_num_batched_tokens` tokens. Running sequences come first, in
 admission order (a decode costs one token; an unfinished prefill takes what the budget leaves,
-in chunks). Waiting sequences are admitted first come, first served while budget, blocks and
-`max_num_seqs` allow; on admission the longest cached prefix of full blocks is reused. When a
-running sequence needs a block and none is free, the latest admitted sequence is preempted: its
-blocks are freed and it goes back to the head of the queue, to be recomputed later.
+in chunks). Waiting sequences are admitted while budget, blocks and `max_num_seqs` allow; on
+admission the longest cached prefix of full blocks is reused. When a running sequence needs a
+block and none is free, the latest admitted sequence is preempted: its blocks are freed and it
+goes back to the head of the queue, to be recomputed later.
+
+Fairness: sequences belong to groups (the candidates of one API request). Admission takes the
+waiting sequence whose group runs the fewest sequences (first come, first served among equals),
+and when every slot is taken while a group waits that runs two or more sequences fewer than the
+largest group, the largest group's latest sequence is preempted to make room. One request with
+`n` = `max_num_seqs` therefore uses the whole batch while it is alone, and yields its share as
+soon as another request arrives.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
-from probserve.engine.block_pool import BlockPool, block_hash
+from probserve.engine.block_pool import BlockHash, BlockPool, block_hash
 from probserve.engine.sequence import SeqStatus, Sequence
 
 
@@ -63,7 +70,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
         # full blocks being computed right now, by hash: a request that would compute the same
         # block again waits for it instead (lm-eval sends a context's continuations together)
-        self._in_flight: dict[int, Sequence] = {}
+        self._in_flight: dict[BlockHash, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -102,13 +109,13 @@ class Scheduler:
         seq.last_block_hash = None
         seq.runner_state = None  # a runner's private per-sequence state goes with the blocks
 
-    def _use_prefix_cache(self, seq: Sequence) -> list[int]:
+    def _use_prefix_cache(self, seq: Sequence) -> list[BlockHash]:
         """Reuse the longest run of cached full blocks, leaving at least one token to compute.
         Returns the hashes of the full blocks the sequence will compute itself."""
         if not self.pool.prefix_caching:
             return []
         bs, parent, last_hit = self.block_size, None, None
-        missing: list[int] = []
+        missing: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
@@ -138,7 +145,31 @@ class Scheduler:
             seq.num_hashed_blocks += 1
 
     # ---- the step ---------------------------------------------------------------------------
+    def _next_waiting(self, running: Counter[str]) -> int:
+        """Index of the waiting sequence to admit next: the first of the least-served group."""
+        best, fewest = 0, -1
+        for i, seq in enumerate(self.waiting):
+            n = running[seq.group]
+            if fewest < 0 or n < fewest:
+                best, fewest = i, n
+                if n == 0:
+                    break
+        return best
+
+    def _rebalance(self) -> None:
+        """With every slot taken, preempt one sequence of the largest group when a waiting group
+        runs at least two fewer (the preempted one is recomputed later, from the prefix cache)."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        running = Counter(seq.group for seq in self.running)
+        waiting_group = self.waiting[self._next_waiting(running)].group
+        largest, count = running.most_common(1)[0]
+        if count >= running[waiting_group] + 2:
+            victim = next(s for s in reversed(self.running) if s.group == largest)
+            self._preempt(victim)
+
     def schedule(self) -> list[Chunk]:
+        self._rebalance()
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         i = 0
@@ -160,18 +191,22 @@ class Scheduler:
                 continue
             break  # seq itself was preempted: nothing more fits
         deferred: list[Sequence] = []
+        running = Counter(seq.group for seq in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            index = self._next_waiting(running)
+            seq = self.waiting[index]
             missing = self._use_prefix_cache(seq)
             if missing and missing[0] in self._in_flight:
                 self._free_blocks(seq)  # its next block is being computed: wait for it
-                deferred.append(self.waiting.popleft())
+                del self.waiting[index]
+                deferred.append(seq)
                 continue
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self._free_blocks(seq)
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
+            running[seq.group] += 1
             self.prefix_hit_tokens += seq.num_cached
             for h in missing:
                 self._in_flight.setdefault(h, seq)

@@ -30,7 +30,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     num_cached: int = 0  # of those, how many came from the prefix cache at admission
     num_hashed_blocks: int = 0  # full blocks registered in the prefix cache
-    last_block_hash: int | None = None
+    last_block_hash: bytes | None = None
     prompt_parts: list[TokenLogprobs] = field(default_factory=list)
     prompt_scored: bool = False  # prompt logprobs computed (and sent once)
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
@@ -43,11 +43,17 @@ class Sequence:
         sp = self.request.sampling
         if not sp.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+            # any integer seeds (a generator takes 64 bits): seeds equal modulo 2**64 agree
+            seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+            self.generator.manual_seed(seed % 2**64)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def group(self) -> str:
+        return self.request.group or self.request.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -86,6 +86,9 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: LogprobsSpec | None = None  # None: compute no logprobs at all
+    # requests of one group (the candidates of one API request) share the batch fairly with
+    # other groups: no group can hold every running slot while another waits ("": its own id)
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,10 @@ class EngineOutput:
 
 class EngineOverloaded(RuntimeError):
     """The engine's queue is full; the caller should retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has stopped after an unexpected error: nothing can be served."""
 
 
 class RequestError(ValueError):

@@ -1,0 +1,378 @@
+"""Hostile-client check: requests meant to stop, freeze or starve the server, each followed by a
+canary.
+
+For every case the script sends the hostile request(s) while it polls `/health`, then checks:
+- the hostile request got what it should (a 4xx envelope with the right `param`, or a correct
+  answer);
+- the event loop stayed responsive (every `/health` answered within `--health-bound` seconds);
+- the canary (a greedy completion with logprobs) answers exactly as it did before any case;
+- `/health` says ok, with nothing waiting, running or held.
+It prints one JSON line per case and a summary, and exits 1 if any case failed. Loopback only;
+bounded in count and time.
+
+    .venv/bin/python bench/hostile.py --start
+    .venv/bin/python bench/hostile.py --url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import httpx
+from bench_serve import start_server  # type: ignore[import-not-found]
+
+CANARY = {
+    "prompt": "The capital of France is",
+    "max_tokens": 4,
+    "temperature": 0,
+    "logprobs": 2,
+    "echo": True,
+}
+# timeouts the script's own server runs with (--start), so the slow-client cases finish fast
+START_ARGS = ["--header-timeout", "2", "--body-timeout", "2", "--kv-cache-gib", "0.5"]
+
+
+@dataclass
+class Ctx:
+    url: str
+    client: httpx.Client
+    header_timeout: float | None  # known when the script started the server
+
+
+def expect(r: httpx.Response, status: int, param: str | None = None) -> str | None:
+    """None if `r` is the expected envelope, else what is wrong."""
+    if r.status_code != status:
+        return f"status {r.status_code} (wanted {status}): {r.text[:300]}"
+    if status >= 400:
+        try:
+            err = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"not an error envelope: {r.text[:300]}"
+        if set(err) != {"message", "type", "param", "code"}:
+            return f"envelope fields {sorted(err)}"
+        if param is not None and err["param"] != param:
+            return f"param {err['param']!r} (wanted {param!r})"
+    return None
+
+
+def post_raw(ctx: Ctx, path: str, raw: bytes) -> httpx.Response:
+    return ctx.client.post(path, content=raw, headers={"content-type": "application/json"})
+
+
+def completion(ctx: Ctx, status: int, param: str | None = None, **body: object) -> str | None:
+    return expect(ctx.client.post("/v1/completions", json={"prompt": "Hi", **body}), status, param)
+
+
+def chat(ctx: Ctx, status: int, param: str | None = None, **body: object) -> str | None:
+    msgs = [{"role": "user", "content": "Hi"}]
+    r = ctx.client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **body})
+    return expect(r, status, param)
+
+
+def first_problem(*problems: str | None) -> str | None:
+    return next((p for p in problems if p), None)
+
+
+# ---- the cases ---------------------------------------------------------------------------------
+
+
+def huge_seeds(ctx: Ctx) -> str | None:
+    return first_problem(
+        completion(ctx, 400, "seed", max_tokens=2, seed=2**64),
+        completion(ctx, 400, "seed", max_tokens=2, seed=-(2**63) - 1),
+        completion(ctx, 200, None, max_tokens=2, seed=2**63 - 1, n=2),
+        completion(ctx, 200, None, max_tokens=2, seed=-(2**63)),
+    )
+
+
+def long_id_prompts(ctx: Ctx) -> str | None:
+    problems = [completion(ctx, 400, "prompt", prompt=[504] * n, max_tokens=1) for n in (24_000,)]
+    raw = b'{"max_tokens": 1, "prompt": [' + b",".join([b"504"] * 690_000) + b"]}"  # 3.5 MB
+    problems.append(expect(post_raw(ctx, "/v1/completions", raw), 400, "prompt"))
+    many = [[504] * 9000] * 4
+    problems.append(completion(ctx, 400, "prompt", prompt=many, max_tokens=1))
+    return first_problem(*problems)
+
+
+def client_templates(ctx: Ctx) -> str | None:
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    nested: list = []
+    for _ in range(40):
+        nested = [nested]
+    template_param = "chat_template_kwargs.chat_template"
+    return first_problem(
+        chat(ctx, 400, template_param, chat_template_kwargs={"chat_template": loop}),
+        chat(ctx, 400, "chat_template_kwargs.tokenize", chat_template_kwargs={"tokenize": True}),
+        chat(ctx, 400, "chat_template_kwargs", chat_template_kwargs={"a": nested}),
+        chat(ctx, 200, None, chat_template_kwargs={"enable_thinking": False}),
+        # template syntax in a message is text, never code
+        chat(ctx, 200, None, messages=[{"role": "user", "content": loop + '{{ "x" * 10**10 }}'}]),
+    )
+
+
+def cached_prompt_scoring(ctx: Ctx) -> str | None:
+    prompt = " ".join(f"word{i}" for i in range(300))
+    return first_problem(
+        completion(ctx, 200, None, prompt=prompt, max_tokens=0),
+        completion(ctx, 200, None, prompt=prompt, max_tokens=1, echo=True, logprobs=1, n=4),
+    )
+
+
+def lone_surrogates(ctx: Ctx) -> str | None:
+    s = b'"Hi \\ud800"'
+    msgs = b'[{"role": "user", "content": ' + s + b"}]"
+    return first_problem(
+        expect(post_raw(ctx, "/v1/completions", b'{"prompt": ' + s + b"}"), 400, "prompt"),
+        expect(post_raw(ctx, "/v1/completions", b'{"prompt": [' + s + b"]}"), 400, "prompt[0]"),
+        expect(post_raw(ctx, "/v1/chat/completions", b'{"messages": ' + msgs + b"}"), 400),
+        expect(post_raw(ctx, "/tokenize", b'{"prompt": ' + s + b"}"), 400, "prompt"),
+        expect(post_raw(ctx, "/v1/completions", b'{"prompt": "x", "model": ' + s + b"}"), 400),
+        expect(post_raw(ctx, "/v1/completions", b'{"prompt": "x", "stop": ' + s + b"}"), 400),
+        expect(post_raw(ctx, "/v1/completions", b'{"prompt": "x", "user": "\\udfff"}'), 400),
+    )
+
+
+def tiny_temperature(ctx: Ctx) -> str | None:
+    body = {"prompt": "The capital of France is", "max_tokens": 4}
+    greedy = ctx.client.post("/v1/completions", json={**body, "temperature": 0}).json()
+    tiny = ctx.client.post("/v1/completions", json={**body, "temperature": 1e-40}).json()
+    a, b = greedy["choices"][0]["text"], tiny["choices"][0]["text"]
+    return None if a == b else f"temperature 1e-40 gave {b!r}, greedy {a!r}"
+
+
+def non_finite_and_huge_numbers(ctx: Ctx) -> str | None:
+    raw = b'{"prompt": "x", "max_tokens": 2, "repetition_penalty": Infinity}'
+    return first_problem(
+        expect(post_raw(ctx, "/v1/completions", raw), 400, "repetition_penalty"),
+        expect(post_raw(ctx, "/v1/completions", raw.replace(b"Infinity", b"NaN")), 400),
+        completion(ctx, 400, "logprobs", logprobs=10**30),
+        completion(ctx, 400, "max_tokens", max_tokens=10**30),
+        completion(ctx, 400, "n", n=10**30),
+        completion(ctx, 400, "top_k", top_k=-(10**30)),
+        completion(ctx, 400, "stop_token_ids", stop_token_ids=[2] * 5000),
+        completion(ctx, 400, "logit_bias", logit_bias={str(i): 1 for i in range(2000)}),
+        completion(ctx, 400, "logit_bias", logit_bias={str(10**30): 1}),
+        chat(ctx, 400, "top_logprobs", logprobs=True, top_logprobs=10**30),
+    )
+
+
+def deep_nesting(ctx: Ctx) -> str | None:
+    raw = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return expect(post_raw(ctx, "/v1/completions", raw), 400)
+
+
+def big_tokenize(ctx: Ctx) -> str | None:
+    return first_problem(
+        expect(ctx.client.post("/tokenize", json={"prompt": "lorem ipsum " * 300_000}), 400),
+        expect(ctx.client.post("/detokenize", json={"tokens": [504] * 500_000}), 200),
+        expect(ctx.client.post("/tokenize", json={"prompt": "lorem ipsum " * 20_000}), 200),
+    )
+
+
+def disconnects(ctx: Ctx) -> str | None:
+    body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    for _ in range(5):
+        with ctx.client.stream("POST", "/v1/completions", json=body) as r:
+            for _line in r.iter_lines():
+                break
+    for _ in range(3):
+        with contextlib.suppress(httpx.TimeoutException):
+            ctx.client.post("/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    return None
+
+
+def hog_the_batch(ctx: Ctx) -> str | None:
+    """One request with n = the largest allowed must not keep a one-token request waiting until
+    it is done."""
+    done = threading.Event()
+    result: dict[str, object] = {}
+
+    def hog() -> None:
+        body = {"prompt": "Count:", "max_tokens": 300, "ignore_eos": True, "n": 64}
+        result["hog"] = ctx.client.post("/v1/completions", json=body, timeout=600).status_code
+        done.set()
+
+    thread = threading.Thread(target=hog)
+    thread.start()
+    time.sleep(2.0)  # the hog is running
+    quick = ctx.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    hog_done_first = done.is_set()
+    thread.join()
+    if quick.status_code != 200 or result.get("hog") != 200:
+        return f"statuses: quick {quick.status_code}, hog {result.get('hog')}"
+    return "the one-token request waited for the whole hog" if hog_done_first else None
+
+
+def slow_clients(ctx: Ctx) -> str | None:
+    if ctx.header_timeout is None:
+        return None  # the server's timeouts are unknown: only checked with --start
+    host, port = urlparse(ctx.url).hostname or "127.0.0.1", urlparse(ctx.url).port or 80
+    with socket.create_connection((host, port)) as s:  # headers never finished
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(ctx.header_timeout + 10)
+        if s.recv(1024) != b"":
+            return "a connection with unfinished headers got an answer instead of being closed"
+    with socket.create_connection((host, port)) as s:  # fewer bytes than Content-Length
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
+        s.settimeout(ctx.header_timeout + 40)
+        head = s.recv(1024)
+        if not head.startswith(b"HTTP/1.1 408"):
+            return f"a short body got {head[:60]!r}"
+    with socket.create_connection((host, port)) as s:  # a websocket upgrade
+        s.sendall(
+            b"GET /v1/completions HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            b"Sec-WebSocket-Version: 13\r\n\r\n"
+        )
+        s.settimeout(10)
+        if s.recv(1024).startswith(b"HTTP/1.1 101"):
+            return "a websocket was accepted"
+    return None
+
+
+def forged_log_lines(ctx: Ctx) -> str | None:
+    return expect(ctx.client.get("/v1/models/%0A2026-01-01 INFO forged"), 404)
+
+
+CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
+    ("huge_seeds", huge_seeds),
+    ("long_id_prompts", long_id_prompts),
+    ("client_templates", client_templates),
+    ("cached_prompt_scoring", cached_prompt_scoring),
+    ("lone_surrogates", lone_surrogates),
+    ("tiny_temperature", tiny_temperature),
+    ("non_finite_and_huge_numbers", non_finite_and_huge_numbers),
+    ("deep_nesting", deep_nesting),
+    ("big_tokenize", big_tokenize),
+    ("disconnects", disconnects),
+    ("hog_the_batch", hog_the_batch),
+    ("slow_clients", slow_clients),
+    ("forged_log_lines", forged_log_lines),
+]
+
+
+# ---- the harness -------------------------------------------------------------------------------
+
+
+class HealthWatch:
+    """Polls /health on its own connection while a case runs; records the slowest answer."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst = 0.0
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as c:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                try:
+                    c.get("/health")
+                except httpx.HTTPError:
+                    self.failures += 1
+                self.worst = max(self.worst, time.perf_counter() - t)
+                self._stop.wait(0.1)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_idle(client: httpx.Client, seconds: float = 60) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        r = client.get("/health")
+        h = r.json()
+        idle = r.status_code == 200 and h["status"] == "ok"
+        idle = idle and h["running"] == h["waiting"] == h["held_caches"] == h["streams"] == 0
+        if idle or time.monotonic() > deadline:
+            return {**h, "http_status": r.status_code, "idle": idle}
+        time.sleep(0.1)
+
+
+def canary(client: httpx.Client) -> object:
+    return client.post("/v1/completions", json=CANARY).json()["choices"]
+
+
+def run(url: str, header_timeout: float | None, health_bound: float, only: list[str]) -> int:
+    failed = 0
+    with httpx.Client(base_url=url, timeout=300) as client:
+        before = canary(client)
+        ctx = Ctx(url, client, header_timeout)
+        for name, case in CASES:
+            if only and name not in only:
+                continue
+            started = time.perf_counter()
+            with HealthWatch(url) as watch:
+                try:
+                    problem = case(ctx)
+                except Exception as exc:  # a case that crashed is a failed case
+                    problem = f"{type(exc).__name__}: {exc}"
+            health = wait_idle(client)
+            same = canary(client) == before
+            ok = (
+                problem is None
+                and same
+                and health["idle"]
+                and watch.worst <= health_bound
+                and not watch.failures
+            )
+            failed += not ok
+            print(
+                json.dumps(
+                    {
+                        "case": name,
+                        "ok": ok,
+                        "problem": problem,
+                        "canary_same": same,
+                        "health_worst_s": round(watch.worst, 3),
+                        "health_after": health,
+                        "seconds": round(time.perf_counter() - started, 1),
+                    }
+                ),
+                flush=True,
+            )
+    print(json.dumps({"cases": len(only) or len(CASES), "failed": failed}))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--url", default=None, help="an already running server")
+    ap.add_argument("--start", action="store_true", help="start probserve serve for the run")
+    ap.add_argument("--port", type=int, default=8013)
+    ap.add_argument("--health-bound", type=float, default=1.0, help="slowest /health allowed (s)")
+    ap.add_argument("--case", action="append", default=[], help="run only these cases")
+    args = ap.parse_args(argv)
+    proc = start_server(args.port, START_ARGS) if args.start else None
+    url = f"http://127.0.0.1:{args.port}" if args.start else args.url
+    if url is None:
+        raise SystemExit("give --url or --start")
+    try:
+        return run(url, 2.0 if args.start else None, args.health_bound, args.case)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
