@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -141,3 +143,102 @@ def test_schemathesis_every_route(smol: LoadedModel):
             check()
         assert ran > 50
         assert not failures, "\n\n".join(failures[:5])
+
+
+# ---- hostile values on every field of every POST route -------------------------------------------
+
+HOSTILE_STRINGS = st.one_of(
+    st.sampled_from(
+        [
+            "\ud800",
+            "ok \udfff ok",
+            "{{ 7 * 7 }}",
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "{{ ''.__class__.__mro__ }}",
+            '{{ "x" * 20000000000 }}',
+            "\x00\x1b[2J\r\n",
+            "é🎉" * 1000,
+            "word " * 20_000,
+        ]
+    ),
+    st.text(max_size=40),
+)
+HOSTILE_NUMBERS = st.one_of(
+    st.sampled_from([2**64, -(2**63) - 1, 10**400, -1, 0, 2**31, 1e-40, 1e308, -1e308]),
+    st.sampled_from([float("inf"), float("-inf"), float("nan")]),
+    st.integers(),
+)
+
+
+def _nested(depth: int) -> object:
+    value: object = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE_VALUES = st.one_of(
+    HOSTILE_STRINGS,
+    HOSTILE_NUMBERS,
+    st.integers(1, 200).map(_nested),
+    st.integers(1, 100_000).map(lambda n: [504] * n),
+    st.integers(1, 64).map(lambda n: [[504] * 9000] * n),
+    st.lists(HOSTILE_STRINGS, max_size=5),
+    st.dictionaries(HOSTILE_STRINGS, st.one_of(HOSTILE_STRINGS, HOSTILE_NUMBERS), max_size=3),
+    st.just(None),
+    st.booleans(),
+)
+
+BASE_BODIES: dict[str, dict] = {
+    "/v1/completions": {"prompt": "The capital of France is", "max_tokens": 2},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/tokenize": {"prompt": "Hello"},
+    "/detokenize": {"tokens": [504, 30]},
+}
+
+
+def _fields(schema: dict, path: str) -> list[str]:
+    """The request body's top-level fields, read from the OpenAPI schema."""
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    name = ref["$ref"].rsplit("/", 1)[1]
+    return sorted(schema["components"]["schemas"][name]["properties"])
+
+
+@pytest.mark.slow
+def test_hostile_values_on_every_field(http, base_url: str):  # type: ignore[no-untyped-def]
+    """Huge integers, lone surrogates, non-finite floats, deep nesting, long token-id lists and
+    template-like strings in every field of every POST route (and in message content): never a
+    5xx, every 4xx in the envelope, and afterwards the canary answers exactly as before."""
+    canary = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    before = http.post("/v1/completions", json=canary).json()["choices"]
+    schema = http.get("/openapi.json").json()
+    targets = [(path, f) for path in BASE_BODIES for f in _fields(schema, path)]
+    targets += [("/v1/chat/completions", "messages[0].content")]
+    seen: set[str] = set()
+
+    @settings(
+        max_examples=120,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(target=st.sampled_from(targets), value=HOSTILE_VALUES)
+    def check(target: tuple[str, str], value: object) -> None:
+        path, field = target
+        body = json.loads(json.dumps(BASE_BODIES[path]))
+        if field == "messages[0].content":
+            body["messages"][0]["content"] = value
+        else:
+            body[field] = value
+        raw = json.dumps(body).encode()  # NaN/Infinity literals and \\ud800 escapes as sent
+        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, field, repr(value)[:200], r.text[:300])
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        seen.add(f"{path} {field}")
+
+    check()
+    assert len(seen) > len(targets) // 2
+    h = http.get("/health").json()
+    assert h["status"] == "ok"
+    assert http.post("/v1/completions", json=canary).json()["choices"] == before

@@ -323,3 +323,20 @@ def test_load_script_loses_nothing(base_url: str):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["lost"] == 0 and report["completed"] > 30
     assert report["cancelled"] > 5 and report["errored"] > 0
+
+
+def test_hostile_script_runs_clean():
+    """bench/hostile.py with its own server: every hostile case, each followed by the canary."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "hostile.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--start", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=script.parent,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0, "\n".join(lines) + proc.stderr[-3000:]
+    summary = json.loads(lines[-1])
+    assert summary["failed"] == 0 and summary["cases"] >= 13
+    assert all(json.loads(ln)["ok"] for ln in lines[:-1])
