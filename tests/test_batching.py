@@ -170,10 +170,12 @@ def _mc_requests(m: LoadedModel) -> list[EngineRequest]:
             f"mc{i}",
             ctx + tuple(m.tokenizer(c, add_special_tokens=False).input_ids),
             SamplingParams(temperature=0, max_tokens=1),
-            LogprobsSpec(1, prompt=True),
+            LogprobsSpec(1, prompt_top_k=1),
         )
         for i, c in enumerate(conts)
-    ] + [EngineRequest("score0", ctx, SamplingParams(max_tokens=0), LogprobsSpec(3, prompt=True))]
+    ] + [
+        EngineRequest("score0", ctx, SamplingParams(max_tokens=0), LogprobsSpec(3, prompt_top_k=3))
+    ]
 
 
 @pytest.mark.parametrize(

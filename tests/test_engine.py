@@ -42,7 +42,7 @@ def _greedy(rid: str, ids: tuple[int, ...], n: int = 12, k: int = 5, **kw) -> En
         rid,
         ids,
         SamplingParams(temperature=0.0, max_tokens=n, **kw),
-        LogprobsSpec(top_k=k, prompt=True),
+        LogprobsSpec(top_k=k, prompt_top_k=k),
     )
 
 

@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` (or set PROBSERVE_API_KEY)",
     )
     serve.add_argument("--api-key-file", default=None, help="a file with one API key per line")
+    serve.add_argument(
+        "--open-metrics", action="store_true", help="serve /metrics without an API key"
+    )
     _add_limit_args(serve)
     serve.add_argument("--max-logprobs", type=int, default=20)
     serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")

@@ -8,9 +8,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from probserve import __version__
-from probserve.api import chat, completions, routes_misc
+from probserve.api import chat, completions, responses, routes_misc
 from probserve.api.errors import install_error_handlers
 from probserve.api.middleware import (
+    OPEN_PATHS,
     AccessLogMiddleware,
     AuthMiddleware,
     BodyLimitMiddleware,
@@ -32,6 +33,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.probserve = state
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses.router)
     app.include_router(routes_misc.router)
     install_error_handlers(app)
     limits = state.config.limits
@@ -39,7 +41,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout
     )
-    app.add_middleware(AuthMiddleware, keys=state.config.api_keys)
-    app.add_middleware(AccessLogMiddleware)
+    open_paths = OPEN_PATHS | ({"/metrics"} if state.config.open_metrics else set())
+    app.add_middleware(AuthMiddleware, keys=state.config.api_keys, open_paths=open_paths)
+    app.add_middleware(AccessLogMiddleware, on_response=state.metrics.observe_http)
     app.add_middleware(ScopeGuardMiddleware)
     return app

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from probserve.api.errors import bad_request
-from probserve.api.generation import (
-    Candidate,
-    Delta,
-    merge,
-    run_all,
-    share_prompt_scores,
-    submit_all,
-)
+from probserve.api.errors import ERRORS, bad_request
+from probserve.api.generation import Delta
 from probserve.api.prompts import (
     Prompt,
     build_completion_prompts,
@@ -31,47 +22,28 @@ from probserve.api.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
-    Usage,
 )
-from probserve.api.sampling import (
-    candidate_seed,
-    check_request,
-    logprobs_spec,
-    sampling_params,
-)
+from probserve.api.run import Plan, Run
+from probserve.api.sampling import candidate_params, check_request, logprobs_spec
 from probserve.api.sse import event, sse_response
 from probserve.api.state import ServerState
-from probserve.api.text_stream import Piece, TextStream
-from probserve.engine import AsyncEngine, EngineRequest, TokenLogprobs
+from probserve.api.text_stream import Piece
+from probserve.engine import TokenLogprobs
 
 router = APIRouter()
 
-ERRORS: dict[int | str, dict] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
-}
-
-
-def _scored(prompt: Prompt, scores: TokenLogprobs | None) -> list[Piece]:
-    """The prompt's pieces with their logprobs rows (the first token has none)."""
-    if scores is None:
-        return prompt.pieces
-    return [prompt.pieces[0]] + [
-        replace(p, logprobs=scores, row=j) for j, p in enumerate(prompt.pieces[1:])
-    ]
-
 
 @dataclass
-class _Plan:
-    prompts: list[Prompt]
+class _Shape:
+    """How the response is shaped (what the engine runs is the Plan)."""
+
     n: int
     best_of: int
     echo: bool
     k: int | None  # logprobs asked for (None: no logprobs in the response)
-    stops: tuple[str, ...]
 
 
-async def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
+async def _plan(state: ServerState, body: CompletionRequest) -> tuple[Plan, _Shape]:
     cfg = state.config
     if body.logprobs is not None and body.logprobs > cfg.max_logprobs:
         raise bad_request(
@@ -88,153 +60,109 @@ async def _plan(state: ServerState, body: CompletionRequest) -> _Plan:
         cfg.limits.check_sequences(len(body.prompt), best_of, "prompt")
     cfg.limits.check_sequences(1, best_of, "best_of" if body.best_of else "n")
     stops = check_request(body, cfg.limits)
+    sampling = candidate_params(body, body.max_tokens, state.loaded.vocab_size, best_of)
     prompts = completion_id_lists(body.prompt)
     if isinstance(prompts[0], str):
         check_text_size(cfg.limits, prompts)  # type: ignore[arg-type]
     built = await off_loop(
         build_completion_prompts, state.loaded, state.table, prompts, state.engine.core.max_context
     )
-    return _Plan(built, body.n, best_of, body.echo, body.logprobs, stops)
-
-
-async def _start(
-    state: ServerState, body: CompletionRequest, plan: _Plan, group: str
-) -> list[Candidate]:
-    needs_lp = plan.k is not None or plan.best_of > plan.n
+    k = body.logprobs
+    shape = _Shape(body.n, best_of, body.echo, k)
+    needs_lp = k is not None or best_of > body.n  # best_of ranks candidates by mean logprob
     spec = logprobs_spec(
-        plan.k if needs_lp else None,
-        prompt=plan.echo and plan.k is not None,
+        k if needs_lp else None,
+        prompt_top_k=k if body.echo else None,
         mode=body.logprobs_mode,
-        default=state.config.logprobs_mode,
+        default=cfg.logprobs_mode,
     )
-    # the prompt's scores are the same for every candidate: the first computes them, the others
-    # share them (n candidates never score one prompt n times)
-    sibling_spec = dataclasses.replace(spec, prompt=False) if spec is not None else None
-    requests: list[EngineRequest] = []
-    texts: list[TextStream] = []
-    for prompt in plan.prompts:
-        for c in range(plan.best_of):
-            sp = sampling_params(
-                body, body.max_tokens, state.loaded.vocab_size, candidate_seed(body.seed, c)
-            )
-            rid = AsyncEngine.new_request_id("cmpl")
-            requests.append(
-                EngineRequest(rid, tuple(prompt.ids), sp, sibling_spec if c else spec, group)
-            )
-            texts.append(
-                TextStream(state.table, len(prompt.text), plan.stops, body.skip_special_tokens)
-            )
-    streams = await submit_all(state.engine, requests)
-    cands = [Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)]
-    if spec is not None and spec.prompt:
-        for i in range(0, len(cands), plan.best_of):
-            share_prompt_scores(cands[i : i + plan.best_of])
-    return cands
+    plan = Plan(built, sampling, spec, stops, body.skip_special_tokens, offsets_from_prompt=True)
+    return plan, shape
+
+
+def _scored(prompt: Prompt, scores: TokenLogprobs | None) -> list[Piece]:
+    """The prompt's pieces with their logprobs rows (the first token has none)."""
+    if scores is None:
+        return prompt.pieces
+    return [prompt.pieces[0]] + [
+        replace(p, logprobs=scores, row=j) for j, p in enumerate(prompt.pieces[1:])
+    ]
 
 
 def _choice_logprobs(
     state: ServerState,
-    plan: _Plan,
+    shape: _Shape,
     prompt: Prompt,
-    delta_pieces: list[Piece],
+    pieces: list[Piece],
     scores: TokenLogprobs | None,
     with_prompt: bool,
 ) -> CompletionLogprobs | None:
-    if plan.k is None:
+    if shape.k is None:
         return None
-    pieces = (_scored(prompt, scores) if with_prompt else []) + delta_pieces
-    return state.fmt.completion(pieces, plan.k)
+    return state.fmt.completion((_scored(prompt, scores) if with_prompt else []) + pieces, shape.k)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.probserve
     model = state.check_model(body.model)
-    plan = await _plan(state, body)
-    cid = f"cmpl-{uuid.uuid4().hex}"
-    candidates = await _start(state, body, plan, cid)
-    prompt_tokens = sum(len(p.ids) for p in plan.prompts)
+    plan, shape = await _plan(state, body)
+    run = await Run(state, request, plan, "cmpl").start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(
-            _stream(state, plan, candidates, cid, model, prompt_tokens, include_usage, request)
-        )
-    await run_all(request, candidates, state.config.limits.request_timeout)
+        return sse_response(_stream(run, shape, model, include_usage))
+    candidates = await run.collect()
     choices: list[CompletionChoice] = []
     for pi, prompt in enumerate(plan.prompts):
-        group = candidates[pi * plan.best_of : (pi + 1) * plan.best_of]
-        if plan.best_of > plan.n:
-            group = sorted(group, key=lambda c: c.mean_logprob, reverse=True)[: plan.n]
+        group = candidates[pi * shape.best_of : (pi + 1) * shape.best_of]
+        if shape.best_of > shape.n:
+            group = sorted(group, key=lambda c: c.mean_logprob, reverse=True)[: shape.n]
         for cand in group:
             text = "".join(p.text for p in cand.pieces)
             choices.append(
                 CompletionChoice(
                     index=len(choices),
-                    text=(prompt.text if plan.echo else "") + text,
+                    text=(prompt.text if shape.echo else "") + text,
                     logprobs=_choice_logprobs(
-                        state, plan, prompt, cand.pieces, cand.prompt_scores, plan.echo
+                        state, shape, prompt, cand.pieces, cand.prompt_scores, shape.echo
                     ),
                     finish_reason=cand.finish_reason,  # type: ignore[arg-type]
                 )
             )
-    completion_tokens = sum(c.num_tokens for c in candidates)
-    request.state.usage = (prompt_tokens, completion_tokens)
     resp = CompletionResponse(
-        id=cid, model=model, choices=choices, usage=Usage.of(prompt_tokens, completion_tokens)
+        id=run.id, created=run.created, model=model, choices=choices, usage=run.usage
     )
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _stream(
-    state: ServerState,
-    plan: _Plan,
-    candidates: list[Candidate],
-    cid: str,
-    model: str,
-    prompt_tokens: int,
-    include_usage: bool,
-    request: Request,
-) -> AsyncIterator[str]:
-    started = [False] * len(candidates)
-    try:
-        timeout = state.config.limits.request_timeout
-        async for i, delta in merge([c.deltas() for c in candidates], timeout):
-            prompt = plan.prompts[i // plan.best_of]
-            echo_now = plan.echo and not started[i]
-            started[i] = True
-            yield event(_chunk(state, plan, cid, model, i, prompt, delta, echo_now))
-    finally:
-        for c in candidates:
-            c.stream.close()
-    completion_tokens = sum(c.num_tokens for c in candidates)
-    request.state.usage = (prompt_tokens, completion_tokens)
+async def _stream(run: Run, shape: _Shape, model: str, include_usage: bool) -> AsyncIterator[str]:
+    started = [False] * len(run.candidates)
+    async for i, delta in run.deltas():
+        echo_now = shape.echo and not started[i]
+        started[i] = True
+        yield event(_chunk(run, shape, model, i, delta, echo_now))
     if include_usage:
         yield event(
             CompletionResponse(
-                id=cid, model=model, choices=[], usage=Usage.of(prompt_tokens, completion_tokens)
+                id=run.id, created=run.created, model=model, choices=[], usage=run.usage
             )
         )
 
 
 def _chunk(
-    state: ServerState,
-    plan: _Plan,
-    cid: str,
-    model: str,
-    index: int,
-    prompt: Prompt,
-    delta: Delta,
-    echo_now: bool,
+    run: Run, shape: _Shape, model: str, index: int, delta: Delta, echo_now: bool
 ) -> CompletionResponse:
+    prompt = run.prompt_of(index)
     return CompletionResponse(
-        id=cid,
+        id=run.id,
+        created=run.created,
         model=model,
         choices=[
             CompletionChoice(
                 index=index,
                 text=(prompt.text if echo_now else "") + delta.text,
                 logprobs=_choice_logprobs(
-                    state, plan, prompt, delta.pieces, delta.prompt_scores, echo_now
+                    run.state, shape, prompt, delta.pieces, delta.prompt_scores, echo_now
                 ),
                 finish_reason=delta.finish_reason,  # type: ignore[arg-type]
             )

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from probserve.api.protocol import ErrorResponse
 from probserve.engine import EngineDead, EngineOverloaded, RequestError
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+# the error statuses a route may answer, for its OpenAPI description
+ERRORS: dict[int | str, dict] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)
+}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -53,6 +54,9 @@ class Candidate:
     # request scores the prompt and publishes the result; its siblings wait for it
     publish_prompt: asyncio.Future[TokenLogprobs | None] | None = None
     shared_prompt: asyncio.Future[TokenLogprobs | None] | None = None
+    # for metrics: when each output with tokens arrived, and the engine's queue time
+    token_times: list[float] = field(default_factory=list)
+    queue_time: float | None = None
 
     @property
     def mean_logprob(self) -> float:
@@ -65,6 +69,10 @@ class Candidate:
                 if out.finish_reason == FinishReason.ERROR:
                     raise APIError(500, out.error or "the engine failed this request")
                 n = len(out.new_token_ids)
+                if n:
+                    self.token_times.append(time.monotonic())
+                if self.queue_time is None:
+                    self.queue_time = out.queue_time
                 for j, tid in enumerate(out.new_token_ids):
                     hidden = out.finish_reason == FinishReason.STOP and j == n - 1
                     self.text.add(tid, out.logprobs, j, hidden=hidden)

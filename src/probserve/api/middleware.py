@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -16,7 +17,7 @@ from probserve.api.errors import error_body
 
 log = logging.getLogger("probserve.access")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health"})  # never behind a key (load balancers, probes)
 
 
 async def send_error(
@@ -47,9 +48,12 @@ class AuthMiddleware:
     """Requires `Authorization: Bearer KEY` with one of `keys` (constant-time compare) on every
     path but /health. No keys: open."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: tuple[str, ...], open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
         self.app = app
         self.keys = tuple(k.encode() for k in keys if k)
+        self.open_paths = open_paths
 
     def _allowed(self, scope: Scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
@@ -60,7 +64,7 @@ class AuthMiddleware:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         if self._allowed(scope):
@@ -137,8 +141,9 @@ class AccessLogMiddleware:
     """Logs route, status, prompt/completion tokens and latency when a response ends (for a
     stream: when its last byte is sent)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] | None = None) -> None:
         self.app = app
+        self.on_response = on_response  # (route template, status): the HTTP request counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -168,8 +173,10 @@ class AccessLogMiddleware:
                 raise  # the response had started: the server closes the connection
             await send_error(send, 500, f"internal error: {type(exc).__name__}", None, [])
 
-    @staticmethod
-    def _log(scope: Scope, status: int, started: float) -> None:
+    def _log(self, scope: Scope, status: int, started: float) -> None:
+        if self.on_response is not None:
+            route = scope.get("route")
+            self.on_response(getattr(route, "path", "unmatched"), status)
         state: Any = scope.get("state") or {}
         usage = state.get("usage") if isinstance(state, dict) else None
         tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""

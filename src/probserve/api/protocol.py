@@ -284,3 +284,86 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---- responses (OpenAI's Responses API) --------------------------------------------------------
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+class InputText(_Request):
+    type: Literal["input_text", "output_text", "text"] = "input_text"
+    text: Text
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | list[InputText]
+
+
+class ResponsesRequest(SamplingFields):
+    input: Text | list[InputMessage]
+    instructions: Text | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    top_logprobs: int | None = Field(None, ge=0)
+    include: list[Text] | None = None
+    previous_response_id: Text | None = None
+    store: bool | None = None
+    tools: list[dict[str, Any]] | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[Text, Text] | None = None
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[ChatLogprobEntry] | None = None
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(
+        default_factory=lambda: {"reasoning_tokens": 0}
+    )
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=_now)
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    model: str
+    output: list[ResponseOutputMessage]
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool = True
+    tool_choice: Literal["auto", "none"] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    truncation: Literal["disabled"] = "disabled"
+    previous_response_id: None = None
+    store: bool = False
+    metadata: dict[str, str] = Field(default_factory=dict)

@@ -1,13 +1,13 @@
-"""GET /health, GET /v1/models, and the tokenizer endpoints lm-evaluation-harness probes at the
-server root: GET /tokenizer_info, POST /tokenize, POST /detokenize."""
+"""GET /health, GET /metrics, GET /v1/models, and the tokenizer endpoints lm-evaluation-harness
+probes at the server root: GET /tokenizer_info, POST /tokenize, POST /detokenize."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
-from probserve.api.completions import ERRORS
-from probserve.api.errors import bad_request
+from probserve.api.errors import ERRORS, bad_request
+from probserve.api.metrics import CONTENT_TYPE
 from probserve.api.prompts import chat_prompt_ids, check_text_size, off_loop
 from probserve.api.protocol import (
     DetokenizeRequest,
@@ -37,6 +37,12 @@ async def health(request: Request) -> JSONResponse:
     if reason is not None:
         body["reason"] = reason
     return JSONResponse(body, 200 if status == "ok" else 503)
+
+
+@router.get("/metrics", responses=ERRORS)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format, vLLM's metric names (behind --api-key unless --open-metrics)."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)

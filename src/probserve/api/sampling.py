@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from probserve.api.errors import bad_request
 from probserve.api.limits import Limits
 from probserve.api.protocol import SamplingFields
@@ -64,13 +66,20 @@ def sampling_params(
 
 
 def logprobs_spec(
-    top_k: int | None, prompt: bool, mode: str | None, default: LogprobsMode
+    top_k: int | None, prompt_top_k: int | None, mode: str | None, default: LogprobsMode
 ) -> LogprobsSpec | None:
-    if top_k is None and not prompt:
+    """Generated tokens get `top_k` alternatives, scored prompt positions `prompt_top_k`; None
+    for both: no logprobs are computed at all."""
+    if top_k is None and prompt_top_k is None:
         return None
-    return LogprobsSpec(top_k=top_k or 0, prompt=prompt, mode=LogprobsMode(mode or default))
+    return LogprobsSpec(top_k or 0, prompt_top_k, LogprobsMode(mode or default))
 
 
-def candidate_seed(seed: int | None, index: int) -> int | None:
-    """Candidates of one request differ: candidate i samples with seed + i."""
-    return None if seed is None else seed + index
+def candidate_params(
+    req: SamplingFields, max_tokens: int | None, vocab_size: int, n: int
+) -> list[SamplingParams]:
+    """Sampling for each of `n` candidates: candidate i samples with seed + i."""
+    first = sampling_params(req, max_tokens, vocab_size, req.seed)
+    if req.seed is None:
+        return [first] * n
+    return [dataclasses.replace(first, seed=req.seed + i) for i in range(n)]

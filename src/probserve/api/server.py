@@ -63,6 +63,7 @@ def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
         max_top_logprobs=args.max_top_logprobs,
         logprobs_mode=LogprobsMode(args.logprobs_mode),
         api_keys=api_keys(args.api_key, args.api_key_file),
+        open_metrics=args.open_metrics,
         limits=limits(args),
     )
     engine = AsyncEngine(

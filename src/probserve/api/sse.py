@@ -20,14 +20,18 @@ def event(payload: BaseModel | dict) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(events: AsyncIterator[str], done: bool = True) -> StreamingResponse:
+    """Stream `events`; an APIError after the headers went out becomes an error event. `done`:
+    end with `data: [DONE]` (completions and chat; the Responses API sends none)."""
+
     async def guarded() -> AsyncIterator[str]:
         try:
             async for item in events:
                 yield item
-        except APIError as exc:  # after the headers went out: an error event, then DONE
+        except APIError as exc:
             yield event(error_body(exc.status, exc.message, exc.param, exc.code))
-        yield DONE
+        if done:
+            yield DONE
 
     return StreamingResponse(
         guarded(),

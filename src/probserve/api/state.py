@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from probserve.api.errors import APIError
 from probserve.api.limits import Limits
 from probserve.api.logprobs_format import LogprobsFormatter
+from probserve.api.metrics import Metrics
 from probserve.api.tokens import TokenTable
 from probserve.engine import AsyncEngine, LogprobsMode
 from probserve.models import LoadedModel
@@ -19,6 +20,7 @@ class ServerConfig:
     max_top_logprobs: int = 20  # chat `top_logprobs` cap
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     api_keys: tuple[str, ...] = ()
+    open_metrics: bool = False  # /metrics without a key
     limits: Limits = field(default_factory=Limits)
 
 
@@ -29,10 +31,12 @@ class ServerState:
     config: ServerConfig
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
+    metrics: Metrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
+        self.metrics = Metrics(self.engine, self.model_name)
 
     @property
     def model_name(self) -> str:

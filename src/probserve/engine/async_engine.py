@@ -97,7 +97,12 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._snapshot = {"waiting": 0, "running": 0, "held_caches": 0}
+        self._snapshot: dict[str, float] = {
+            "waiting": 0,
+            "running": 0,
+            "held_caches": 0,
+            **core.counters(),
+        }
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,8 +168,9 @@ class AsyncEngine:
     def new_request_id(prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def stats(self) -> dict[str, int]:
-        """Counts as of the end of the last step: waiting, running, held_caches, streams."""
+    def stats(self) -> dict[str, float]:
+        """As of the end of the last step: waiting, running, held_caches and streams (counts),
+        kv_cache_usage (0..1), prefix_cache_queries, prefix_cache_hits, preemptions (totals)."""
         with self._lock:
             return {**self._snapshot, "streams": len(self._streams)}
 
@@ -262,6 +268,7 @@ class AsyncEngine:
                     "waiting": waiting,
                     "running": running,
                     "held_caches": self.core.held_caches(),
+                    **self.core.counters(),
                 }
         for stream, out in deliveries:
             with contextlib.suppress(RuntimeError):  # the caller's event loop is closed

@@ -149,6 +149,17 @@ class EngineCore:
         """(waiting, running)."""
         return len(self.scheduler.waiting), len(self.scheduler.running)
 
+    def counters(self) -> dict[str, float]:
+        """Engine-wide figures for metrics: KV cache usage and prefix cache and preemption
+        counts since start."""
+        usable = max(1, self.pool.num_blocks - 1)
+        return {
+            "kv_cache_usage": self.pool.num_in_use() / usable,
+            "prefix_cache_queries": self.scheduler.prefix_query_tokens,
+            "prefix_cache_hits": self.scheduler.prefix_hit_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
     def held_caches(self) -> int:
         """How many sequences hold KV blocks or runner state (0 when idle: nothing leaks)."""
         seqs = (*self.scheduler.running, *self.scheduler.waiting)
@@ -198,7 +209,8 @@ class EngineCore:
         seq = ch.seq
         if rows is not None:
             a, b = ch.score_range
-            k = seq.request.logprobs.top_k if seq.request.logprobs else 0
+            spec = seq.request.logprobs
+            k = (spec.prompt_top_k or 0) if spec else 0
             seq.prompt_parts.append(score_positions(rows, seq.prompt_tensor[a + 1 : b + 1], k))
         if seq.wants_prompt_scores and ch.end >= seq.num_prompt_tokens:
             seq.prompt_scored = True
@@ -238,6 +250,7 @@ class EngineCore:
             prompt_logprobs=prompt_lp,
             finish_reason=finish,
             num_prompt_tokens=seq.num_prompt_tokens,
+            queue_time=seq.queue_time,
         )
 
     def _finish(
@@ -249,6 +262,7 @@ class EngineCore:
             prompt_logprobs=prompt_logprobs,
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+            queue_time=seq.queue_time,
         )
 
     def _fail(self, seq: Sequence, message: str) -> EngineOutput:

@@ -18,6 +18,7 @@ soon as another request arrives.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -67,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # tokens of admitted sequences looked up in the cache
         self.prefix_hit_tokens = 0  # prompt tokens whose KV came from the prefix cache
         # full blocks being computed right now, by hash: a request that would compute the same
         # block again waits for it instead (lm-eval sends a context's continuations together)
@@ -208,6 +210,9 @@ class Scheduler:
             del self.waiting[index]
             running[seq.group] += 1
             self.prefix_hit_tokens += seq.num_cached
+            self.prefix_query_tokens += seq.num_tokens
+            if seq.queue_time is None:
+                seq.queue_time = time.monotonic() - seq.arrival
             for h in missing:
                 self._in_flight.setdefault(h, seq)
             seq.status = SeqStatus.RUNNING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,8 @@ class Sequence:
     prompt_scored: bool = False  # prompt logprobs computed (and sent once)
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # seconds from arrival to first being scheduled
     prompt_tensor: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:

@@ -71,13 +71,18 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class LogprobsSpec:
-    """What logprobs to return. `top_k`: how many alternatives per position (0: the chosen token's
-    logprob and rank only). `prompt`: also score every prompt position after the first (always
-    raw). `mode`: raw or processed, for generated tokens."""
+    """What logprobs to return. `top_k`: how many alternatives per generated position (0: the
+    chosen token's logprob and rank only). `prompt_top_k`: also score every prompt position
+    after the first (always raw), with that many alternatives; None: the prompt is not scored.
+    `mode`: raw or processed, for generated tokens."""
 
     top_k: int = 0
-    prompt: bool = False
+    prompt_top_k: int | None = None
     mode: LogprobsMode = LogprobsMode.RAW
+
+    @property
+    def prompt(self) -> bool:
+        return self.prompt_top_k is not None
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first being scheduled
 
     @property
     def finished(self) -> bool:

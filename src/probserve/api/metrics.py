@@ -1,0 +1,123 @@
+"""Prometheus metrics under vLLM's names, so routers and dashboards built for vLLM work as they
+are: `GET /metrics` in the text exposition format.
+
+Request-level figures (tokens, finish reasons, time to first token, inter-token latency,
+end-to-end latency, queue time) are observed by each `Run` when it ends, from the engine's
+outputs; engine-level ones (running and waiting requests, KV cache usage, prefix cache queries
+and hits, preemptions) are read from the engine's stats at scrape time. Both come from the
+engine's protocol, so they stay right wherever the engine runs. Each app has its own registry:
+no module-level state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from probserve.api.run import Run
+    from probserve.engine import AsyncEngine
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)  # fmt: skip
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters the engine keeps, read at scrape time."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Sequences in the running batch.", s["running"]),
+            ("vllm:num_requests_waiting", "Sequences waiting to run.", s["waiting"]),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s["kv_cache_usage"]),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self.model_name], float(value))
+            yield g
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s["prefix_cache_queries"]),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s["prefix_cache_hits"]),
+            ("vllm:num_preemptions", "Sequences preempted (recomputed later).", s["preemptions"]),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.model_name], float(value))
+            yield c
+
+
+class Metrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", m, registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generated tokens.", m, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Finished sequences.", [*m, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", m,
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", m,
+            buckets=ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, end to end.", m,
+            buckets=REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue = Histogram(
+            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", m,
+            buckets=REQUEST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.http = Counter(
+            "probserve:http_requests", "HTTP requests by route and status.",
+            ["route", "status"], registry=r,
+        )  # fmt: skip
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def observe_run(self, run: Run) -> None:
+        name = self.model_name
+        usage = run.usage
+        self.prompt_tokens.labels(name).inc(usage.prompt_tokens)
+        self.generation_tokens.labels(name).inc(usage.completion_tokens)
+        for cand in run.candidates:
+            reason = cand.finish_reason or "abort"
+            self.request_success.labels(name, reason).inc()
+            if cand.queue_time is not None:
+                self.queue.labels(name).observe(cand.queue_time)
+            times = cand.token_times
+            if times:
+                self.ttft.labels(name).observe(times[0] - run.started)
+            for a, b in itertools.pairwise(times):
+                self.itl.labels(name).observe(b - a)
+        self.e2e.labels(name).observe(max(0.0, time.monotonic() - run.started))
+
+    def observe_http(self, route: str, status: int) -> None:
+        self.http.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

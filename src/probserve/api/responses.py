@@ -1,0 +1,206 @@
+"""POST /v1/responses: OpenAI's Responses API, with logprobs, streamed or not.
+
+`input` (text or messages) and `instructions` go through the model's chat template, as chat
+messages do. Logprobs are on when `include` holds "message.output_text.logprobs" or
+`top_logprobs` is set (an explicit `"top_logprobs": null` with the include gives 0
+alternatives, never none); they ride on the `output_text` part, and on each
+`response.output_text.delta` event for that delta's tokens. A reply cut by `max_output_tokens`
+(or the context) is `incomplete`. Responses are not stored: `previous_response_id` is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+
+from probserve.api.chat_plan import chat_plan
+from probserve.api.errors import ERRORS, APIError, bad_request, error_body
+from probserve.api.protocol import (
+    LOGPROBS_INCLUDE,
+    ChatLogprobEntry,
+    ChatMessage,
+    IncompleteDetails,
+    ResponseObject,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from probserve.api.run import Run
+from probserve.api.sse import sse_response
+from probserve.api.state import ServerState
+from probserve.api.text_stream import Piece
+
+router = APIRouter()
+
+
+def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        out.append(ChatMessage(role="user", content=body.input))
+        return out
+    for item in body.input:
+        content = item.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        out.append(ChatMessage(role=item.role, content=text))
+    if not out:
+        raise bad_request("input holds no message", "input")
+    return out
+
+
+def _check(state: ServerState, body: ResponsesRequest) -> int | None:
+    """Refuse what is not served; returns the alternatives per token (None: no logprobs)."""
+    if body.previous_response_id is not None:
+        raise bad_request(
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "whole conversation as input",
+            "previous_response_id",
+        )
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise bad_request("only text output is supported (text.format.type: text)", "text.format")
+    if body.n != 1:
+        raise bad_request("n must be 1 for responses", "n")
+    unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]
+    if unknown:
+        raise bad_request(f"include {unknown[0]!r} is not supported", "include")
+    cap = state.config.max_top_logprobs
+    if body.top_logprobs is not None and body.top_logprobs > cap:
+        raise bad_request(
+            f"top_logprobs must be at most {cap} (got {body.top_logprobs})", "top_logprobs"
+        )
+    wants = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
+    return (body.top_logprobs or 0) if wants else None
+
+
+class _Reply:
+    """The response object as it grows: one assistant message with one output_text part."""
+
+    def __init__(self, run: Run, body: ResponsesRequest, model: str, k: int | None) -> None:
+        self.run, self.body, self.model, self.k = run, body, model, k
+        self.id = run.id
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.text = ""
+        self.logprobs: list[ChatLogprobEntry] = []
+        self.finish: str | None = None
+
+    def add(self, pieces: list[Piece]) -> tuple[str, list[ChatLogprobEntry]]:
+        text = "".join(p.text for p in pieces)
+        entries = self.run.state.fmt.chat(pieces, self.k) if self.k is not None else []
+        self.text += text
+        self.logprobs += entries
+        return text, entries
+
+    @property
+    def status(self) -> str:
+        if self.finish is None:
+            return "in_progress"
+        return "incomplete" if self.finish == "length" else "completed"
+
+    def part(self) -> ResponseOutputText:
+        return ResponseOutputText(
+            text=self.text, logprobs=self.logprobs if self.k is not None else None
+        )
+
+    def item(self) -> ResponseOutputMessage:
+        done = self.finish is not None
+        return ResponseOutputMessage(
+            id=self.item_id, status=self.status, content=[self.part()] if done else []
+        )  # type: ignore[arg-type]
+
+    def response(self) -> ResponseObject:
+        b = self.body
+        done = self.finish is not None
+        usage = self.run.usage
+        incomplete = IncompleteDetails(reason="max_output_tokens")
+        return ResponseObject(
+            id=self.id,
+            created_at=self.run.created,
+            status=self.status,  # type: ignore[arg-type]
+            incomplete_details=incomplete if self.status == "incomplete" else None,
+            model=self.model,
+            output=[self.item()] if done else [],
+            usage=(
+                ResponseUsage(
+                    input_tokens=usage.prompt_tokens,
+                    output_tokens=usage.completion_tokens,
+                    total_tokens=usage.total_tokens,
+                )
+                if done
+                else None
+            ),
+            instructions=b.instructions,
+            max_output_tokens=b.max_output_tokens,
+            temperature=b.temperature,
+            top_p=b.top_p,
+            top_logprobs=b.top_logprobs,
+            metadata=b.metadata or {},
+        )
+
+
+@router.post("/v1/responses", response_model=ResponseObject, responses=ERRORS)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.probserve
+    model = state.check_model(body.model)
+    k = _check(state, body)
+    plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, top_k=k)
+    run = await Run(state, request, plan, "resp").start()
+    reply = _Reply(run, body, model, k)
+    if body.stream:
+        return sse_response(_stream(reply), done=False)
+    (cand,) = await run.collect()
+    reply.add(cand.pieces)
+    reply.finish = cand.finish_reason or "stop"
+    return Response(reply.response().model_dump_json(), media_type="application/json")
+
+
+def _event(kind: str, seq: int, **fields: Any) -> str:
+    data = {"type": kind, "sequence_number": seq}
+    for key, value in fields.items():
+        data[key] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+    return f"event: {kind}\ndata: {json.dumps(data, allow_nan=False)}\n\n"
+
+
+async def _stream(reply: _Reply) -> AsyncIterator[str]:
+    seq = 0
+
+    def ev(kind: str, **fields: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return _event(kind, seq - 1, **fields)
+
+    where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+    yield ev("response.created", response=reply.response())
+    yield ev("response.in_progress", response=reply.response())
+    yield ev("response.output_item.added", output_index=0, item=reply.item())
+    yield ev("response.content_part.added", **where, part=ResponseOutputText(text=""))
+    try:
+        async for _, delta in reply.run.deltas():
+            text, entries = reply.add(delta.pieces)
+            if text or entries:
+                logprobs = [e.model_dump(mode="json") for e in entries]
+                yield ev("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+            if delta.finish_reason:
+                reply.finish = delta.finish_reason
+    except APIError as exc:  # after the first event: an error event ends the stream
+        err = error_body(exc.status, exc.message, exc.param, exc.code)["error"]
+        code = err["code"] or err["type"]
+        yield ev("error", code=code, message=err["message"], param=err["param"])
+        return
+    reply.finish = reply.finish or "stop"
+    all_logprobs = [e.model_dump(mode="json") for e in reply.logprobs]
+    yield ev("response.output_text.done", **where, text=reply.text, logprobs=all_logprobs)
+    yield ev("response.content_part.done", **where, part=reply.part())
+    yield ev("response.output_item.done", output_index=0, item=reply.item())
+    final = "response.incomplete" if reply.status == "incomplete" else "response.completed"
+    yield ev(final, response=reply.response())

@@ -1,0 +1,123 @@
+"""One request pipeline for every route.
+
+A route validates its request and builds a `Plan`: the prompts, the candidates per prompt and
+their sampling, what logprobs to compute, stop strings. A `Run` does the rest the same way for
+every route: it submits all engine requests or none, streams the candidates' deltas or collects
+them, enforces the request deadline, counts usage (and the metrics), and closes every engine
+stream whatever happens. The route only turns candidates and deltas into its own shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from probserve.api.generation import (
+    Candidate,
+    Delta,
+    merge,
+    run_all,
+    share_prompt_scores,
+    submit_all,
+)
+from probserve.api.prompts import Prompt
+from probserve.api.protocol import Usage
+from probserve.api.state import ServerState
+from probserve.api.text_stream import TextStream
+from probserve.engine import AsyncEngine, EngineRequest, LogprobsSpec, SamplingParams
+
+
+@dataclass
+class Plan:
+    """What a request asks of the engine."""
+
+    prompts: list[Prompt]
+    sampling: list[SamplingParams]  # one per candidate of a prompt (candidate i: seed + i)
+    spec: LogprobsSpec | None
+    stops: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
+
+    @property
+    def per_prompt(self) -> int:
+        return len(self.sampling)
+
+
+class Run:
+    def __init__(self, state: ServerState, request: Request, plan: Plan, prefix: str) -> None:
+        self.state = state
+        self.request = request
+        self.plan = plan
+        self.prefix = prefix
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.started = time.monotonic()
+        self.candidates: list[Candidate] = []
+        self._finished = False
+
+    async def start(self) -> Run:
+        """Submit every candidate of every prompt (all or none). The candidates of one prompt
+        share its prompt scores: only the first one's engine request computes them."""
+        plan, table = self.plan, self.state.table
+        sibling = dataclasses.replace(plan.spec, prompt_top_k=None) if plan.spec else None
+        requests: list[EngineRequest] = []
+        texts: list[TextStream] = []
+        for prompt in plan.prompts:
+            base = len(prompt.text) if plan.offsets_from_prompt else 0
+            for c, sampling in enumerate(plan.sampling):
+                rid = AsyncEngine.new_request_id(self.prefix)
+                spec = sibling if c else plan.spec
+                requests.append(EngineRequest(rid, tuple(prompt.ids), sampling, spec, self.id))
+                texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
+        streams = await submit_all(self.state.engine, requests)
+        self.candidates = [
+            Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)
+        ]
+        if plan.spec is not None and plan.spec.prompt and plan.per_prompt > 1:
+            for i in range(0, len(self.candidates), plan.per_prompt):
+                share_prompt_scores(self.candidates[i : i + plan.per_prompt])
+        return self
+
+    def prompt_of(self, index: int) -> Prompt:
+        """The prompt of candidate `index`."""
+        return self.plan.prompts[index // self.plan.per_prompt]
+
+    @property
+    def timeout(self) -> float:
+        return self.state.config.limits.request_timeout
+
+    async def collect(self) -> list[Candidate]:
+        """Run every candidate to its end (non-streamed responses)."""
+        try:
+            await run_all(self.request, self.candidates, self.timeout)
+        finally:
+            self._finish()
+        return self.candidates
+
+    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        """(candidate index, delta) as the engine produces them (streamed responses)."""
+        try:
+            async for item in merge([c.deltas() for c in self.candidates], self.timeout):
+                yield item
+        finally:
+            for c in self.candidates:
+                c.stream.close()
+            self._finish()
+
+    @property
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
+        return Usage.of(prompt_tokens, sum(c.num_tokens for c in self.candidates))
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        usage = self.usage
+        self.request.state.usage = (usage.prompt_tokens, usage.completion_tokens)
+        self.state.metrics.observe_run(self)
