@@ -80,13 +80,15 @@ def _fmt(lp: float) -> str:
 
 
 async def _generate(args: argparse.Namespace) -> int:
+    from probserve.api.prompts import build_completion_prompts
     from probserve.api.server import engine_config
     from probserve.api.tokens import TokenTable, token_text
 
     loaded = load_model(args.model)
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
     engine = AsyncEngine(EngineCore(loaded, engine_config(args)))
-    prompt_ids = tuple(loaded.tokenizer(args.prompt, add_special_tokens=True).input_ids)
+    (prompt,) = build_completion_prompts(loaded, table, [args.prompt], engine.core.max_context)
+    prompt_ids = tuple(prompt.ids)
     request = EngineRequest(
         request_id=AsyncEngine.new_request_id("cli"),
         prompt_token_ids=prompt_ids,
@@ -189,9 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    from probserve.api.errors import APIError
+
     try:
         return int(args.func(args) or 0)
-    except ModelLoadError as exc:
+    except (ModelLoadError, APIError) as exc:
         print(f"probserve: error: {exc}", file=sys.stderr)
         return 2
 
