@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from probserve.engine import AsyncEngine, EngineConfig, EngineCore
 from probserve.models import LoadedModel, load_model
+
+# the scripts of bench/ (hostile clients, load test) are importable from the tests
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
 @pytest.fixture(scope="session")

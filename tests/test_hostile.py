@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 from conftest import run
+from hostile import CANARY  # the canary of bench/hostile.py
 from server_util import running_server, running_state
 
 from probserve.api.generation import Candidate, run_all
@@ -33,13 +34,6 @@ from probserve.models.llama import LlamaForward
 
 pytestmark = pytest.mark.slow
 
-CANARY = {
-    "prompt": "The capital of France is",
-    "max_tokens": 4,
-    "temperature": 0,
-    "logprobs": 2,
-    "echo": True,
-}
 HEALTH_BOUND_S = 1.0  # far below the seconds to minutes the defects cost
 
 

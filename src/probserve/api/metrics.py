@@ -77,22 +77,21 @@ class Metrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished sequences.", [*m, "finished_reason"], registry=r
         )
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", m,
-            buckets=TTFT_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds", "Time between tokens.", m,
-            buckets=ITL_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "Request latency, end to end.", m,
-            buckets=REQUEST_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.queue = Histogram(
-            "vllm:request_queue_time_seconds", "Time waiting before first scheduled.", m,
-            buckets=REQUEST_BUCKETS, registry=r,
-        )  # fmt: skip
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, end to end.", REQUEST_BUCKETS
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds", "Time before first scheduled.", REQUEST_BUCKETS
+        )
         self.http = Counter(
             "probserve:http_requests", "HTTP requests by route and status.",
             ["route", "status"], registry=r,
