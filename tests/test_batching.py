@@ -46,7 +46,7 @@ def _req(rid: str, ids: tuple[int, ...], n: int = 8, prompt: bool = True) -> Eng
         rid,
         ids,
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-        LogprobsSpec(top_k=5, prompt=prompt),
+        LogprobsSpec(top_k=5, prompt_top_k=5 if prompt else None),
     )
 
 

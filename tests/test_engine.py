@@ -217,7 +217,10 @@ def test_abort_frees_everything(smol: LoadedModel, engine_for):
             if s["waiting"] == s["running"] == s["held_caches"] == s["streams"] == 0:
                 break
             await asyncio.sleep(0.02)
-        assert eng.stats() == {"waiting": 0, "running": 0, "held_caches": 0, "streams": 0}
+        keys = ("waiting", "running", "held_caches", "streams")
+        counts = {k: eng.stats()[k] for k in keys}
+        assert counts == {"waiting": 0, "running": 0, "held_caches": 0, "streams": 0}
+        assert eng.stats()["kv_cache_usage"] == 0.0
         # the engine keeps serving
         outs = await eng.generate(_greedy("after", ids, n=2))
         assert len(_tokens(outs)) == 2

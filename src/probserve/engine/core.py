@@ -85,6 +85,7 @@ class EngineCore:
         while self.has_work():
             self.step()
         self.pool.reset_prefix_cache()
+        self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
 
     @property
     def max_context(self) -> int:
@@ -211,7 +212,8 @@ class EngineCore:
             a, b = ch.score_range
             spec = seq.request.logprobs
             k = (spec.prompt_top_k or 0) if spec else 0
-            seq.prompt_parts.append(score_positions(rows, seq.prompt_tensor[a + 1 : b + 1], k))
+            targets = seq.prompt_tensor[a + 1 : b + 1]
+            seq.prompt_parts.append(score_positions(rows, targets, k, spec))
         if seq.wants_prompt_scores and ch.end >= seq.num_prompt_tokens:
             seq.prompt_scored = True
             parts, seq.prompt_parts = seq.prompt_parts, []

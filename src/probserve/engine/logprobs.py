@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from probserve.engine.types import TokenLogprobs
+from probserve.engine.types import LogprobsSpec, TokenLogprobs
 
 if TYPE_CHECKING:
     from probserve.engine.runner import ScoreRows
@@ -20,8 +20,22 @@ if TYPE_CHECKING:
 SCORE_CHUNK_ROWS = 256
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
-    """`logprobs` [n, V] (already log-softmaxed), `token_ids` [n] -> TokenLogprobs with k alts."""
+def gather_logprobs(
+    logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    k: int,
+    targets: tuple[int, ...] = (),
+    entropy: bool = False,
+) -> TokenLogprobs:
+    """`logprobs` [n, V] (already log-softmaxed), `token_ids` [n] -> TokenLogprobs with k alts,
+    the logprobs of the `targets` ids, and each row's exact entropy when asked."""
+    target_lp = ent = None
+    if targets:
+        ids = torch.tensor(targets, dtype=torch.long)
+        target_lp = logprobs.index_select(1, ids).numpy().astype(np.float32, copy=True)
+    if entropy:
+        # H = -sum p log p over the whole vocabulary; masked tokens (p = 0) add nothing
+        ent = torch.special.entr(logprobs.exp()).sum(dim=1).numpy().astype(np.float32, copy=True)
     chosen = logprobs.gather(1, token_ids.view(-1, 1))  # [n, 1]
     ranks = (logprobs > chosen).sum(dim=1) + 1
     if k > 0:
@@ -36,10 +50,14 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> 
         ranks=ranks.numpy().astype(np.int64, copy=True),
         top_ids=top_ids.numpy().astype(np.int64, copy=True),
         top_logprobs=top_vals.numpy().astype(np.float32, copy=True),
+        target_logprobs=target_lp,
+        entropy=ent,
     )
 
 
-def score_positions(rows: ScoreRows, targets: torch.Tensor, k: int) -> TokenLogprobs:
+def score_positions(
+    rows: ScoreRows, targets: torch.Tensor, k: int, spec: LogprobsSpec | None = None
+) -> TokenLogprobs:
     """Raw logprobs of `targets` [n] under `rows` (row i predicts targets[i]), in slices of
     rows, so a long prompt never materialises n x V logits or log-probabilities at once."""
     n = len(rows)
@@ -48,16 +66,21 @@ def score_positions(rows: ScoreRows, targets: torch.Tensor, k: int) -> TokenLogp
             torch.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float(), dim=-1),
             targets[start : start + SCORE_CHUNK_ROWS],
             k,
+            spec.target_ids if spec else (),
+            bool(spec and spec.entropy),
         )
         for start in range(0, n, SCORE_CHUNK_ROWS)
     ]
     if not parts:
         empty_i = np.zeros((0,), dtype=np.int64)
+        n_targets = len(spec.target_ids) if spec else 0
         return TokenLogprobs(
             empty_i,
             np.zeros((0,), np.float32),
             empty_i,
             np.zeros((0, k), np.int64),
             np.zeros((0, k), np.float32),
+            np.zeros((0, n_targets), np.float32) if n_targets else None,
+            np.zeros((0,), np.float32) if spec and spec.entropy else None,
         )
     return parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)

@@ -17,6 +17,7 @@ distribution; masked tokens -inf), per request.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,24 +139,46 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
 
     results: list[TokenLogprobs | None] = [None] * len(rows)
     ok = [i for i in range(len(rows)) if errors[i] is None and rows[i].logprobs]
-    raw_idx = [i for i in ok if rows[i].logprobs.mode == LogprobsMode.RAW]  # type: ignore[union-attr]
-    proc_idx = [i for i in ok if rows[i].logprobs.mode == LogprobsMode.PROCESSED]  # type: ignore[union-attr]
-    for idx, sources in (
-        (raw_idx, logits[raw_idx] if raw_idx else None),
-        (proc_idx, torch.stack([processed[i] for i in proc_idx]) if proc_idx else None),
-    ):
-        if not idx or sources is None:
-            continue
-        lp = torch.log_softmax(sources, dim=-1)
-        k_max = max(rows[i].logprobs.top_k for i in idx)  # type: ignore[union-attr]
-        block = gather_logprobs(lp, chosen[idx], k_max)
-        for j, i in enumerate(idx):
-            k = rows[i].logprobs.top_k  # type: ignore[union-attr]
-            results[i] = TokenLogprobs(
-                token_ids=block.token_ids[j : j + 1],
-                logprobs=block.logprobs[j : j + 1],
-                ranks=block.ranks[j : j + 1],
-                top_ids=block.top_ids[j : j + 1, :k],
-                top_logprobs=block.top_logprobs[j : j + 1, :k],
-            )
+    specs = {i: rows[i].logprobs for i in ok}
+    raw_idx = [i for i in ok if specs[i].mode != LogprobsMode.PROCESSED]  # type: ignore[union-attr]
+    proc_idx = [i for i in ok if specs[i].mode != LogprobsMode.RAW]  # type: ignore[union-attr]
+    raw = _logprobs_rows(logits[raw_idx] if raw_idx else None, raw_idx, chosen, specs)
+    proc_rows = torch.stack([processed[i] for i in proc_idx]) if proc_idx else None
+    proc = _logprobs_rows(proc_rows, proc_idx, chosen, specs)
+    for i in ok:
+        mode = specs[i].mode  # type: ignore[union-attr]
+        if mode == LogprobsMode.RAW:
+            results[i] = raw[i]
+        elif mode == LogprobsMode.PROCESSED:
+            results[i] = proc[i]
+        else:
+            results[i] = dataclasses.replace(raw[i], processed=proc[i])
     return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results, errors=errors)
+
+
+def _logprobs_rows(
+    sources: torch.Tensor | None,
+    idx: list[int],
+    chosen: torch.Tensor,
+    specs: dict[int, LogprobsSpec | None],
+) -> dict[int, TokenLogprobs]:
+    """The logprobs of rows `idx` (whose logits are `sources`), one log_softmax and one top-k
+    for all of them; each row then takes its own k, target ids and entropy."""
+    if not idx or sources is None:
+        return {}
+    lp = torch.log_softmax(sources, dim=-1)
+    k_max = max(specs[i].top_k for i in idx)  # type: ignore[union-attr]
+    block = gather_logprobs(lp, chosen[idx], k_max)
+    out: dict[int, TokenLogprobs] = {}
+    for j, i in enumerate(idx):
+        spec = specs[i]
+        assert spec is not None
+        row = block.row(j, spec.top_k)
+        if spec.target_ids or spec.entropy:
+            extra = gather_logprobs(lp[j : j + 1], chosen[i : i + 1], 0, spec.target_ids,
+                                    spec.entropy)  # fmt: skip
+            row = dataclasses.replace(
+                row, target_logprobs=extra.target_logprobs, entropy=extra.entropy
+            )
+        out[i] = row
+    return out

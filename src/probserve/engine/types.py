@@ -16,10 +16,12 @@ class LogprobsMode(enum.StrEnum):
 
     RAW: log_softmax of the model's logits. PROCESSED: log_softmax of the distribution actually
     sampled from, after logit_bias, penalties, temperature and top-k/top-p/min-p (masked: -inf).
+    BOTH: raw, with the processed figures beside them (`TokenLogprobs.processed`).
     """
 
     RAW = "raw"
     PROCESSED = "processed"
+    BOTH = "both"
 
 
 class FinishReason(enum.StrEnum):
@@ -74,11 +76,14 @@ class LogprobsSpec:
     """What logprobs to return. `top_k`: how many alternatives per generated position (0: the
     chosen token's logprob and rank only). `prompt_top_k`: also score every prompt position
     after the first (always raw), with that many alternatives; None: the prompt is not scored.
-    `mode`: raw or processed, for generated tokens."""
+    `mode`: raw, processed or both, for generated tokens. `target_ids` and `entropy` add the
+    named ids' logprobs and the entropy at every position, generated and scored."""
 
     top_k: int = 0
     prompt_top_k: int | None = None
     mode: LogprobsMode = LogprobsMode.RAW
+    target_ids: tuple[int, ...] = ()  # logprobs of exactly these ids at every position
+    entropy: bool = False  # the exact entropy of each position's full distribution (nats)
 
     @property
     def prompt(self) -> bool:
@@ -107,18 +112,47 @@ class TokenLogprobs:
     ranks: np.ndarray  # int64 [n]
     top_ids: np.ndarray  # int64 [n, k]
     top_logprobs: np.ndarray  # float32 [n, k]
+    target_logprobs: np.ndarray | None = None  # float32 [n, T]: LogprobsSpec.target_ids
+    entropy: np.ndarray | None = None  # float32 [n], nats
+    processed: TokenLogprobs | None = None  # mode BOTH: the processed figures, same rows
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def row(self, j: int, k: int | None = None) -> TokenLogprobs:
+        """Row j alone (with at most k alternatives)."""
+
+        def cut(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[j : j + 1]
+
+        return TokenLogprobs(
+            token_ids=self.token_ids[j : j + 1],
+            logprobs=self.logprobs[j : j + 1],
+            ranks=self.ranks[j : j + 1],
+            top_ids=self.top_ids[j : j + 1, :k],
+            top_logprobs=self.top_logprobs[j : j + 1, :k],
+            target_logprobs=cut(self.target_logprobs),
+            entropy=cut(self.entropy),
+            processed=None if self.processed is None else self.processed.row(j, k),
+        )
+
     @staticmethod
     def concat(parts: list[TokenLogprobs]) -> TokenLogprobs:
+        def cat(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+            return None if arrays[0] is None else np.concatenate(arrays)  # type: ignore[arg-type]
+
+        processed = [p.processed for p in parts]
         return TokenLogprobs(
             token_ids=np.concatenate([p.token_ids for p in parts]),
             logprobs=np.concatenate([p.logprobs for p in parts]),
             ranks=np.concatenate([p.ranks for p in parts]),
             top_ids=np.concatenate([p.top_ids for p in parts]),
             top_logprobs=np.concatenate([p.top_logprobs for p in parts]),
+            target_logprobs=cat([p.target_logprobs for p in parts]),
+            entropy=cat([p.entropy for p in parts]),
+            processed=None
+            if processed[0] is None
+            else TokenLogprobs.concat(processed),  # type: ignore[arg-type]
         )
 
 
