@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
-    gen.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
+    gen.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
     _add_engine_args(gen)
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(serve)
     serve.add_argument("--max-logprobs", type=int, default=20)
     serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")
-    serve.add_argument("--logprobs-mode", choices=["raw", "processed"], default="raw")
+    serve.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
     _add_engine_args(serve)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)

@@ -31,5 +31,7 @@ async def chat_plan(
     ids = await chat_prompt_ids(
         state.loaded, limits, messages, add_generation_prompt, template_kwargs
     )
-    spec = logprobs_spec(top_k, prompt_top_k, body.logprobs_mode, state.config.logprobs_mode)
+    spec = logprobs_spec(
+        top_k, prompt_top_k, body, state.config.logprobs_mode, state.loaded.vocab_size, limits
+    )
     return Plan([Prompt(ids, "", [])], sampling, spec, stops, body.skip_special_tokens)

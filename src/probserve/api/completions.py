@@ -72,9 +72,11 @@ async def _plan(state: ServerState, body: CompletionRequest) -> tuple[Plan, _Sha
     needs_lp = k is not None or best_of > body.n  # best_of ranks candidates by mean logprob
     spec = logprobs_spec(
         k if needs_lp else None,
-        prompt_top_k=k if body.echo else None,
-        mode=body.logprobs_mode,
-        default=cfg.logprobs_mode,
+        k if body.echo else None,
+        body,
+        cfg.logprobs_mode,
+        state.loaded.vocab_size,
+        cfg.limits,
     )
     plan = Plan(built, sampling, spec, stops, body.skip_special_tokens, offsets_from_prompt=True)
     return plan, shape

@@ -11,7 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from probserve.api.protocol import ChatLogprobEntry, CompletionLogprobs, TopLogprob
+from probserve.api.protocol import (
+    ChatLogprobEntry,
+    CompletionLogprobs,
+    ProcessedLogprobs,
+    TargetLogprob,
+    TopLogprob,
+)
 from probserve.api.text_stream import Piece
 from probserve.api.tokens import TokenTable
 from probserve.engine import TokenLogprobs
@@ -32,33 +38,44 @@ class LogprobsFormatter:
         self.table = table
 
     # ---- /v1/completions ------------------------------------------------------------------
+    def _completion_top(self, lp: TokenLogprobs, j: int, k: int, text: str, value: float) -> dict:
+        texts = self.table.legacy_texts
+        top: dict[str, float] = {}
+        for tid, v in zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True):
+            top.setdefault(texts[tid], v if math.isfinite(v) else finite(v))
+        top.setdefault(text, value)
+        return top
+
     def completion(self, pieces: Iterable[Piece], k: int) -> CompletionLogprobs:
         texts = self.table.legacy_texts
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
         offsets: list[int] = []
+        extras = _Extras()
         for p in pieces:
             text = texts[p.token_id]
             tokens.append(text)
             offsets.append(p.offset)
-            if p.logprobs is None:  # the first prompt token: no context
+            lp = p.logprobs
+            if lp is None:  # the first prompt token: no context
                 values.append(None)
                 tops.append(None)
+                extras.add_empty()
                 continue
-            lp, j = p.logprobs, p.row
+            j = p.row
             value = finite(lp.logprobs[j])
             values.append(value)
-            top: dict[str, float] = {}
-            for tid, v in zip(
-                lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True
-            ):
-                top.setdefault(texts[tid], v if math.isfinite(v) else finite(v))
-            top.setdefault(text, value)
-            tops.append(top)
-        return CompletionLogprobs.model_construct(
+            tops.append(self._completion_top(lp, j, k, text, value))
+            proc_top = None
+            if lp.processed is not None:
+                pv = finite(lp.processed.logprobs[j])
+                proc_top = self._completion_top(lp.processed, j, k, text, pv)
+            extras.add(lp, j, proc_top)
+        out = CompletionLogprobs.model_construct(
             tokens=tokens, token_logprobs=values, top_logprobs=tops, text_offset=offsets
         )
+        return extras.fill(out) if extras.used else out
 
     # ---- /v1/chat/completions -------------------------------------------------------------
     def _top(self, token_id: int, value: float) -> TopLogprob:
@@ -68,27 +85,42 @@ class LogprobsFormatter:
             bytes=self.table.byte_lists[token_id],
         )
 
+    def _tops(self, lp: TokenLogprobs, j: int, k: int) -> list[TopLogprob]:
+        alts = zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True)
+        return [self._top(tid, v) for tid, v in alts]
+
     def chat(self, pieces: Iterable[Piece], k: int) -> list[ChatLogprobEntry]:
         entries: list[ChatLogprobEntry] = []
         for p in pieces:
             if p.hidden or p.logprobs is None:
                 continue
             lp, j = p.logprobs, p.row
-            alts = [
-                self._top(tid, v)
-                for tid, v in zip(
-                    lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True
-                )
-            ]
-            entries.append(
-                ChatLogprobEntry.model_construct(
-                    token=self.table.chat_texts[p.token_id],
-                    logprob=finite(lp.logprobs[j]),
-                    bytes=self.table.byte_lists[p.token_id],
-                    top_logprobs=alts,
-                )
+            entry = ChatLogprobEntry.model_construct(
+                token=self.table.chat_texts[p.token_id],
+                logprob=finite(lp.logprobs[j]),
+                bytes=self.table.byte_lists[p.token_id],
+                top_logprobs=self._tops(lp, j, k),
             )
+            if lp.target_logprobs is not None:
+                entry.target_logprobs = self.targets(lp, j)
+            if lp.entropy is not None:
+                entry.entropy = float(lp.entropy[j])
+            if lp.processed is not None:
+                entry.processed_logprob = finite(lp.processed.logprobs[j])
+                entry.processed_top_logprobs = self._tops(lp.processed, j, k)
+            entries.append(entry)
         return entries
+
+    def targets(self, lp: TokenLogprobs, j: int) -> list[TargetLogprob]:
+        """The requested ids' logprobs at row j, in the order they were asked for."""
+        assert lp.target_logprobs is not None
+        ids = lp.target_ids
+        return [
+            TargetLogprob.model_construct(
+                id=tid, token=self.table.chat_texts[tid], logprob=finite(v)
+            )
+            for tid, v in zip(ids, lp.target_logprobs[j].tolist(), strict=True)
+        ]
 
     def prompt_logprobs(
         self, scores: TokenLogprobs, k: int
@@ -114,3 +146,57 @@ class LogprobsFormatter:
             "rank": int(rank),
             "decoded_token": self.table.chat_texts[int(tid)],
         }
+
+
+class _Extras:
+    """probserve's optional completions arrays (target ids, entropy, processed), aligned with
+    the tokens; built only when a row carries them."""
+
+    def __init__(self) -> None:
+        self.used = False
+        self.targets: list[dict[str, float] | None] = []
+        self.entropy: list[float | None] = []
+        self.proc_values: list[float | None] = []
+        self.proc_tops: list[dict[str, float] | None] = []
+        self.has_targets = self.has_entropy = self.has_processed = False
+
+    def add_empty(self) -> None:
+        self.targets.append(None)
+        self.entropy.append(None)
+        self.proc_values.append(None)
+        self.proc_tops.append(None)
+
+    def add(self, lp: TokenLogprobs, j: int, processed_top: dict[str, float] | None) -> None:
+        if lp.target_logprobs is not None:
+            self.used = self.has_targets = True
+            self.targets.append(
+                {
+                    str(t): finite(v)
+                    for t, v in zip(lp.target_ids, lp.target_logprobs[j].tolist(), strict=True)
+                }
+            )
+        else:
+            self.targets.append(None)
+        if lp.entropy is not None:
+            self.used = self.has_entropy = True
+            self.entropy.append(float(lp.entropy[j]))
+        else:
+            self.entropy.append(None)
+        if lp.processed is not None:
+            self.used = self.has_processed = True
+            self.proc_values.append(finite(lp.processed.logprobs[j]))
+            self.proc_tops.append(processed_top)
+        else:
+            self.proc_values.append(None)
+            self.proc_tops.append(None)
+
+    def fill(self, out: CompletionLogprobs) -> CompletionLogprobs:
+        if self.has_targets:
+            out.target_logprobs = self.targets
+        if self.has_entropy:
+            out.entropy = self.entropy
+        if self.has_processed:
+            out.processed = ProcessedLogprobs.model_construct(
+                token_logprobs=self.proc_values, top_logprobs=self.proc_tops
+            )
+        return out

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-LogprobsModeName = Literal["raw", "processed"]
+LogprobsModeName = Literal["raw", "processed", "both"]
 
 # the range of a 64-bit signed integer: seeds and other integers past it are a 400
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -83,6 +83,10 @@ class SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     logprobs_mode: LogprobsModeName | None = None
     skip_special_tokens: bool = True
+    # probserve's extensions: the logprobs of exactly these ids at every position, and the
+    # exact entropy of every position's full distribution
+    logprob_token_ids: list[int] | None = None
+    return_entropy: bool = False
 
 
 PromptType = Text | list[Text] | list[int] | list[list[int]]
@@ -137,11 +141,30 @@ class Usage(BaseModel):
         )
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
+def Extension(default: Any = None) -> Any:
+    """A field of probserve's own: left out of the JSON unless the request asked for it."""
+    return Field(default, exclude_if=_absent)
+
+
+class ProcessedLogprobs(BaseModel):
+    """logprobs_mode "both": the processed figures beside the raw ones (None: a prompt token)."""
+
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+    target_logprobs: list[dict[str, float] | None] | None = Extension()  # id -> logprob
+    entropy: list[float | None] | None = Extension()
+    processed: ProcessedLogprobs | None = Extension()
 
 
 class CompletionChoice(BaseModel):
@@ -171,8 +194,18 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None
 
 
+class TargetLogprob(BaseModel):
+    id: int
+    token: str
+    logprob: float
+
+
 class ChatLogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob]
+    target_logprobs: list[TargetLogprob] | None = Extension()
+    entropy: float | None = Extension()
+    processed_logprob: float | None = Extension()
+    processed_top_logprobs: list[TopLogprob] | None = Extension()
 
 
 class ChatLogprobs(BaseModel):
@@ -367,3 +400,22 @@ class ResponseObject(BaseModel):
     previous_response_id: None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
+
+
+# ---- /v1/score (SGLang's scoring API) ----------------------------------------------------------
+
+
+class ScoreRequest(_Request):
+    model: Text | None = None
+    query: Text | list[int]
+    items: Text | list[Text] | list[list[int]]
+    label_token_ids: list[int]
+    apply_softmax: bool = False
+    item_first: bool = False
+
+
+class ScoreResponse(BaseModel):
+    object: Literal["scoring"] = "scoring"
+    model: str
+    scores: list[list[float]]
+    usage: Usage

@@ -51,6 +51,7 @@ def gather_logprobs(
         top_ids=top_ids.numpy().astype(np.int64, copy=True),
         top_logprobs=top_vals.numpy().astype(np.float32, copy=True),
         target_logprobs=target_lp,
+        target_ids=tuple(targets),
         entropy=ent,
     )
 
@@ -80,7 +81,8 @@ def score_positions(
             empty_i,
             np.zeros((0, k), np.int64),
             np.zeros((0, k), np.float32),
-            np.zeros((0, n_targets), np.float32) if n_targets else None,
-            np.zeros((0,), np.float32) if spec and spec.entropy else None,
+            target_logprobs=np.zeros((0, n_targets), np.float32) if n_targets else None,
+            target_ids=spec.target_ids if spec else (),
+            entropy=np.zeros((0,), np.float32) if spec and spec.entropy else None,
         )
     return parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)

@@ -178,7 +178,10 @@ def _logprobs_rows(
             extra = gather_logprobs(lp[j : j + 1], chosen[i : i + 1], 0, spec.target_ids,
                                     spec.entropy)  # fmt: skip
             row = dataclasses.replace(
-                row, target_logprobs=extra.target_logprobs, entropy=extra.entropy
+                row,
+                target_logprobs=extra.target_logprobs,
+                target_ids=extra.target_ids,
+                entropy=extra.entropy,
             )
         out[i] = row
     return out

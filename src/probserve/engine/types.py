@@ -112,7 +112,8 @@ class TokenLogprobs:
     ranks: np.ndarray  # int64 [n]
     top_ids: np.ndarray  # int64 [n, k]
     top_logprobs: np.ndarray  # float32 [n, k]
-    target_logprobs: np.ndarray | None = None  # float32 [n, T]: LogprobsSpec.target_ids
+    target_logprobs: np.ndarray | None = None  # float32 [n, T]: the ids of `target_ids`
+    target_ids: tuple[int, ...] = ()
     entropy: np.ndarray | None = None  # float32 [n], nats
     processed: TokenLogprobs | None = None  # mode BOTH: the processed figures, same rows
 
@@ -132,6 +133,7 @@ class TokenLogprobs:
             top_ids=self.top_ids[j : j + 1, :k],
             top_logprobs=self.top_logprobs[j : j + 1, :k],
             target_logprobs=cut(self.target_logprobs),
+            target_ids=self.target_ids,
             entropy=cut(self.entropy),
             processed=None if self.processed is None else self.processed.row(j, k),
         )
@@ -149,6 +151,7 @@ class TokenLogprobs:
             top_ids=np.concatenate([p.top_ids for p in parts]),
             top_logprobs=np.concatenate([p.top_logprobs for p in parts]),
             target_logprobs=cat([p.target_logprobs for p in parts]),
+            target_ids=parts[0].target_ids,
             entropy=cat([p.entropy for p in parts]),
             processed=None
             if processed[0] is None

@@ -1,0 +1,73 @@
+"""POST /v1/score, compatible with SGLang's: the probability of each label token right after
+`query + item` (or `item + query`), for every item, in one batched engine pass.
+
+Each item becomes one engine request that computes a single next-token distribution and the
+logprobs of the label ids there (target-token logprobs); the shared query is computed once for
+all items through the prefix cache. `apply_softmax: false` gives each label's probability under
+the full distribution; `true` renormalises over the labels.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import APIRouter, Request
+
+from probserve.api.errors import ERRORS, bad_request
+from probserve.api.prompts import build_completion_prompts, check_text_size, off_loop
+from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
+from probserve.api.run import Plan, Run
+from probserve.api.state import ServerState
+from probserve.engine import LogprobsSpec, SamplingParams
+
+router = APIRouter()
+
+
+def _inputs(body: ScoreRequest) -> list[str] | list[list[int]]:
+    items = [body.items] if isinstance(body.items, str) else list(body.items)
+    if not items:
+        raise bad_request("items is empty", "items")
+    query = body.query
+    if isinstance(query, str) and all(isinstance(i, str) for i in items):
+        return [(i + query) if body.item_first else (query + i) for i in items]  # type: ignore[operator]
+    if isinstance(query, list) and all(isinstance(i, list) for i in items):
+        return [(i + query) if body.item_first else (query + i) for i in items]  # type: ignore[operator]
+    raise bad_request("query and items must both be text or both be token ids", "items")
+
+
+@router.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
+async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
+    state: ServerState = request.app.state.probserve
+    model = state.check_model(body.model)
+    limits = state.config.limits
+    labels = tuple(body.label_token_ids)
+    if not labels or len(labels) > limits.max_logprob_token_ids:
+        raise bad_request(
+            f"label_token_ids needs 1 to {limits.max_logprob_token_ids} ids", "label_token_ids"
+        )
+    bad = next((t for t in labels if not 0 <= t < state.loaded.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"label token id {bad} is outside the vocabulary", "label_token_ids")
+    inputs = _inputs(body)
+    limits.check_sequences(len(inputs), 1, "items")
+    if isinstance(inputs[0], str):
+        check_text_size(limits, inputs, "items")  # type: ignore[arg-type]
+    prompts = await off_loop(
+        build_completion_prompts, state.loaded, state.table, inputs, state.engine.core.max_context
+    )
+    spec = LogprobsSpec(top_k=0, target_ids=labels)
+    plan = Plan(prompts, [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)], spec)
+    run = await Run(state, request, plan, "score").start()
+    scores: list[list[float]] = []
+    for cand in await run.collect():
+        lp = cand.pieces[0].logprobs if cand.pieces else None
+        if lp is None or lp.target_logprobs is None:
+            raise bad_request("an item produced no distribution", "items")
+        values = [float(v) for v in lp.target_logprobs[cand.pieces[0].row]]
+        if body.apply_softmax:
+            top = max(values)
+            exps = [math.exp(v - top) for v in values]
+            scores.append([e / sum(exps) for e in exps])
+        else:
+            scores.append([math.exp(v) for v in values])
+    return ScoreResponse(model=model, scores=scores, usage=Usage.of(run.usage.prompt_tokens, 0))

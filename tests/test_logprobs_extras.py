@@ -1,0 +1,198 @@
+"""probserve's logprobs extensions against an independent full forward: target-token logprobs,
+exact entropy, raw and processed side by side, and /v1/score."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from reference import full_logprobs
+
+from probserve.api.prompts import render_chat
+from probserve.models import LoadedModel
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+TARGETS = [504, 30, 2, 1000]  # arbitrary ids, special and ordinary
+
+
+def _entropy(row: torch.Tensor) -> float:
+    return float(torch.special.entr(row.exp()).sum())
+
+
+def _greedy(smol: LoadedModel, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """The reference's own greedy continuation (no retokenizing of text): ids and the logprob
+    rows of every position."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(full_logprobs(smol.model, ids)[-1].argmax()))
+    return ids, full_logprobs(smol.model, ids)
+
+
+def test_completions_targets_and_entropy_equal_the_reference(http, smol: LoadedModel):
+    body = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "max_tokens": 4,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "logprob_token_ids": TARGETS,
+        "return_entropy": True,
+    }
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    prompt_ids = smol.tokenizer(body["prompt"]).input_ids
+    ids, ref = _greedy(smol, prompt_ids, 4)
+    assert len(lp["target_logprobs"]) == len(lp["entropy"]) == len(lp["tokens"]) == len(ids)
+    assert lp["target_logprobs"][0] is None and lp["entropy"][0] is None
+    for pos in range(1, len(ids)):  # prompt positions and generated ones alike
+        row = ref[pos - 1]
+        got = lp["target_logprobs"][pos]
+        assert list(got) == [str(t) for t in TARGETS]
+        for t in TARGETS:
+            assert abs(got[str(t)] - float(row[t])) < 1e-4, (pos, t)
+        assert abs(lp["entropy"][pos] - _entropy(row)) < 1e-4
+    assert n_prompt == len(prompt_ids)
+    # streamed: the same figures, chunk by chunk
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    streamed = [e for c in chunks for e in c["choices"][0]["logprobs"]["entropy"]]
+    assert len(streamed) == len(lp["entropy"])
+    for a, b in zip(streamed, lp["entropy"], strict=True):
+        assert (a is None and b is None) or abs(a - b) < 1e-4
+
+
+def test_chat_and_responses_targets_and_entropy(http, smol: LoadedModel):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": msgs, "max_tokens": 4, "temperature": 0,
+              "logprobs": True, "top_logprobs": 1, "logprob_token_ids": TARGETS,
+              "return_entropy": True},
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    prompt = render_chat(smol, msgs, True, {})
+    _, ref = _greedy(smol, prompt, 4)
+    for j, e in enumerate(entries):
+        row = ref[len(prompt) + j - 1]
+        assert [t["id"] for t in e["target_logprobs"]] == TARGETS
+        assert all(abs(t["logprob"] - float(row[t["id"]])) < 1e-4 for t in e["target_logprobs"])
+        assert abs(e["entropy"] - _entropy(row)) < 1e-4
+    resp = http.post(
+        "/v1/responses",
+        json={"model": MODEL, "input": "Name a colour.", "max_output_tokens": 4,
+              "temperature": 0, "top_logprobs": 1, "logprob_token_ids": TARGETS,
+              "return_entropy": True},
+    ).json()  # fmt: skip
+    same = resp["output"][0]["content"][0]["logprobs"]
+    assert [e["token"] for e in same] == [e["token"] for e in entries]
+    for a, b in zip(same, entries, strict=True):
+        assert abs(a["entropy"] - b["entropy"]) < 1e-4
+        assert a["target_logprobs"][0]["id"] == TARGETS[0]
+
+
+def test_raw_and_processed_side_by_side(http, smol: LoadedModel):
+    body = {
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "max_tokens": 5,
+        "temperature": 0.7,
+        "top_k": 10,
+        "seed": 11,
+        "logprobs": 3,
+        "logprobs_mode": "both",
+    }
+    r = http.post("/v1/completions", json=body).json()
+    lp = r["choices"][0]["logprobs"]
+    prompt_ids = smol.tokenizer(body["prompt"]).input_ids
+    gen_ids = smol.tokenizer(r["choices"][0]["text"], add_special_tokens=False).input_ids
+    ids = prompt_ids + gen_ids
+    with torch.inference_mode():
+        logits = smol.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].float()
+    for j in range(len(gen_ids)):
+        row = logits[len(prompt_ids) + j - 1]
+        raw = torch.log_softmax(row, -1)
+        scaled = (row - row.max()) / 0.7
+        kth = torch.topk(scaled, 10).values[-1]
+        proc = torch.log_softmax(scaled.masked_fill(scaled < kth, float("-inf")), -1)
+        tid = gen_ids[j]
+        assert abs(lp["token_logprobs"][j] - float(raw[tid])) < 1e-4
+        assert abs(lp["processed"]["token_logprobs"][j] - float(proc[tid])) < 1e-4
+        best = max(lp["processed"]["top_logprobs"][j].values())
+        assert abs(best - float(proc.max())) < 1e-4
+    # chat: processed beside raw on every entry
+    c = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+              "temperature": 0.7, "top_k": 10, "seed": 3, "logprobs": True, "top_logprobs": 2,
+              "logprobs_mode": "both"},
+    ).json()  # fmt: skip
+    for e in c["choices"][0]["logprobs"]["content"]:
+        # a cooler, top-k-cut distribution puts more mass on its best token
+        best_raw, best_proc = e["top_logprobs"][0], e["processed_top_logprobs"][0]
+        assert best_proc["token"] == best_raw["token"]
+        assert best_proc["logprob"] >= best_raw["logprob"] - 1e-6
+        assert len(e["processed_top_logprobs"]) == 2 and "processed_logprob" in e
+
+
+def test_extension_errors(http):
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 1, "logprobs": 1}
+    for extra, param in (
+        ({"logprob_token_ids": [10**9]}, "logprob_token_ids"),
+        ({"logprob_token_ids": [-1]}, "logprob_token_ids"),
+        ({"logprob_token_ids": [1] * 257}, "logprob_token_ids"),
+        ({"logprobs": None, "return_entropy": True}, "return_entropy"),
+        ({"logprobs": None, "logprob_token_ids": [1]}, "logprob_token_ids"),
+        ({"logprobs_mode": "sideways"}, "logprobs_mode"),
+    ):
+        r = http.post("/v1/completions", json={**base, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    plain = http.post("/v1/completions", json=base).json()["choices"][0]["logprobs"]
+    assert set(plain) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+
+
+def test_score_endpoint_equals_completions(http, smol: LoadedModel):
+    labels = [smol.tokenizer(w, add_special_tokens=False).input_ids[0] for w in (" Yes", " No")]
+    body = {
+        "model": MODEL,
+        "query": "Is Paris the capital of France? Answer:",
+        "items": ["", " Think:"],
+        "label_token_ids": labels,
+        "apply_softmax": False,
+    }
+    r = http.post("/v1/score", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "scoring" and len(out["scores"]) == 2
+    for item, scores in zip(body["items"], out["scores"], strict=True):
+        ids = smol.tokenizer(body["query"] + item).input_ids
+        row = full_logprobs(smol.model, ids)[-1]
+        for label, score in zip(labels, scores, strict=True):
+            assert abs(math.log(score) - float(row[label])) < 1e-4
+    soft = http.post("/v1/score", json={**body, "apply_softmax": True}).json()["scores"]
+    for raw, norm in zip(out["scores"], soft, strict=True):
+        assert abs(sum(norm) - 1.0) < 1e-6
+        assert abs(norm[0] - raw[0] / sum(raw)) < 1e-5
+    # the same figures from a completions request
+    comp = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": body["query"], "max_tokens": 1, "temperature": 0,
+              "logprobs": 0, "logprob_token_ids": labels},
+    ).json()["choices"][0]["logprobs"]["target_logprobs"][0]  # fmt: skip
+    assert abs(comp[str(labels[0])] - math.log(out["scores"][0][0])) < 1e-4
+    item_first = http.post("/v1/score", json={**body, "item_first": True}).json()["scores"]
+    assert item_first[0] == pytest.approx(out["scores"][0], abs=1e-6)  # "" + query == query
+    for bad, param in (
+        ({"label_token_ids": [10**9]}, "label_token_ids"),
+        ({"label_token_ids": []}, "label_token_ids"),
+        ({"items": []}, "items"),
+    ):
+        resp = http.post("/v1/score", json={**body, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
