@@ -196,3 +196,71 @@ def test_score_endpoint_equals_completions(http, smol: LoadedModel):
     ):
         resp = http.post("/v1/score", json={**body, **bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_chat_prompt_scoring_knows_the_template(http, smol: LoadedModel):
+    from probserve.api.tokens import TokenTable
+
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": 2}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    ids = render_chat(smol, msgs, True, {})
+    sources, plp = r["prompt_token_sources"], r["prompt_logprobs"]
+    assert len(sources) == len(plp) == len(ids)
+    table = TokenTable(smol.tokenizer, smol.vocab_size)
+    texts = [table.decode([t]) for t in ids]
+    rendered = smol.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "".join(texts) == rendered  # the attributed tokens rebuild the rendered template
+    for i, m in enumerate(msgs):
+        mine = "".join(t for t, s in zip(texts, sources, strict=True) if s["message_index"] == i)
+        assert mine.strip() == m["content"] and all(
+            s["role"] == m["role"] for s in sources if s["message_index"] == i
+        )
+    template = "".join(t for t, s in zip(texts, sources, strict=True) if s["role"] == "template")
+    assert "<|im_start|>" in template and "France" not in template
+    # the values: the reference's, at every position
+    ref = full_logprobs(smol.model, ids)
+    for j in range(1, len(ids)):
+        got = plp[j][str(ids[j])]["logprob"]
+        assert abs(got - float(ref[j - 1][ids[j]])) < 1e-4
+    # streamed (first chunk) and again from the prefix cache: the same
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    first = next(c for c in chunks if c["choices"] and "prompt_logprobs" in c["choices"][0])
+    streamed = first["choices"][0]
+    assert streamed["prompt_token_sources"] == sources
+    for a, b in zip(streamed["prompt_logprobs"][1:], plp[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)
+
+
+def test_chat_echo_scores_the_final_answer(http, smol: LoadedModel):
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = "The capital of France is Paris."
+    body = {"model": MODEL, "messages": [*q, {"role": "assistant", "content": answer}],
+            "echo": True, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    cont = r.json()["choices"][0]["continuation"]
+    prefix = render_chat(smol, q, True, {})
+    ans = smol.tokenizer(answer, add_special_tokens=False).input_ids
+    ref = full_logprobs(smol.model, prefix + ans)
+    rows = [ref[len(prefix) + j - 1] for j in range(len(ans))]
+    assert b"".join(bytes(e["bytes"]) for e in cont["content"]).decode() == answer
+    want = sum(float(row[t]) for row, t in zip(rows, ans, strict=True))
+    assert abs(cont["logprob_sum"] - want) < 1e-3
+    greedy = all(int(row.argmax()) == t for row, t in zip(rows, ans, strict=True))
+    assert cont["is_greedy"] == greedy
+    assert all(len(e["top_logprobs"]) == 2 for e in cont["content"])
+    assert r.json()["usage"]["completion_tokens"] == 0
+    for bad, param in (
+        ({"messages": q}, "messages"),
+        ({"max_tokens": 5}, "max_tokens"),
+        ({"stream": True}, "stream"),
+    ):
+        resp = http.post("/v1/chat/completions", json={**body, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

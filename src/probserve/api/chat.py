@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from probserve.api.chat_plan import chat_plan
 from probserve.api.errors import ERRORS, bad_request
+from probserve.api.prompts import ChatPrompt
 from probserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -18,12 +20,15 @@ from probserve.api.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ContinuationScore,
+    PromptTokenSource,
     Usage,
 )
 from probserve.api.run import Run
 from probserve.api.sse import event, sse_response
 from probserve.api.state import ServerState
 from probserve.api.text_stream import Piece
+from probserve.engine import TokenLogprobs
 
 router = APIRouter()
 
@@ -50,6 +55,39 @@ def _logprobs(state: ServerState, pieces: list[Piece], k: int | None) -> ChatLog
     return ChatLogprobs(content=state.fmt.chat(pieces, k), refusal=None)
 
 
+def _prompt_extras(
+    run: Run, body: ChatCompletionRequest, scores: TokenLogprobs | None
+) -> dict[str, object]:
+    """prompt_logprobs (vLLM's shape) and where each prompt token comes from."""
+    if body.prompt_logprobs is None or scores is None:
+        return {}
+    prompt = run.plan.prompts[0]
+    assert isinstance(prompt, ChatPrompt)
+    return {
+        "prompt_logprobs": run.state.fmt.prompt_logprobs(scores, body.prompt_logprobs),
+        "prompt_token_sources": [
+            PromptTokenSource(message_index=i, role=role) for i, role in prompt.sources
+        ],
+    }
+
+
+def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> ContinuationScore:
+    """Chat echo: the final assistant message's tokens, scored (row t-1 predicts token t)."""
+    prompt = run.plan.prompts[0]
+    assert isinstance(prompt, ChatPrompt) and scores is not None
+    first = len(prompt.ids) - prompt.continuation
+    pieces = [
+        replace(p, logprobs=scores, row=first + j - 1)
+        for j, p in enumerate(prompt.pieces[first:])
+    ]
+    rows = range(first - 1, len(prompt.ids) - 1)
+    return ContinuationScore(
+        content=run.state.fmt.chat(pieces, k),
+        logprob_sum=float(sum(float(scores.logprobs[r]) for r in rows)),
+        is_greedy=all(int(scores.ranks[r]) == 1 for r in rows),
+    )
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.probserve
@@ -58,32 +96,39 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
+    prompt_top_k = body.prompt_logprobs
+    if body.echo:
+        if max_tokens:
+            raise bad_request("echo scores the final message: max_tokens must be 0", "max_tokens")
+        if body.stream:
+            raise bad_request("echo is not supported with stream", "stream")
+        max_tokens, k = 0, k or 0
+        prompt_top_k = max(prompt_top_k or 0, k)
     plan = await chat_plan(
         state,
         body,
         body.messages,
         max_tokens,
         top_k=k,
-        prompt_top_k=body.prompt_logprobs,
+        prompt_top_k=prompt_top_k,
         add_generation_prompt=body.add_generation_prompt,
         template_kwargs=body.chat_template_kwargs,
+        echo=body.echo,
     )
     run = await Run(state, request, plan, "chatcmpl").start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_stream(run, model, k, include_usage))
+        return sse_response(_stream(run, body, model, k, include_usage))
     choices = []
     for i, cand in enumerate(await run.collect()):
-        prompt_lp = None
-        if body.prompt_logprobs is not None and cand.prompt_scores is not None:
-            prompt_lp = state.fmt.prompt_logprobs(cand.prompt_scores, body.prompt_logprobs)
         choices.append(
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content="".join(p.text for p in cand.pieces)),
                 logprobs=_logprobs(state, cand.pieces, k),
                 finish_reason=cand.finish_reason,  # type: ignore[arg-type]
-                prompt_logprobs=prompt_lp,
+                continuation=_continuation(run, cand.prompt_scores, k or 0) if body.echo else None,
+                **_prompt_extras(run, body, cand.prompt_scores),  # type: ignore[arg-type]
             )
         )
     resp = ChatCompletionResponse(
@@ -92,7 +137,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _stream(run: Run, model: str, k: int | None, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    run: Run, body: ChatCompletionRequest, model: str, k: int | None, include_usage: bool
+) -> AsyncIterator[str]:
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         return event(
             ChatCompletionChunk(
@@ -108,9 +155,10 @@ async def _stream(run: Run, model: str, k: int | None, include_usage: bool) -> A
     )
     async for i, delta in run.deltas():
         lp = _logprobs(run.state, delta.pieces, k)
-        if delta.text or (lp and lp.content):
+        extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
+        if delta.text or (lp and lp.content) or extras:
             content = ChatDelta(content=delta.text)
-            yield chunk([ChatChunkChoice(index=i, delta=content, logprobs=lp)])
+            yield chunk([ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)])  # type: ignore[arg-type]
         if delta.finish_reason:
             yield chunk(
                 [ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)]  # type: ignore[arg-type]

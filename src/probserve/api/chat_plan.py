@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from probserve.api.prompts import Prompt, chat_prompt_ids
+from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs, off_loop
 from probserve.api.protocol import ChatMessage, SamplingFields
 from probserve.api.run import Plan
 from probserve.api.sampling import candidate_params, check_request, logprobs_spec
@@ -21,17 +21,21 @@ async def chat_plan(
     prompt_top_k: int | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    echo: bool = False,
 ) -> Plan:
     """`top_k`: alternatives per generated token (None: no logprobs); `prompt_top_k`: score the
-    rendered prompt with that many alternatives (None: not scored)."""
+    rendered prompt with that many alternatives (None: not scored); `echo`: the final assistant
+    message is appended as a continuation to score."""
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
     sampling = candidate_params(body, max_tokens, state.loaded.vocab_size, body.n)
-    ids = await chat_prompt_ids(
-        state.loaded, limits, messages, add_generation_prompt, template_kwargs
+    dicts = check_messages(limits, messages)
+    kwargs = check_template_kwargs(template_kwargs)
+    prompt = await off_loop(
+        chat_prompt, state.loaded, state.table, dicts, add_generation_prompt, kwargs, echo
     )
     spec = logprobs_spec(
         top_k, prompt_top_k, body, state.config.logprobs_mode, state.loaded.vocab_size, limits
     )
-    return Plan([Prompt(ids, "", [])], sampling, spec, stops, body.skip_special_tokens)
+    return Plan([prompt], sampling, spec, stops, body.skip_special_tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from probserve.api.errors import bad_request
@@ -143,6 +143,26 @@ def check_messages(limits: Limits, messages: list[ChatMessage]) -> list[dict[str
     return dicts
 
 
+def render_chat_text(
+    loaded: LoadedModel,
+    dicts: list[dict[str, str]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+) -> str:
+    tok = loaded.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    try:
+        return str(
+            tok.apply_chat_template(
+                dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **template_kwargs,
+            )
+        )  # fmt: skip
+    except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
+        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
+
+
 def render_chat(
     loaded: LoadedModel,
     dicts: list[dict[str, str]],
@@ -150,16 +170,68 @@ def render_chat(
     template_kwargs: dict[str, Any],
 ) -> list[int]:
     """The model's chat template over the messages, tokenized: blocking, run it `off_loop`."""
+    text = render_chat_text(loaded, dicts, add_generation_prompt, template_kwargs)
+    return list(loaded.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@dataclass
+class ChatPrompt(Prompt):
+    """A rendered chat prompt, each token attributed to the message whose text it carries or to
+    the template (`sources`: (message index or None, role or "template") per token)."""
+
+    sources: list[tuple[int | None, str]] = field(default_factory=list)
+    continuation: int = 0  # echo: how many trailing tokens are the final assistant message
+
+
+def _sources(
+    text: str, pieces: list[Piece], dicts: list[dict[str, str]]
+) -> list[tuple[int | None, str]]:
+    spans: list[tuple[int, int, int]] = []  # (start, end, message index), in text order
+    pos = 0
+    for i, m in enumerate(dicts):
+        at = text.find(m["content"], pos) if m["content"] else -1
+        if at >= 0:
+            spans.append((at, at + len(m["content"]), i))
+            pos = at + len(m["content"])
+    out: list[tuple[int | None, str]] = []
+    s = 0
+    for p in pieces:
+        start, end = p.offset, p.offset + max(len(p.text), 1)
+        while s < len(spans) and spans[s][1] <= start:
+            s += 1
+        if s < len(spans) and spans[s][0] < end:
+            i = spans[s][2]
+            out.append((i, dicts[i]["role"]))
+        else:
+            out.append((None, "template"))
+    return out
+
+
+def chat_prompt(
+    loaded: LoadedModel,
+    table: TokenTable,
+    dicts: list[dict[str, str]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+    echo: bool = False,
+) -> ChatPrompt:
+    """Render, tokenize and attribute: blocking, run it `off_loop`. With `echo`, the final
+    (assistant) message is the continuation: the template up to the assistant's turn, then the
+    message's own tokens, to be scored."""
     tok = loaded.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = tok.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
-        )
-    except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
-        raise bad_request(f"the chat template rejected the messages: {exc}", "messages") from exc
-    return list(tok(text, add_special_tokens=False).input_ids)
+    if echo:
+        if dicts[-1]["role"] != "assistant" or not dicts[-1]["content"]:
+            raise bad_request("echo scores a final assistant message: none was given", "messages")
+        text = render_chat_text(loaded, dicts[:-1], True, template_kwargs)
+        answer = dicts[-1]["content"]
+        cont = list(tok(answer, add_special_tokens=False).input_ids)
+        ids = list(tok(text, add_special_tokens=False).input_ids) + cont
+    else:
+        text = render_chat_text(loaded, dicts, add_generation_prompt, template_kwargs)
+        ids, cont = list(tok(text, add_special_tokens=False).input_ids), []
+    built = with_pieces(table, ids)
+    sources = _sources(built.text, built.pieces, dicts)
+    return ChatPrompt(ids, built.text, built.pieces, sources, len(cont))
 
 
 async def chat_prompt_ids(

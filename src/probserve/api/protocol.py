@@ -120,6 +120,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    # probserve: score the final assistant message as a continuation (max_tokens 0)
+    echo: bool = False
     # extra variables for the model's own chat template (never a template of the client's)
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_json_utf8)] | None = None
 
@@ -219,12 +221,29 @@ class AssistantMessage(BaseModel):
     refusal: str | None = None
 
 
+class PromptTokenSource(BaseModel):
+    """Where a prompt token comes from: a message (its index and role) or the template."""
+
+    message_index: int | None
+    role: str  # the message's role, or "template"
+
+
+class ContinuationScore(BaseModel):
+    """Chat `echo`: the final assistant message scored as a continuation."""
+
+    content: list[ChatLogprobEntry]
+    logprob_sum: float
+    is_greedy: bool  # every token was the most likely one
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_sources: list[PromptTokenSource] | None = Extension()
+    continuation: ContinuationScore | None = Extension()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -247,6 +266,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Extension()
+    prompt_token_sources: list[PromptTokenSource] | None = Extension()
 
 
 class ChatCompletionChunk(BaseModel):
