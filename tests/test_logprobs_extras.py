@@ -264,3 +264,41 @@ def test_chat_echo_scores_the_final_answer(http, smol: LoadedModel):
     ):
         resp = http.post("/v1/chat/completions", json={**body, **bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_full_distributions_equal_the_reference(http, smol: LoadedModel):
+    import base64
+
+    import numpy as np
+
+    prompt = "The capital of France is Paris, and the capital of Spain is"
+    ids = smol.tokenizer(prompt).input_ids
+    ref = full_logprobs(smol.model, ids)
+    r = http.post("/v1/distributions", json={"model": MODEL, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["positions"] == list(range(len(ids))) and out["token_ids"] == ids
+    assert out["shape"] == [len(ids), smol.vocab_size] and out["dtype"] == "float32"
+    rows = np.frombuffer(base64.b64decode(out["data"]), np.float32).reshape(out["shape"])
+    assert float(np.abs(rows - ref.numpy()).max()) < 1e-4  # every position, the last included
+    # a few positions, float16, raw bytes
+    pick = [0, 5, len(ids) - 1]
+    b = http.post(
+        "/v1/distributions",
+        json={"prompt": ids, "positions": pick, "dtype": "float16"},
+        headers={"accept": "application/octet-stream"},
+    )
+    assert b.headers["content-type"] == "application/octet-stream"
+    assert b.headers["x-shape"] == f"3,{smol.vocab_size}" and b.headers["x-dtype"] == "float16"
+    half = np.frombuffer(b.content, np.float16).reshape(3, -1).astype(np.float32)
+    finite = np.isfinite(half)
+    want = ref.numpy()[pick]
+    assert np.allclose(half[finite], want[finite], atol=2e-2, rtol=1e-3)
+    for bad, param in (
+        ({"positions": [len(ids)]}, "positions"),
+        ({"positions": [3, 1]}, "positions"),
+        ({"positions": list(range(600))}, "positions"),
+        ({"prompt": [10**9]}, "prompt"),
+    ):
+        resp = http.post("/v1/distributions", json={"prompt": prompt, **bad})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

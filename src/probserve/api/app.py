@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from probserve import __version__
-from probserve.api import chat, completions, responses, routes_misc, score
+from probserve.api import chat, completions, distributions, responses, routes_misc, score
 from probserve.api.errors import install_error_handlers
 from probserve.api.middleware import (
     OPEN_PATHS,
@@ -35,6 +35,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(responses.router)
     app.include_router(score.router)
+    app.include_router(distributions.router)
     app.include_router(routes_misc.router)
     install_error_handlers(app)
     limits = state.config.limits

@@ -25,6 +25,9 @@ class Limits:
     max_stop_token_ids: int = _limit(1024, "entries in stop_token_ids")
     max_logit_bias: int = _limit(1024, "entries in logit_bias")
     max_logprob_token_ids: int = _limit(256, "entries in logprob_token_ids")
+    max_distribution_positions: int = _limit(
+        512, "positions per /v1/distributions request (each a full vocabulary row)"
+    )
     max_messages: int = _limit(512, "messages per chat request")
     max_message_chars: int = _limit(1_000_000, "characters in all messages of a chat request")
     max_prompt_chars: int = _limit(1_000_000, "characters in a request's text prompts")

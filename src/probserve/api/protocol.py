@@ -440,3 +440,25 @@ class ScoreResponse(BaseModel):
     model: str
     scores: list[list[float]]
     usage: Usage
+
+
+# ---- /v1/distributions (probserve) -------------------------------------------------------------
+
+
+class DistributionsRequest(_Request):
+    model: Text | None = None
+    prompt: Text | list[int]
+    positions: list[int] | None = None  # None: every position of the prompt
+    dtype: Literal["float32", "float16"] = "float32"
+    encoding: Literal["base64", "binary"] | None = None  # None: binary if Accept asks for it
+
+
+class DistributionsResponse(BaseModel):
+    object: Literal["distributions"] = "distributions"
+    model: str
+    token_ids: list[int]
+    positions: list[int]
+    shape: list[int]
+    dtype: Literal["float32", "float16"]
+    data: str  # base64 of the row-major array
+    usage: Usage

@@ -213,7 +213,7 @@ class EngineCore:
             spec = seq.request.logprobs
             k = (spec.prompt_top_k or 0) if spec else 0
             targets = seq.prompt_tensor[a + 1 : b + 1]
-            seq.prompt_parts.append(score_positions(rows, targets, k, spec))
+            seq.prompt_parts.append(score_positions(rows, targets, k, spec, a))
         if seq.wants_prompt_scores and ch.end >= seq.num_prompt_tokens:
             seq.prompt_scored = True
             parts, seq.prompt_parts = seq.prompt_parts, []

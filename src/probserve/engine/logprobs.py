@@ -6,6 +6,7 @@ torch as compact numpy arrays.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,21 +58,33 @@ def gather_logprobs(
 
 
 def score_positions(
-    rows: ScoreRows, targets: torch.Tensor, k: int, spec: LogprobsSpec | None = None
+    rows: ScoreRows,
+    targets: torch.Tensor,
+    k: int,
+    spec: LogprobsSpec | None = None,
+    first_position: int = 0,
 ) -> TokenLogprobs:
-    """Raw logprobs of `targets` [n] under `rows` (row i predicts targets[i]), in slices of
-    rows, so a long prompt never materialises n x V logits or log-probabilities at once."""
+    """Raw logprobs of `targets` [n] under `rows` (row i, at prompt position first_position + i,
+    predicts targets[i]), in slices of rows, so a long prompt never materialises n x V logits or
+    log-probabilities at once. Rows at `spec.full_positions` are also returned whole."""
     n = len(rows)
-    parts = [
-        gather_logprobs(
-            torch.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float(), dim=-1),
+    full = sorted(set(spec.full_positions)) if spec else []
+    parts = []
+    for start in range(0, n, SCORE_CHUNK_ROWS):
+        lp = torch.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float(), dim=-1)
+        part = gather_logprobs(
+            lp,
             targets[start : start + SCORE_CHUNK_ROWS],
             k,
             spec.target_ids if spec else (),
             bool(spec and spec.entropy),
         )
-        for start in range(0, n, SCORE_CHUNK_ROWS)
-    ]
+        if full:
+            lo = first_position + start
+            local = [p - lo for p in full if lo <= p < lo + lp.shape[0]]
+            picked = lp[torch.tensor(local, dtype=torch.long)] if local else lp[:0]
+            part = dataclasses.replace(part, full=picked.numpy().astype(np.float32, copy=True))
+        parts.append(part)
     if not parts:
         empty_i = np.zeros((0,), dtype=np.int64)
         n_targets = len(spec.target_ids) if spec else 0

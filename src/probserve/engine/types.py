@@ -84,6 +84,7 @@ class LogprobsSpec:
     mode: LogprobsMode = LogprobsMode.RAW
     target_ids: tuple[int, ...] = ()  # logprobs of exactly these ids at every position
     entropy: bool = False  # the exact entropy of each position's full distribution (nats)
+    full_positions: tuple[int, ...] = ()  # scored prompt positions whose whole row is returned
 
     @property
     def prompt(self) -> bool:
@@ -116,6 +117,7 @@ class TokenLogprobs:
     target_ids: tuple[int, ...] = ()
     entropy: np.ndarray | None = None  # float32 [n], nats
     processed: TokenLogprobs | None = None  # mode BOTH: the processed figures, same rows
+    full: np.ndarray | None = None  # float32 [m, V]: the rows of LogprobsSpec.full_positions
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -153,6 +155,7 @@ class TokenLogprobs:
             target_logprobs=cat([p.target_logprobs for p in parts]),
             target_ids=parts[0].target_ids,
             entropy=cat([p.entropy for p in parts]),
+            full=cat([p.full for p in parts]),
             processed=None
             if processed[0] is None
             else TokenLogprobs.concat(processed),  # type: ignore[arg-type]
