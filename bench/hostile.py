@@ -242,6 +242,35 @@ def slow_clients(ctx: Ctx) -> str | None:
     return None
 
 
+def logprobs_extensions(ctx: Ctx) -> str | None:
+    long_prompt = [504] * 8000
+    return first_problem(
+        completion(ctx, 400, "logprob_token_ids", logprobs=1, logprob_token_ids=[2] * 5000),
+        completion(ctx, 400, "logprob_token_ids", logprobs=1, logprob_token_ids=[10**30]),
+        expect(
+            ctx.client.post("/v1/distributions", json={"prompt": long_prompt}), 400, "positions"
+        ),
+        expect(
+            ctx.client.post(
+                "/v1/score", json={"query": "q", "items": ["a"] * 10_000, "label_token_ids": [1]}
+            ),
+            400,
+            "items",
+        ),
+        completion(
+            ctx,
+            200,
+            None,
+            prompt=" ".join(["w"] * 2000),
+            max_tokens=0,
+            echo=True,
+            logprobs=1,
+            return_entropy=True,
+            logprob_token_ids=list(range(256)),
+        ),
+    )
+
+
 def forged_log_lines(ctx: Ctx) -> str | None:
     return expect(ctx.client.get("/v1/models/%0A2026-01-01 INFO forged"), 404)
 
@@ -259,6 +288,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("disconnects", disconnects),
     ("hog_the_batch", hog_the_batch),
     ("slow_clients", slow_clients),
+    ("logprobs_extensions", logprobs_extensions),
     ("forged_log_lines", forged_log_lines),
 ]
 

@@ -194,6 +194,9 @@ BASE_BODIES: dict[str, dict] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
     "/tokenize": {"prompt": "Hello"},
     "/detokenize": {"tokens": [504, 30]},
+    "/v1/responses": {"input": "Hi", "max_output_tokens": 2, "top_logprobs": 1},
+    "/v1/score": {"query": "Is it?", "items": [" Yes"], "label_token_ids": [504, 30]},
+    "/v1/distributions": {"prompt": "Hello there", "positions": [0, 1]},
 }
 
 
@@ -217,7 +220,7 @@ def test_hostile_values_on_every_field(http, base_url: str):  # type: ignore[no-
     seen: set[str] = set()
 
     @settings(
-        max_examples=120,
+        max_examples=160,
         deadline=None,
         derandomize=True,
         suppress_health_check=list(HealthCheck),
@@ -226,6 +229,8 @@ def test_hostile_values_on_every_field(http, base_url: str):  # type: ignore[no-
     def check(target: tuple[str, str], value: object) -> None:
         path, field = target
         body = json.loads(json.dumps(BASE_BODIES[path]))
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            body.update(logprobs=1 if path == "/v1/completions" else True, return_entropy=True)
         if field == "messages[0].content":
             body["messages"][0]["content"] = value
         else:

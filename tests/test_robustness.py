@@ -338,5 +338,5 @@ def test_hostile_script_runs_clean():
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0, "\n".join(lines) + proc.stderr[-3000:]
     summary = json.loads(lines[-1])
-    assert summary["failed"] == 0 and summary["cases"] >= 13
+    assert summary["failed"] == 0 and summary["cases"] >= 14
     assert all(json.loads(ln)["ok"] for ln in lines[:-1])
