@@ -206,7 +206,8 @@ def test_chat_prompt_scoring_knows_the_template(http, smol: LoadedModel):
         {"role": "user", "content": "What is the capital of France?"},
     ]
     body = {"model": MODEL, "messages": msgs, "max_tokens": 1, "temperature": 0,
-            "prompt_logprobs": 2}  # fmt: skip
+            "prompt_logprobs": 2, "logprobs": True, "return_entropy": True,
+            "logprob_token_ids": TARGETS}  # fmt: skip
     r = http.post("/v1/chat/completions", json=body).json()["choices"][0]
     ids = render_chat(smol, msgs, True, {})
     sources, plp = r["prompt_token_sources"], r["prompt_logprobs"]
@@ -227,12 +228,18 @@ def test_chat_prompt_scoring_knows_the_template(http, smol: LoadedModel):
     for j in range(1, len(ids)):
         got = plp[j][str(ids[j])]["logprob"]
         assert abs(got - float(ref[j - 1][ids[j]])) < 1e-4
+        assert abs(r["prompt_entropy"][j] - _entropy(ref[j - 1])) < 1e-4
+        targets = r["prompt_target_logprobs"][j]
+        assert [t["id"] for t in targets] == TARGETS
+        assert all(abs(t["logprob"] - float(ref[j - 1][t["id"]])) < 1e-4 for t in targets)
+    assert r["prompt_entropy"][0] is None and r["prompt_target_logprobs"][0] is None
     # streamed (first chunk) and again from the prefix cache: the same
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
         chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
     first = next(c for c in chunks if c["choices"] and "prompt_logprobs" in c["choices"][0])
     streamed = first["choices"][0]
     assert streamed["prompt_token_sources"] == sources
+    assert len(streamed["prompt_entropy"]) == len(ids)
     for a, b in zip(streamed["prompt_logprobs"][1:], plp[1:], strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t]["logprob"] - b[t]["logprob"]) < 1e-4 for t in a)

@@ -63,12 +63,21 @@ def _prompt_extras(
         return {}
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt)
-    return {
-        "prompt_logprobs": run.state.fmt.prompt_logprobs(scores, body.prompt_logprobs),
+    fmt = run.state.fmt
+    extras: dict[str, object] = {
+        "prompt_logprobs": fmt.prompt_logprobs(scores, body.prompt_logprobs),
         "prompt_token_sources": [
             PromptTokenSource(message_index=i, role=role) for i, role in prompt.sources
         ],
     }
+    # aligned with prompt_logprobs: nothing for the first token, then one per scored position
+    if scores.entropy is not None:
+        extras["prompt_entropy"] = [None, *(float(v) for v in scores.entropy)]
+    if scores.target_logprobs is not None:
+        extras["prompt_target_logprobs"] = [None] + [
+            fmt.targets(scores, j) for j in range(len(scores))
+        ]
+    return extras
 
 
 def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> ContinuationScore:

@@ -243,6 +243,8 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
+    prompt_entropy: list[float | None] | None = Extension()  # with return_entropy
+    prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
     continuation: ContinuationScore | None = Extension()
 
 
@@ -268,6 +270,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Extension()
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
+    prompt_entropy: list[float | None] | None = Extension()
+    prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
 
 
 class ChatCompletionChunk(BaseModel):
