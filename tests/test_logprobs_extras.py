@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -309,3 +310,22 @@ def test_full_distributions_equal_the_reference(http, smol: LoadedModel):
     ):
         resp = http.post("/v1/distributions", json={"prompt": prompt, **bad})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_distribution_rows_in_flight_are_bounded(smol: LoadedModel):
+    from server_util import running_state
+
+    with running_state(smol, "--max-distribution-rows-in-flight", "8") as (url, state):
+        import httpx
+
+        state.distribution_rows.take(6)  # as if another request held 6 rows
+        r = httpx.post(f"{url}/v1/distributions", json={"prompt": "one two three four"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded"
+        state.distribution_rows.give_back(6)
+        ok = httpx.post(f"{url}/v1/distributions", json={"prompt": "one two three four"})
+        assert ok.status_code == 200
+        for _ in range(100):  # given back once the answer has been sent
+            if state.distribution_rows.used == 0:
+                break
+            time.sleep(0.05)
+        assert state.distribution_rows.used == 0

@@ -16,6 +16,7 @@ import base64
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.background import BackgroundTask
 
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size, off_loop
@@ -56,12 +57,32 @@ async def distributions(body: DistributionsRequest, request: Request) -> Respons
     scored = Prompt([*ids, 0], prompt.text, prompt.pieces)  # the placeholder: token 0
     spec = LogprobsSpec(top_k=0, prompt_top_k=0, full_positions=tuple(positions))
     plan = Plan([scored], [SamplingParams(temperature=0.0, max_tokens=0)], spec)
-    run = await Run(state, request, plan, "dist").start()
-    (cand,) = await run.collect()
-    rows = cand.prompt_scores.full if cand.prompt_scores is not None else None
-    if rows is None or rows.shape[0] != len(positions):
-        raise bad_request("the prompt produced no distribution", "prompt")
-    array = rows.astype(np.float16 if body.dtype == "float16" else np.float32, copy=False)
+    budget = state.distribution_rows
+    budget.take(len(positions))  # all requests' rows together are bounded
+    try:
+        run = await Run(state, request, plan, "dist").start()
+        (cand,) = await run.collect()
+        rows = cand.prompt_scores.full if cand.prompt_scores is not None else None
+        if rows is None or rows.shape[0] != len(positions):
+            raise bad_request("the prompt produced no distribution", "prompt")
+        array = rows.astype(np.float16 if body.dtype == "float16" else np.float32, copy=False)
+        response = _answer(request, body, model, ids, positions, array)
+    except BaseException:
+        budget.give_back(len(positions))
+        raise
+    # the rows stay reserved until the answer's bytes have been sent
+    response.background = BackgroundTask(budget.give_back, len(positions))
+    return response
+
+
+def _answer(
+    request: Request,
+    body: DistributionsRequest,
+    model: str,
+    ids: list[int],
+    positions: list[int],
+    array: np.ndarray,
+) -> Response:
     shape = [int(array.shape[0]), int(array.shape[1])]
     accept = request.headers.get("accept", "")
     binary = body.encoding == "binary" or (

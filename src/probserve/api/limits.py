@@ -28,6 +28,9 @@ class Limits:
     max_distribution_positions: int = _limit(
         512, "positions per /v1/distributions request (each a full vocabulary row)"
     )
+    max_distribution_rows_in_flight: int = _limit(
+        2048, "full vocabulary rows of all /v1/distributions requests at once; past it: 429"
+    )
     max_messages: int = _limit(512, "messages per chat request")
     max_message_chars: int = _limit(1_000_000, "characters in all messages of a chat request")
     max_prompt_chars: int = _limit(1_000_000, "characters in a request's text prompts")

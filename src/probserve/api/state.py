@@ -32,11 +32,13 @@ class ServerState:
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
     metrics: Metrics = field(init=False)
+    distribution_rows: RowBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
         self.metrics = Metrics(self.engine, self.model_name)
+        self.distribution_rows = RowBudget(self.config.limits.max_distribution_rows_in_flight)
 
     @property
     def model_name(self) -> str:
@@ -49,3 +51,27 @@ class ServerState:
         if name in self.config.served_model_names:
             return name
         raise APIError(404, f"The model `{name}` does not exist.", "model", code="model_not_found")
+
+
+class RowBudget:
+    """How many full-vocabulary rows the requests in flight may hold together (each is 192 KiB
+    in float32 for a 49k vocabulary): a request that would pass the budget gets a 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, rows: int) -> None:
+        """Reserve `rows` (a 429 past the budget); `give_back` them once the answer is sent."""
+        if self.used + rows > self.limit:
+            raise APIError(
+                429,
+                f"the server is busy ({self.used} of {self.limit} distribution rows in flight)",
+                None,
+                "overloaded",
+                {"Retry-After": "1"},
+            )
+        self.used += rows
+
+    def give_back(self, rows: int) -> None:
+        self.used -= rows
