@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,13 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/probserve serve $(ARGS)
 
-test: $(STAMP)
+# Debian's Chromium for the playground's browser tests (they skip, saying why, where none installs)
+browser:
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
+		>/dev/null 2>&1; } || echo "no Chromium could be installed: the playground browser tests will skip"
+
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -8,7 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from probserve import __version__
-from probserve.api import chat, completions, distributions, responses, routes_misc, score
+from probserve.api import (
+    chat,
+    completions,
+    distributions,
+    playground,
+    responses,
+    routes_misc,
+    score,
+)
 from probserve.api.errors import install_error_handlers
 from probserve.api.middleware import (
     OPEN_PATHS,
@@ -36,6 +44,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(score.router)
     app.include_router(distributions.router)
+    app.include_router(playground.router)
     app.include_router(routes_misc.router)
     install_error_handlers(app)
     limits = state.config.limits
@@ -43,7 +52,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout
     )
-    open_paths = OPEN_PATHS | ({"/metrics"} if state.config.open_metrics else set())
+    open_paths = OPEN_PATHS | playground.PATHS  # the page is open; its calls need the key
+    open_paths |= {"/metrics"} if state.config.open_metrics else set()
     app.add_middleware(AuthMiddleware, keys=state.config.api_keys, open_paths=open_paths)
     app.add_middleware(AccessLogMiddleware, on_response=state.metrics.observe_http)
     app.add_middleware(ScopeGuardMiddleware)

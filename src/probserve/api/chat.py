@@ -123,6 +123,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         add_generation_prompt=body.add_generation_prompt,
         template_kwargs=body.chat_template_kwargs,
         echo=body.echo,
+        continue_final=body.continue_final_message,
     )
     run = await Run(state, request, plan, "chatcmpl").start()
     if body.stream:

@@ -22,6 +22,7 @@ async def chat_plan(
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
     echo: bool = False,
+    continue_final: bool = False,
 ) -> Plan:
     """`top_k`: alternatives per generated token (None: no logprobs); `prompt_top_k`: score the
     rendered prompt with that many alternatives (None: not scored); `echo`: the final assistant
@@ -33,8 +34,9 @@ async def chat_plan(
     dicts = check_messages(limits, messages)
     kwargs = check_template_kwargs(template_kwargs)
     prompt = await off_loop(
-        chat_prompt, state.loaded, state.table, dicts, add_generation_prompt, kwargs, echo
-    )
+        chat_prompt, state.loaded, state.table, dicts, add_generation_prompt, kwargs, echo,
+        continue_final,
+    )  # fmt: skip
     spec = logprobs_spec(
         top_k, prompt_top_k, body, state.config.logprobs_mode, state.loaded.vocab_size, limits
     )

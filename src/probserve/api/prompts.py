@@ -148,15 +148,22 @@ def render_chat_text(
     dicts: list[dict[str, str]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
+    continue_final: bool = False,
 ) -> str:
     tok = loaded.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", "messages")
+    if continue_final and (dicts[-1]["role"] != "assistant" or add_generation_prompt):
+        raise bad_request(
+            "continue_final_message needs a final assistant message and "
+            "add_generation_prompt: false",
+            "continue_final_message",
+        )
     try:
         return str(
             tok.apply_chat_template(
                 dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
-                **template_kwargs,
+                continue_final_message=continue_final, **template_kwargs,
             )
         )  # fmt: skip
     except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
@@ -214,6 +221,7 @@ def chat_prompt(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
     echo: bool = False,
+    continue_final: bool = False,
 ) -> ChatPrompt:
     """Render, tokenize and attribute: blocking, run it `off_loop`. With `echo`, the final
     (assistant) message is the continuation: the template up to the assistant's turn, then the
@@ -227,7 +235,9 @@ def chat_prompt(
         cont = list(tok(answer, add_special_tokens=False).input_ids)
         ids = list(tok(text, add_special_tokens=False).input_ids) + cont
     else:
-        text = render_chat_text(loaded, dicts, add_generation_prompt, template_kwargs)
+        text = render_chat_text(
+            loaded, dicts, add_generation_prompt, template_kwargs, continue_final
+        )
         ids, cont = list(tok(text, add_special_tokens=False).input_ids), []
     built = with_pieces(table, ids)
     sources = _sources(built.text, built.pieces, dicts)

@@ -120,6 +120,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     prompt_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's: the final assistant message is left open and the reply continues it
+    continue_final_message: bool = False
     # probserve: score the final assistant message as a continuation (max_tokens 0)
     echo: bool = False
     # extra variables for the model's own chat template (never a template of the client's)
