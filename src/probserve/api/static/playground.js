@@ -277,8 +277,8 @@ async function streamCompletion(model, prompt, col) {
   }
 }
 
-async function streamChat(model, messages, col) {
-  const body = { model, messages, stream: true, logprobs: true, top_logprobs: K(), ...settings() };
+async function streamChat(model, messages, col, extra = {}) {
+  const body = { model, messages, stream: true, logprobs: true, top_logprobs: K(), ...settings(), ...extra };
   const r = await api("/v1/chat/completions", body);
   for await (const chunk of sse(r)) {
     const ch = chunk.choices && chunk.choices[0];
@@ -333,19 +333,9 @@ async function branchFrom(branch, colIndex, index, token) {
   });
 }
 
-async function streamChatContinuation(col, messages) {
-  // the model's own template with the partial answer as the last message
-  const body = {
-    model: col.model, messages, stream: true, logprobs: true, top_logprobs: K(),
-    add_generation_prompt: false, continue_final_message: true, ...settings(),
-  };
-  const r = await api("/v1/chat/completions", body);
-  for await (const chunk of sse(r)) {
-    const ch = chunk.choices && chunk.choices[0];
-    if (!ch || !ch.logprobs || !ch.logprobs.content) continue;
-    col.tokens.push(...fromChat(ch.logprobs.content));
-    render();
-  }
+function streamChatContinuation(col, messages) {
+  // the model's own template with the partial answer left open as the last message
+  return streamChat(col.model, messages, col, { add_generation_prompt: false, continue_final_message: true });
 }
 
 async function score() {
