@@ -30,8 +30,12 @@ def serve_args(*extra: str) -> argparse.Namespace:
 
 @contextmanager
 def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, ServerState]]:
-    """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`, and its state."""
-    state = build_state(loaded, serve_args(*extra))
+    """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`, and its state.
+    The engine runs in a worker process (the default) for a model with a source on disk; a model
+    built in the test (no source) is served by an inline engine."""
+    if loaded.source is None and "--worker" not in extra:
+        extra = (*extra, "--worker", "inline")
+    state = build_state(serve_args(*extra), loaded)
     app = create_app(state)
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, state.config.limits, "127.0.0.1", port))

@@ -19,7 +19,7 @@ from probserve.engine import (
     SamplingParams,
 )
 from probserve.engine.block_pool import BlockPool, block_hash
-from probserve.engine.core import build_runner
+from probserve.engine.runner import build_runner
 from probserve.engine.scheduler import Chunk
 from probserve.engine.sequence import Sequence
 from probserve.models import LoadedModel

@@ -390,11 +390,11 @@ def test_scheduler_shares_the_batch_between_groups(tiny: LoadedModel):
         sched.add(seq(f"a{i}", "A"))
 
     def step() -> None:
-        for ch in sched.schedule():
-            ch.seq.num_computed = ch.end
-            sched.register_full_blocks(ch.seq)
+        chunks = sched.schedule()
+        sched.computed(chunks)
+        for ch in chunks:
             if ch.samples:
-                ch.seq.append(7)
+                sched.append_token(ch.seq, 7)
 
     step()
     assert [s.group for s in sched.running] == ["A"] * 8  # alone, A takes the whole batch
@@ -474,9 +474,13 @@ def test_websockets_are_refused_without_a_key(smol: LoadedModel):
     from probserve.api.app import create_app
     from probserve.api.server import build_state
 
-    app = create_app(build_state(smol, serve_args()))  # no lifespan: the engine never starts
-    with pytest.raises(WebSocketDisconnect), TestClient(app).websocket_connect("/") as ws:
-        ws.receive_text()
+    state = build_state(serve_args("--worker", "inline"), smol)
+    try:
+        app = create_app(state)  # no lifespan: the app's own start and stop never run
+        with pytest.raises(WebSocketDisconnect), TestClient(app).websocket_connect("/") as ws:
+            ws.receive_text()
+    finally:
+        state.engine.stop()
 
 
 def test_stop_token_ids_are_capped(c: httpx.Client, after_check: None):

@@ -12,11 +12,13 @@ from probserve.engine import (
     AsyncEngine,
     EngineConfig,
     EngineCore,
+    EngineDead,
     EngineRequest,
     LogprobsMode,
     LogprobsSpec,
     SamplingParams,
 )
+from probserve.flags import add_args, from_args
 from probserve.models import DEFAULT_MODEL, ModelLoadError, load_model
 
 
@@ -29,64 +31,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    p.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=d.max_num_seqs,
-        help="sequences decoded together in one batch",
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="tokens per engine step (prefill chunks + decode tokens)",
-    )
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument(
-        "--kv-cache-gib", type=float, default=d.kv_cache_gib, help="memory for the KV cache, in GiB"
-    )
-    p.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        help="do not reuse the KV of shared prompt prefixes",
-    )
-    p.add_argument(
-        "--runner",
-        choices=["auto", "paged", "hf"],
-        default=d.runner,
-        help="auto: the paged Llama-family runner where it applies, else transformers",
-    )
-
-
-def _add_limit_args(p: argparse.ArgumentParser) -> None:
-    """One flag per Limits field, named after it, typed and documented by its declaration."""
-    import dataclasses
-
-    from probserve.api.limits import Limits
-
-    for f in dataclasses.fields(Limits):
-        p.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=type(f.default),
-            default=f.default,
-            help=f.metadata.get("help"),
-        )
-
-
 def _fmt(lp: float) -> str:
     return "-inf" if math.isinf(lp) else f"{lp:.4f}"
 
 
 async def _generate(args: argparse.Namespace) -> int:
     from probserve.api.prompts import build_completion_prompts
-    from probserve.api.server import engine_config
     from probserve.api.tokens import TokenTable, token_text
 
     loaded = load_model(args.model)
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
-    engine = AsyncEngine(EngineCore(loaded, engine_config(args)))
+    engine = AsyncEngine(EngineCore(loaded, from_args(EngineConfig, args)))
     (prompt,) = build_completion_prompts(loaded, table, [args.prompt], engine.core.max_context)
     prompt_ids = tuple(prompt.ids)
     request = EngineRequest(
@@ -139,6 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from probserve.api.limits import Limits
+
     parser = argparse.ArgumentParser(prog="probserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -151,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
     gen.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
-    _add_engine_args(gen)
+    add_args(gen, EngineConfig)
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
     export = sub.add_parser(
@@ -175,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--open-metrics", action="store_true", help="serve /metrics without an API key"
     )
-    _add_limit_args(serve)
+    add_args(serve, Limits)
     serve.add_argument("--max-logprobs", type=int, default=20)
     serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")
     serve.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
-    _add_engine_args(serve)
+    add_args(serve, EngineConfig)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
     return parser
@@ -195,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (ModelLoadError, APIError) as exc:
+    except (ModelLoadError, APIError, EngineDead) as exc:
         print(f"probserve: error: {exc}", file=sys.stderr)
         return 2
 

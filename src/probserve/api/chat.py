@@ -86,8 +86,7 @@ def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> Continuatio
     assert isinstance(prompt, ChatPrompt) and scores is not None
     first = len(prompt.ids) - prompt.continuation
     pieces = [
-        replace(p, logprobs=scores, row=first + j - 1)
-        for j, p in enumerate(prompt.pieces[first:])
+        replace(p, logprobs=scores, row=first + j - 1) for j, p in enumerate(prompt.pieces[first:])
     ]
     rows = range(first - 1, len(prompt.ids) - 1)
     return ContinuationScore(

@@ -65,7 +65,7 @@ async def _plan(state: ServerState, body: CompletionRequest) -> tuple[Plan, _Sha
     if isinstance(prompts[0], str):
         check_text_size(cfg.limits, prompts)  # type: ignore[arg-type]
     built = await off_loop(
-        build_completion_prompts, state.loaded, state.table, prompts, state.engine.core.max_context
+        build_completion_prompts, state.loaded, state.table, prompts, state.engine.info.max_context
     )
     k = body.logprobs
     shape = _Shape(body.n, best_of, body.echo, k)

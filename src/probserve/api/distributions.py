@@ -48,7 +48,7 @@ async def distributions(body: DistributionsRequest, request: Request) -> Respons
     limits = state.config.limits
     if isinstance(body.prompt, str):
         check_text_size(limits, [body.prompt])
-    max_context = state.engine.core.max_context - 1  # room for the placeholder token
+    max_context = state.engine.info.max_context - 1  # room for the placeholder token
     (prompt,) = await off_loop(
         build_completion_prompts, state.loaded, state.table, [body.prompt], max_context
     )

@@ -19,7 +19,7 @@ from probserve.api.disconnect import unless_disconnected
 from probserve.api.errors import APIError
 from probserve.api.text_stream import Piece, TextStream
 from probserve.engine import (
-    AsyncEngine,
+    EngineClient,
     EngineRequest,
     FinishReason,
     RequestStream,
@@ -119,7 +119,7 @@ def share_prompt_scores(candidates: list[Candidate]) -> None:
         cand.shared_prompt = future
 
 
-async def submit_all(engine: AsyncEngine, requests: list[EngineRequest]) -> list[RequestStream]:
+async def submit_all(engine: EngineClient, requests: list[EngineRequest]) -> list[RequestStream]:
     """Submit every request or none: a RequestError on one closes those already queued."""
     engine.check_capacity(len(requests))
     streams: list[RequestStream] = []

@@ -4,43 +4,39 @@ the body). docs/operations.md lists them all and what a client sees."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from probserve.api.errors import bad_request
-
-
-def _limit(default: float, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+from probserve.flags import setting
 
 
 @dataclass(frozen=True)
 class Limits:
     """Each field is a `probserve serve` flag of the same name (`--max-body-bytes`, ...)."""
 
-    max_body_bytes: int = _limit(4 * 2**20, "larger request bodies get 413")
-    max_sequences: int = _limit(64, "prompts x best_of (or n) per request")
-    max_stop_strings: int = _limit(16, "stop strings per request")
-    max_stop_chars: int = _limit(256, "characters per stop string")
-    max_stop_token_ids: int = _limit(1024, "entries in stop_token_ids")
-    max_logit_bias: int = _limit(1024, "entries in logit_bias")
-    max_logprob_token_ids: int = _limit(256, "entries in logprob_token_ids")
-    max_distribution_positions: int = _limit(
+    max_body_bytes: int = setting(4 * 2**20, "larger request bodies get 413")
+    max_sequences: int = setting(64, "prompts x best_of (or n) per request")
+    max_stop_strings: int = setting(16, "stop strings per request")
+    max_stop_chars: int = setting(256, "characters per stop string")
+    max_stop_token_ids: int = setting(1024, "entries in stop_token_ids")
+    max_logit_bias: int = setting(1024, "entries in logit_bias")
+    max_logprob_token_ids: int = setting(256, "entries in logprob_token_ids")
+    max_distribution_positions: int = setting(
         512, "positions per /v1/distributions request (each a full vocabulary row)"
     )
-    max_distribution_rows_in_flight: int = _limit(
+    max_distribution_rows_in_flight: int = setting(
         2048, "full vocabulary rows of all /v1/distributions requests at once; past it: 429"
     )
-    max_messages: int = _limit(512, "messages per chat request")
-    max_message_chars: int = _limit(1_000_000, "characters in all messages of a chat request")
-    max_prompt_chars: int = _limit(1_000_000, "characters in a request's text prompts")
-    max_queued: int = _limit(1024, "engine requests queued or running; past it new ones get 429")
-    request_timeout: float = _limit(600.0, "seconds before a request is aborted (0: never)")
-    drain_timeout: float = _limit(30.0, "seconds in-flight requests get to finish after SIGTERM")
-    header_timeout: float = _limit(10.0, "seconds a client may take to send a request's headers")
-    body_timeout: float = _limit(30.0, "seconds a client may take to send a request's body (408)")
-    max_connections: int = _limit(1024, "open connections; past it new requests get 503")
-    engine_stall_timeout: float = _limit(
+    max_messages: int = setting(512, "messages per chat request")
+    max_message_chars: int = setting(1_000_000, "characters in all messages of a chat request")
+    max_prompt_chars: int = setting(1_000_000, "characters in a request's text prompts")
+    max_queued: int = setting(1024, "engine requests queued or running; past it new ones get 429")
+    request_timeout: float = setting(600.0, "seconds before a request is aborted (0: never)")
+    drain_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM")
+    header_timeout: float = setting(10.0, "seconds a client may take to send a request's headers")
+    body_timeout: float = setting(30.0, "seconds a client may take to send a request's body (408)")
+    max_connections: int = setting(1024, "open connections; past it new requests get 503")
+    engine_stall_timeout: float = setting(
         120.0, "seconds one engine step may run before /health reports the engine stuck (503)"
     )
 

@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from probserve.api.run import Run
-    from probserve.engine import AsyncEngine
+    from probserve.engine import EngineClient
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -38,7 +38,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _EngineCollector(Collector):
     """Gauges and counters the engine keeps, read at scrape time."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -66,7 +66,7 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
@@ -77,6 +77,7 @@ class Metrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished sequences.", [*m, "finished_reason"], registry=r
         )
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, m, buckets=buckets, registry=r)
 

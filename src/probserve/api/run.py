@@ -29,7 +29,7 @@ from probserve.api.prompts import Prompt
 from probserve.api.protocol import Usage
 from probserve.api.state import ServerState
 from probserve.api.text_stream import TextStream
-from probserve.engine import AsyncEngine, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.engine import EngineClient, EngineRequest, LogprobsSpec, SamplingParams
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Run:
         for prompt in plan.prompts:
             base = len(prompt.text) if plan.offsets_from_prompt else 0
             for c, sampling in enumerate(plan.sampling):
-                rid = AsyncEngine.new_request_id(self.prefix)
+                rid = EngineClient.new_request_id(self.prefix)
                 spec = sibling if c else plan.spec
                 requests.append(EngineRequest(rid, tuple(prompt.ids), sampling, spec, self.id))
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))

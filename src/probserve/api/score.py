@@ -53,7 +53,7 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     if isinstance(inputs[0], str):
         check_text_size(limits, inputs, "items")  # type: ignore[arg-type]
     prompts = await off_loop(
-        build_completion_prompts, state.loaded, state.table, inputs, state.engine.core.max_context
+        build_completion_prompts, state.loaded, state.table, inputs, state.engine.info.max_context
     )
     spec = LogprobsSpec(top_k=0, target_ids=labels)
     plan = Plan(prompts, [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)], spec)

@@ -1,4 +1,4 @@
-"""`probserve serve`: load the model, build the engine and the app, run uvicorn."""
+"""`probserve serve`: start the engine (a worker process by default), build the app, run uvicorn."""
 
 from __future__ import annotations
 
@@ -18,8 +18,16 @@ from probserve.api.app import create_app
 from probserve.api.connections import guarded_protocol
 from probserve.api.limits import Limits
 from probserve.api.state import ServerConfig, ServerState
-from probserve.engine import AsyncEngine, EngineConfig, EngineCore, LogprobsMode
-from probserve.models import LoadedModel, load_model
+from probserve.engine import (
+    AsyncEngine,
+    EngineClient,
+    EngineConfig,
+    EngineCore,
+    LogprobsMode,
+    WorkerEngine,
+)
+from probserve.flags import from_args
+from probserve.models import LoadedModel, load_model, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -37,23 +45,62 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def limits(args: argparse.Namespace) -> Limits:
-    """Every Limits field has a flag of the same name (cli._add_limit_args)."""
-    return Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+def start_engine(
+    args: argparse.Namespace, loaded: LoadedModel | None = None
+) -> tuple[EngineClient, LoadedModel]:
+    """The engine the flags ask for, started, and the model as the API process holds it.
 
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_gib=args.kv_cache_gib,
-        prefix_caching=not args.no_prefix_caching,
-        runner=args.runner,
+    `--worker process` (the default): the engine runs in a worker process that loads the
+    weights (converting a GGUF file once: models/cache.py); this process then loads the
+    tokenizer alone (or reuses `loaded`'s) and learns the model's figures from the Hello.
+    `--worker inline`: the engine runs on a thread here, over `loaded` (loaded now if not
+    given)."""
+    config = from_args(EngineConfig, args)
+    limits = from_args(Limits, args)
+    if config.worker == "inline":
+        loaded = loaded or load_model(args.model)
+        inline = AsyncEngine(
+            EngineCore(loaded, config),
+            max_pending=limits.max_queued,
+            stall_timeout=limits.engine_stall_timeout,
+        )
+        inline.start()
+        return inline, loaded
+    source = loaded.source if loaded and loaded.source else resolve_model(args.model)
+    engine = WorkerEngine(
+        source.spec,
+        config,
+        max_pending=limits.max_queued,
+        stall_timeout=limits.engine_stall_timeout,
+        log_level=args.log_level,
     )
+    try:
+        engine.start()
+        if loaded is None:  # the worker converted a GGUF file: its directory loads fastest
+            source = dataclasses.replace(
+                resolve_model(engine.loaded_spec), served_name=source.served_name
+            )
+        tokenizer = loaded.tokenizer if loaded else load_tokenizer(source)
+    except BaseException:
+        engine.stop()
+        raise
+    info = engine.info
+    served = LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        name=loaded.name if loaded else source.served_name or source.name_or_path,
+        eos_token_ids=frozenset(info.eos_token_ids),
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        source=source,
+    )
+    return engine, served
 
 
-def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
+def build_state(args: argparse.Namespace, loaded: LoadedModel | None = None) -> ServerState:
+    """The engine started (start_engine) and the server's state around it."""
+    engine, loaded = start_engine(args, loaded)
     names = (args.served_model_name or loaded.name,)
     if loaded.name not in names:
         names = (*names, loaded.name)
@@ -64,12 +111,7 @@ def build_state(loaded: LoadedModel, args: argparse.Namespace) -> ServerState:
         logprobs_mode=LogprobsMode(args.logprobs_mode),
         api_keys=api_keys(args.api_key, args.api_key_file),
         open_metrics=args.open_metrics,
-        limits=limits(args),
-    )
-    engine = AsyncEngine(
-        EngineCore(loaded, engine_config(args)),
-        max_pending=args.max_queued,
-        stall_timeout=args.engine_stall_timeout,
+        limits=from_args(Limits, args),
     )
     return ServerState(loaded, engine, config)
 
@@ -126,10 +168,9 @@ class DrainingServer(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
     the server: never a live socket in front of a dead engine)."""
-    loaded = load_model(args.model)
-    state = build_state(loaded, args)
+    state = build_state(args)
     app = create_app(state)
-    log.info("serving %s on http://%s:%d/v1", loaded.name, args.host, args.port)
+    log.info("serving %s on http://%s:%d/v1", state.loaded.name, args.host, args.port)
     server = DrainingServer(
         uvicorn_config(app, state.config.limits, args.host, args.port), args.drain_timeout
     )

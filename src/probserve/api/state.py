@@ -9,7 +9,7 @@ from probserve.api.limits import Limits
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.metrics import Metrics
 from probserve.api.tokens import TokenTable
-from probserve.engine import AsyncEngine, LogprobsMode
+from probserve.engine import EngineClient, LogprobsMode
 from probserve.models import LoadedModel
 
 
@@ -27,7 +27,7 @@ class ServerConfig:
 @dataclass
 class ServerState:
     loaded: LoadedModel
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServerConfig
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)

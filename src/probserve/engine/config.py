@@ -1,16 +1,28 @@
-"""Engine settings (each one a `probserve serve` flag)."""
+"""Engine settings: each field is a `probserve serve` flag of the same name (probserve.flags)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
+from probserve.flags import setting
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
-    block_size: int = 16  # tokens per KV block
-    kv_cache_gib: float = 2.0  # memory for the KV cache (paged runner)
-    prefix_caching: bool = True
-    runner: Literal["auto", "paged", "hf"] = "auto"  # auto: paged for the Llama family
+    max_num_seqs: int = setting(64, "sequences decoded together in one batch")
+    max_num_batched_tokens: int = setting(
+        512, "tokens per engine step (prefill chunks + decode tokens)"
+    )
+    block_size: int = setting(16, "tokens per KV block")
+    kv_cache_gib: float = setting(2.0, "memory for the KV cache, in GiB")
+    prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    runner: Literal["auto", "paged", "hf"] = setting(
+        "auto", "auto: the paged Llama-family runner where it applies, else transformers'"
+    )
+    worker: Literal["process", "inline"] = setting(
+        "process",
+        "process: the engine runs in a worker process of its own; inline: in a thread of the "
+        "server process",
+    )
+    threads: int = setting(0, "torch threads of the engine (0: one per core)")

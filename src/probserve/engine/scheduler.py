@@ -22,8 +22,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from probserve.engine import prompt_scoring
 from probserve.engine.block_pool import BlockHash, BlockPool, block_hash
 from probserve.engine.sequence import SeqStatus, Sequence
+from probserve.engine.types import FinishReason
 
 
 @dataclass
@@ -42,16 +44,6 @@ class Chunk:
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token: its logits row is sampled."""
         return self.end == self.seq.num_tokens and self.seq.request.sampling.max_tokens != 0
-
-    @property
-    def score_range(self) -> tuple[int, int]:
-        """Positions whose logits score prompt tokens: [a, b) predicts prompt[a+1 .. b]. At the
-        first chunk after a prefix-cache hit it starts at 0 (cached positions included)."""
-        seq = self.seq
-        if not seq.wants_prompt_scores:
-            return (0, 0)
-        first = 0 if self.start == seq.num_cached else self.start
-        return (first, min(self.end, seq.num_prompt_tokens - 1))
 
 
 class Scheduler:
@@ -133,7 +125,7 @@ class Scheduler:
         seq.last_block_hash = last_hit
         return missing
 
-    def register_full_blocks(self, seq: Sequence) -> None:
+    def _register_full_blocks(self, seq: Sequence) -> None:
         """Offer each newly completed block to the prefix cache."""
         bs = self.block_size
         while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
@@ -225,10 +217,31 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_blocks(seq)
-        seq.prompt_parts.clear()
+        prompt_scoring.restart(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    # ---- after the step ----------------------------------------------------------------------
+    def computed(self, chunks: list[Chunk]) -> None:
+        """The chunks' tokens are in the KV cache now: count them, offer full blocks to the
+        prefix cache."""
+        for ch in chunks:
+            ch.seq.num_computed = ch.end
+            self._register_full_blocks(ch.seq)
+
+    def append_token(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Add a sampled token; when it ends the sequence (a stop id, or the length reached),
+        finish it and say why."""
+        seq.append(token)
+        finish: FinishReason | None = None
+        if token in seq.stop_ids:
+            finish = FinishReason.STOP
+        elif seq.num_tokens >= seq.max_total_tokens:
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            self.finish(seq)
+        return finish
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence from whichever queue holds it and free its blocks."""

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from probserve.engine.types import EngineRequest, TokenLogprobs
+from probserve.engine.prompt_scoring import PromptScores
+from probserve.engine.types import EngineRequest
 
 
 class SeqStatus(enum.Enum):
@@ -32,8 +33,7 @@ class Sequence:
     num_cached: int = 0  # of those, how many came from the prefix cache at admission
     num_hashed_blocks: int = 0  # full blocks registered in the prefix cache
     last_block_hash: bytes | None = None
-    prompt_parts: list[TokenLogprobs] = field(default_factory=list)
-    prompt_scored: bool = False  # prompt logprobs computed (and sent once)
+    prompt_scores: PromptScores = field(default_factory=PromptScores)
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
@@ -65,11 +65,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def wants_prompt_scores(self) -> bool:
-        spec = self.request.logprobs
-        return bool(spec and spec.prompt and self.num_prompt_tokens > 1 and not self.prompt_scored)
 
     def append(self, token: int) -> None:
         self.token_ids.append(token)

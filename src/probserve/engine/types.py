@@ -156,9 +156,7 @@ class TokenLogprobs:
             target_ids=parts[0].target_ids,
             entropy=cat([p.entropy for p in parts]),
             full=cat([p.full for p in parts]),
-            processed=None
-            if processed[0] is None
-            else TokenLogprobs.concat(processed),  # type: ignore[arg-type]
+            processed=None if processed[0] is None else TokenLogprobs.concat(processed),  # type: ignore[arg-type]
         )
 
 
@@ -180,6 +178,11 @@ class EngineOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @staticmethod
+    def failure(request_id: str, message: str) -> EngineOutput:
+        """The last output of a request the engine failed."""
+        return EngineOutput(request_id, finish_reason=FinishReason.ERROR, error=message)
 
 
 class EngineOverloaded(RuntimeError):

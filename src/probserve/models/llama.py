@@ -111,8 +111,10 @@ class Linear:
 class _Layer:
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.ln1 = layer.input_layernorm.weight.detach()
-        self.ln2 = layer.post_attention_layernorm.weight.detach()
+        # copies: a weight memory-mapped from safetensors may share one storage with the whole
+        # file, and the packed runner must not keep that mapping alive (release_source)
+        self.ln1 = layer.input_layernorm.weight.detach().clone()
+        self.ln2 = layer.post_attention_layernorm.weight.detach().clone()
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
@@ -138,14 +140,19 @@ class LlamaForward:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.embed = model.model.embed_tokens.weight.detach()
+        self.embed = model.model.embed_tokens.weight.detach().clone()
         self.layers = [_Layer(layer) for layer in model.model.layers]
-        self.norm = model.model.norm.weight.detach()
+        self.norm = model.model.norm.weight.detach().clone()
         self.norm_eps = float(model.model.norm.variance_epsilon)
         self.lm_head = Linear(model.lm_head.weight)
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.rotary = model.model.rotary_emb
         self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
+
+    def release_source(self) -> None:
+        """Drop the transformers model: every weight the forward uses is a copy held here (the
+        rotary module alone is kept, and it holds no weights)."""
+        self.model = None
 
     @torch.inference_mode()
     def forward(

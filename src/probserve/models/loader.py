@@ -38,6 +38,13 @@ class ModelSource:
     gguf_file: str | None = None
     served_name: str = ""
 
+    @property
+    def spec(self) -> str:
+        """A `--model` argument that resolves to this source."""
+        if self.gguf_file:
+            return str(Path(self.name_or_path) / self.gguf_file)
+        return self.name_or_path
+
 
 @dataclass
 class LoadedModel:
@@ -86,6 +93,15 @@ def resolve_model(spec: str | None) -> ModelSource:
     return ModelSource(spec, None, spec)
 
 
+_LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError)
+
+
+def _first(exc: BaseException) -> str:
+    """The first line of an error's message (transformers' run to many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
     ids: set[int] = set()
     for value in (
@@ -123,9 +139,8 @@ def load_source(source: ModelSource) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(
             source.name_or_path, dtype=torch.float32, **kwargs
         )
-    except (OSError, ValueError, KeyError, ImportError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load model {source.name_or_path!r}: {first}") from exc
+    except _LOAD_ERRORS as exc:
+        raise ModelLoadError(f"cannot load model {source.name_or_path!r}: {_first(exc)}") from exc
     model.eval()
     model.requires_grad_(False)
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -141,11 +156,31 @@ def load_source(source: ModelSource) -> LoadedModel:
     )
 
 
+def prepared_source(spec: str | None) -> ModelSource:
+    """Resolve a `--model` spec; a GGUF file becomes its converted directory (models/cache.py)."""
+    from probserve.models.cache import converted
+
+    return converted(resolve_model(spec), load_source, save_hf_directory)
+
+
 def load_model(spec: str | None = None) -> LoadedModel:
     """Resolve and load a model; raises ModelLoadError with a one-line message on failure."""
-    source = resolve_model(spec)
+    source = prepared_source(spec)
     log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
     return load_source(source)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The tokenizer alone (what an API server process needs beside an engine worker)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+    except _LOAD_ERRORS as exc:
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {source.name_or_path!r}: {_first(exc)}"
+        ) from exc
 
 
 def save_hf_directory(loaded: LoadedModel, path: str | Path) -> Path:

@@ -1,0 +1,109 @@
+"""PagedRunner: the Llama family's packed step over a paged KV cache.
+
+Every chunk of the step goes into one forward (models/llama.py) and logits are computed only for
+the rows that need them: the sampled position of each sequence that reaches its last token, and
+prompt positions of sequences that score their prompt (cached-prefix positions included, from the
+cached hidden states). Prompt rows leave as hidden states (`ScoreRows`): the scorer turns them into
+logits a slice at a time, so scoring a long cached prompt never holds all its logits at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from probserve.engine import prompt_scoring
+from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
+from probserve.engine.scheduler import Chunk
+from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
+
+
+class PagedRunner:
+    prefix_caching = True
+
+    @staticmethod
+    def kv_bytes_per_token(config: Any) -> int:
+        return KVCache.bytes_per_token(config)
+
+    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
+        self.forward = LlamaForward(model)
+        self.block_size = block_size
+        self.cache = KVCache.allocate(model.config, num_blocks, block_size)
+        self.vocab = self.forward.vocab_size
+
+    def release_source_weights(self) -> None:
+        self.forward.release_source()
+
+    def _slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table, dtype=torch.long)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _plan(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        plan = AttentionPlan(slots=torch.empty(0, dtype=torch.long))
+        decode_rows: list[int] = []
+        decode_seqs: list[Chunk] = []
+        row = 0
+        for ch in chunks:
+            ids += ch.seq.token_ids[ch.start : ch.end]
+            positions.append(torch.arange(ch.start, ch.end))
+            slots.append(self._slots(ch.seq.block_table, ch.start, ch.end))
+            if ch.length == 1:
+                decode_rows.append(row)
+                decode_seqs.append(ch)
+            else:
+                keys = self._slots(ch.seq.block_table, 0, ch.end)
+                mask = None
+                if ch.start > 0:
+                    q_pos = torch.arange(ch.start, ch.end).unsqueeze(1)
+                    mask = torch.arange(ch.end).unsqueeze(0) <= q_pos
+                plan.prefills.append(PrefillGroup(slice(row, row + ch.length), keys, mask))
+            row += ch.length
+        plan.slots = torch.cat(slots)
+        if decode_seqs:
+            lengths = torch.tensor([c.end for c in decode_seqs])
+            longest = int(lengths.max())
+            width = -(-longest // self.block_size)
+            tables = torch.zeros((len(decode_seqs), width), dtype=torch.long)
+            for i, c in enumerate(decode_seqs):
+                table = c.seq.block_table[:width]
+                tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            pos = torch.arange(longest)
+            valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+            keys = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+            # masked positions read the zeroed null block, never unwritten memory
+            plan.decode_keys = torch.where(valid, keys, 0)
+            plan.decode_mask = valid.view(len(decode_seqs), 1, 1, longest)
+            plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+        return torch.tensor(ids, dtype=torch.long), torch.cat(positions), plan
+
+    @torch.inference_mode()
+    def run(self, chunks: list[Chunk]) -> RunOutput:
+        input_ids, positions, plan = self._plan(chunks)
+        hidden = self.forward.forward(input_ids, positions, plan, self.cache)
+        sample_rows: list[int] = []
+        prompt_rows: dict[str, ScoreRows] = {}
+        row = 0
+        for ch in chunks:
+            a, b = prompt_scoring.score_range(ch)
+            if b > a:
+                parts = []
+                if a < ch.start:  # cached prefix positions: from the cached hidden states
+                    cached = self._slots(ch.seq.block_table, a, ch.start)
+                    parts.append(self.cache.hidden.index_select(0, cached))
+                    a = ch.start
+                if b > a:
+                    parts.append(hidden[row + a - ch.start : row + b - ch.start])
+                rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+                prompt_rows[ch.seq.request_id] = ScoreRows(rows, self.forward.logits)
+            if ch.samples:
+                sample_rows.append(row + ch.length - 1)
+            row += ch.length
+        sample = (
+            self.forward.logits(hidden[sample_rows]) if sample_rows else empty_logits(self.vocab)
+        )
+        return RunOutput(sample, prompt_rows)

@@ -1,0 +1,158 @@
+"""The engine worker process: `python -m probserve.engine.worker`, started by WorkerEngine.
+
+It loads the model, builds the engine, warms it up, says Hello and then loops: read every command
+waiting (blocking only while it has no work), apply them, run one step, send the step's outputs
+and figures. It exits on Shutdown, when the server process that started it has gone, or after an
+unexpected error (sending Failed first, exit status 1). The protocol is in wire.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from probserve.engine import wire
+from probserve.engine.config import EngineConfig
+from probserve.engine.core import EngineCore
+from probserve.engine.types import EngineRequest
+
+log = logging.getLogger("probserve.worker")
+
+IDLE_POLL_MS = 1000  # how often an idle worker checks that its server is still there
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="probserve-worker")
+    p.add_argument("--model", required=True, help="a model directory (or any --model spec)")
+    p.add_argument("--served-name", default="")
+    p.add_argument("--config", required=True, help="EngineConfig as JSON")
+    p.add_argument("--commands", required=True, help="ZeroMQ address to read commands from")
+    p.add_argument("--events", required=True, help="ZeroMQ address to send events to")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def follow_parent() -> None:
+    """Die with the server: Ctrl-C is the server's to handle (it sends Shutdown), and on Linux
+    the kernel sends SIGTERM when the server process ends however it ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the idle loop's parent check still ends the worker
+
+
+def configure_threads(threads: int) -> int:
+    """The engine's torch threads, fixed for the life of the process (0: one per usable core)."""
+    import torch
+
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
+
+
+class Worker:
+    def __init__(self, core: EngineCore, commands: zmq.Socket, events: zmq.Socket) -> None:
+        self.core = core
+        self.commands = commands
+        self.events = events
+        self.parent = os.getppid()
+        self.codec = wire.Codec(wire.Command)
+
+    def send(self, message: wire.Message) -> None:
+        self.events.send(self.codec.encode(message), copy=False)
+
+    def _read(self, timeout_ms: int) -> tuple[list[EngineRequest], list[str], bool]:
+        adds: list[EngineRequest] = []
+        aborts: list[str] = []
+        stop = False
+        if self.commands.poll(timeout_ms) == 0:
+            return adds, aborts, stop
+        while True:
+            try:
+                frame = self.commands.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return adds, aborts, stop
+            message = self.codec.decode(frame.buffer)
+            if isinstance(message, wire.Submit):
+                adds += message.requests
+            elif isinstance(message, wire.Abort):
+                aborts += message.request_ids
+            elif isinstance(message, wire.Shutdown):
+                stop = True
+
+    def serve(self) -> None:
+        core = self.core
+        while True:
+            adds, aborts, stop = self._read(0 if core.has_work() else IDLE_POLL_MS)
+            if stop:
+                return
+            if os.getppid() != self.parent:
+                log.warning("the server process has gone: exiting")
+                return
+            if not (adds or aborts or core.has_work()):
+                continue
+            outputs = core.apply(adds, aborts)
+            if core.has_work():
+                outputs += core.safe_step()
+            self.send(wire.StepOutputs(outputs=outputs, stats=core.stats()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    follow_parent()
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s",
+    )
+    config = EngineConfig(**json.loads(args.config))
+    threads = configure_threads(config.threads)
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    events = ctx.socket(zmq.PUSH)
+    for sock in (commands, events):
+        sock.setsockopt(zmq.LINGER, 2000)
+    commands.connect(args.commands)
+    events.connect(args.events)
+    codec = wire.Codec(wire.Command)
+    try:
+        from probserve.models.loader import load_source, prepared_source
+
+        source = prepared_source(args.model)
+        loaded = load_source(source)
+        core = EngineCore(loaded, config)
+        core.warmup()
+        core.runner.release_source_weights()
+        loaded.model = None  # the runner holds what it needs; nothing else keeps the weights
+        worker = Worker(core, commands, events)
+        elapsed = time.monotonic() - started
+        log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
+        hello = wire.Hello(
+            info=core.info, model=source.spec, pid=os.getpid(), startup_seconds=elapsed
+        )
+        worker.send(hello)
+        worker.serve()
+        return 0
+    except BaseException as exc:
+        reason = f"engine stopped: {type(exc).__name__}: {exc}"
+        log.critical("%s", reason, exc_info=exc)
+        events.send(codec.encode(wire.Failed(reason=reason)))
+        return 1
+    finally:
+        commands.close()
+        events.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
