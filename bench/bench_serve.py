@@ -93,16 +93,29 @@ class Result:
     tokens: int
     seconds: float
     ok: bool
+    ttft: float | None = None  # seconds to the first token
+
+
+def _texts(n: int, length: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(length * 2)) for _ in range(n)]
 
 
 def make_prompts(client: httpx.Client, n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+    """Token-id prompts of `length` tokens, tokenized by a server's /tokenize."""
     prompts = []
-    for _ in range(n):
-        text = " ".join(rng.choice(WORDS) for _ in range(length * 2))
+    for text in _texts(n, length, seed):
         ids = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         prompts.append(ids.json()["tokens"][:length])
     return prompts
+
+
+def make_prompts_local(tokenizer: object, n: int, length: int, seed: int) -> list[list[int]]:
+    """The same prompts as `make_prompts`, tokenized here (every peer gets the same ids)."""
+    return [
+        tokenizer(text, add_special_tokens=False)["input_ids"][:length]  # type: ignore[operator]
+        for text in _texts(n, length, seed)
+    ]
 
 
 async def one_stream(
@@ -125,6 +138,7 @@ async def one_stream(
         body["logprobs"] = logprobs
     start = time.perf_counter()
     tokens = 0
+    ttft = None
     try:
         async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
             async for line in r.aiter_lines():
@@ -134,9 +148,11 @@ async def one_stream(
                 for choice in chunk.get("choices", []):
                     lp = choice.get("logprobs")
                     tokens += len(lp["tokens"]) if lp else (1 if choice.get("text") else 0)
-        return Result(tokens, time.perf_counter() - start, r.status_code == 200)
+                if tokens and ttft is None:
+                    ttft = time.perf_counter() - start
+        return Result(tokens, time.perf_counter() - start, r.status_code == 200, ttft)
     except (TimeoutError, httpx.HTTPError):
-        return Result(tokens, time.perf_counter() - start, False)
+        return Result(tokens, time.perf_counter() - start, False, ttft)
 
 
 async def run_level(
@@ -160,6 +176,7 @@ async def run_level(
         results = await asyncio.gather(*(guarded(p) for p in prompts))
         wall = time.perf_counter() - start
     toks = sum(r.tokens for r in results)
+    ttfts = sorted(r.ttft for r in results if r.ttft is not None)
     return {
         "concurrency": concurrency,
         "requests": len(results),
@@ -167,6 +184,7 @@ async def run_level(
         "output_tokens": toks,
         "seconds": round(wall, 2),
         "tok_per_s": round(toks / wall, 1),
+        "ttft_p50": round(ttfts[len(ttfts) // 2], 3) if ttfts else None,
     }
 
 

@@ -51,9 +51,7 @@ def test_logprobs_equal_the_reference(client: openai.OpenAI, smol: LoadedModel):
     assert b"".join(bytes(e.bytes) for e in part.logprobs).decode() == part.text
 
 
-def test_bytes_rebuild_split_characters_and_stream_equals_non_stream(
-    client: openai.OpenAI, http
-):  # type: ignore[no-untyped-def]
+def test_bytes_rebuild_split_characters_and_stream_equals_non_stream(client: openai.OpenAI, http):  # type: ignore[no-untyped-def]
     body = {"model": MODEL, "input": JAPANESE, "max_output_tokens": 16, "temperature": 0,
             "top_logprobs": 2, "include": LOGPROBS}  # fmt: skip
     full = client.responses.create(**body)

@@ -229,9 +229,18 @@ def test_a_client_cannot_run_its_own_template(c: httpx.Client, after_check: None
 # ---- 4. scoring a cached prompt -----------------------------------------------------------------
 
 
+@pytest.fixture
+def inline_client(smol: LoadedModel) -> Iterator[httpx.Client]:
+    """A server whose engine runs in this process (inline), so a test can instrument it."""
+    args = ("--worker", "inline", "--kv-cache-gib", "0.5")
+    with running_server(smol, *args) as u, httpx.Client(base_url=u, timeout=300) as client:
+        yield client
+
+
 def test_scoring_a_cached_prompt_is_bounded_and_done_once(
-    c: httpx.Client, after_check: None, monkeypatch: pytest.MonkeyPatch
+    inline_client: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ):
+    c = inline_client
     rows_per_call: list[int] = []
     real_logits = LlamaForward.logits
 
@@ -269,12 +278,19 @@ def test_lone_surrogates_are_a_400(c: httpx.Client, after_check: None):
         ("/tokenize", b'{"prompt": ' + s + b"}", "prompt"),
         ("/tokenize", b'{"messages": [{"role": "user", "content": ' + s + b"}]}", None),
         ("/v1/completions", b'{"prompt": "x", "model": ' + s + b"}", "model"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"model": "\\udc00"}', "model"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "model": "\\udc00"}',
+            "model",
+        ),
         ("/v1/completions", b'{"prompt": "x", "stop": ["a", ' + s + b"]}", None),
         ("/v1/completions", b'{"prompt": "x", "logit_bias": {"\\ud800": 1}}', None),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], '
-         b'"chat_template_kwargs": {"v": ' + s + b"}}", "chat_template_kwargs"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], '
+            b'"chat_template_kwargs": {"v": ' + s + b"}}",
+            "chat_template_kwargs",
+        ),
     ]
     for path, raw, param in cases:
         err = _err(_raw(c, path, raw), 400, param)
@@ -540,4 +556,3 @@ def test_health_tells_the_truth_about_the_engine(tiny: LoadedModel, monkeypatch)
         assert fatal and "SystemExit" in fatal[0]
         err = _err(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 503)
         assert err["code"] == "engine_dead"
-

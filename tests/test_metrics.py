@@ -30,9 +30,10 @@ def _get(samples: dict, name: str, **labels: str) -> float:
 
 
 def test_metrics_count_what_was_served(smol: LoadedModel):
-    with running_server(smol, "--kv-cache-gib", "0.25") as url, httpx.Client(
-        base_url=url, timeout=120
-    ) as c:
+    with (
+        running_server(smol, "--kv-cache-gib", "0.25") as url,
+        httpx.Client(base_url=url, timeout=120) as c,
+    ):
         prompt_tokens = completion_tokens = 0
         long_prompt = " ".join(f"w{i}" for i in range(80))
         bodies = [

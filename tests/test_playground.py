@@ -198,7 +198,8 @@ def test_two_models_side_by_side(browser, smol):  # type: ignore[no-untyped-def]
         _run(pg)
         columns = pg.query_selector_all("#outputs .column")
         assert [c.query_selector("h3").inner_text() for c in columns] == [
-            "alias", "smollm2-135m-instruct"
+            "alias",
+            "smollm2-135m-instruct",
         ]
         texts = [
             [s.get_attribute("data-token") for s in c.query_selector_all(".tok")] for c in columns

@@ -100,3 +100,18 @@ def test_sampling_follows_the_distribution():
         counts[sample(LOGITS, [row]).token_ids[0]] += 1
     probs = torch.softmax(LOGITS[0], 0).numpy()
     np.testing.assert_allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_a_tiny_repetition_penalty_saturates_instead_of_failing():
+    """5e-324 divides positive logits past the float range: the mass goes evenly to the
+    repeated tokens with positive logits (the limit), never NaN or an error."""
+    params = SamplingParams(temperature=1.0, repetition_penalty=5e-324, seed=3)
+    res = sample(LOGITS, [_row(params, prompt=(0, 3, 4), k=6)])
+    assert res.errors == [None]
+    assert res.token_ids.tolist()[0] in (0, 3)
+    lp = res.logprobs[0]
+    by_id = dict(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist(), strict=True))
+    assert math.isclose(by_id[0], math.log(0.5), abs_tol=1e-6)
+    assert math.isclose(by_id[3], math.log(0.5), abs_tol=1e-6)
+    greedy = sample(LOGITS, [_row(SamplingParams(temperature=0, repetition_penalty=5e-324))])
+    assert greedy.errors == [None] and greedy.token_ids.tolist() == [0]

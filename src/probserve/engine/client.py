@@ -97,7 +97,9 @@ class EngineClient:
         self.on_fatal: Callable[[str], None] | None = None  # called when the engine dies
         self._dead: str | None = None  # why the engine stopped, once it has
         self._owed_since: float | None = None  # monotonic time since which news is owed
-        self._lock = threading.Lock()
+        # re-entrant: a RequestStream dropped while the lock is held (its __del__ aborts, and
+        # the garbage collector may run it at any allocation) must not deadlock this thread
+        self._lock = threading.RLock()
         self._streams: dict[str, _Stream] = {}
         self._snapshot: dict[str, float] = dict.fromkeys(STAT_NAMES, 0.0)
 
@@ -133,7 +135,11 @@ class EngineClient:
             if not self._streams:
                 self._owed_since = time.monotonic()
             self._streams[request.request_id] = stream
-            self._send([request], [])
+            try:
+                self._send([request], [])
+            except BaseException:
+                del self._streams[request.request_id]
+                raise
         return RequestStream(self, request.request_id, stream.queue)
 
     async def generate(self, request: EngineRequest) -> list[EngineOutput]:

@@ -53,8 +53,12 @@ def apply_penalties(logits: torch.Tensor, row: SamplerRow) -> None:
         seen = torch.cat([row.prompt_ids, torch.tensor(list(row.output_ids), dtype=torch.long)])
         seen = torch.unique(seen)
         vals = logits[seen]
-        logits[seen] = torch.where(
-            vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+        penalised = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # a tiny penalty divides positive logits past the float range: saturate them at the
+        # largest float (the limit: the mass goes to them, evenly), never inf and then NaN
+        big = torch.finfo(logits.dtype).max
+        logits[seen] = torch.nan_to_num(
+            penalised, nan=float("nan"), posinf=big, neginf=float("-inf")
         )
     if (p.frequency_penalty or p.presence_penalty) and len(row.output_ids):
         counts = torch.bincount(

@@ -20,12 +20,14 @@ import tempfile
 import threading
 import time
 
+import msgspec
 import zmq
 
 from probserve.engine import wire
 from probserve.engine.client import EngineClient
 from probserve.engine.config import EngineConfig
-from probserve.engine.types import EngineDead, EngineRequest
+from probserve.engine.info import EngineInfo
+from probserve.engine.types import EngineDead, EngineRequest, RequestError
 
 log = logging.getLogger(__name__)
 
@@ -132,16 +134,10 @@ class WorkerEngine(EngineClient):
     # ---- EngineClient ---------------------------------------------------------------------
     def _send(self, adds: list[EngineRequest], aborts: list[str]) -> None:
         if adds:
-            # the engine seeds modulo 2**64 (engine/sequence.py): send what fits msgpack
-            adds = [
-                r
-                if r.sampling.seed is None
-                else dataclasses.replace(
-                    r, sampling=dataclasses.replace(r.sampling, seed=r.sampling.seed % 2**64)
-                )
-                for r in adds
-            ]
-            self._post(wire.Submit(requests=adds))
+            try:
+                self._post(wire.Submit(requests=[wire_safe(r, self.info) for r in adds]))
+            except (OverflowError, msgspec.EncodeError) as exc:  # a number msgpack cannot hold
+                raise RequestError(f"a value of this request is out of range: {exc}") from exc
         if aborts:
             self._post(wire.Abort(request_ids=aborts))
 
@@ -210,3 +206,20 @@ class WorkerEngine(EngineClient):
                     log.critical("%s", reason)
                     self._die(reason)
                 return
+
+
+def wire_safe(req: EngineRequest, info: EngineInfo) -> EngineRequest:
+    """The same request with its integers in msgpack's range, meaning the same to the engine:
+    a seed modulo 2**64 (as the engine seeds), a top-k past the vocabulary off, min_tokens past
+    the context at the context."""
+    sp = req.sampling
+    changes: dict[str, int] = {}
+    if sp.seed is not None and not 0 <= sp.seed < 2**64:
+        changes["seed"] = sp.seed % 2**64
+    if sp.top_k >= info.vocab_size:
+        changes["top_k"] = 0
+    if sp.min_tokens > info.max_context:
+        changes["min_tokens"] = info.max_context
+    if not changes:
+        return req
+    return dataclasses.replace(req, sampling=dataclasses.replace(sp, **changes))  # type: ignore[arg-type]

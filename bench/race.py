@@ -1,0 +1,222 @@
+"""The same-run race: probserve against its peers, one machine, one script, one load client.
+
+Each server is started in turn (probserve with `probserve serve`; vLLM's CPU build and
+llama.cpp's server through ../shared/peers/), warmed up, measured with bench_serve's client on
+the same token-id prompts, and stopped; the next one then has the machine to itself. The sweep:
+streaming completions at each concurrency, then top-20 logprobs and no logprobs alternated
+(A/B/A/B) at the two highest, then prompt scoring as lm-evaluation-harness sends it (echo,
+max_tokens 1, logprobs 1). Peak RSS is summed over each server's process tree. The table gives
+every figure and probserve's ratio to each peer; it is only meaningful within one run.
+
+    .venv/bin/python bench/race.py --peers vllm            # ~10 minutes with vLLM's start
+    .venv/bin/python bench/race.py --peers vllm llama --concurrency 1 4 16 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from bench_serve import make_prompts_local, mc_prompts, run_level, run_scoring
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def tree_peak_rss(pid: int) -> int:
+    """Sum of VmHWM (kB) over a process and all its descendants."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(
+                next(ln for ln in status.splitlines() if ln.startswith("VmHWM")).split()[1]
+            )
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+class Server:
+    def __init__(self, name: str, cmd: list[str], port: int, model: str, log: Path) -> None:
+        self.name, self.cmd, self.port, self.model, self.log = name, cmd, port, model, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_seconds = 0.0
+
+    def start(self, timeout: float = 600) -> None:
+        started = time.monotonic()
+        out = self.log.open("wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        while time.monotonic() - started < timeout:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited at start; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self.start_seconds = time.monotonic() - started
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise SystemExit(f"{self.name} did not start in {timeout:g} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
+    servers = [
+        Server(
+            "probserve",
+            [str(Path(sys.executable).parent / "probserve"), "serve", "--port", "8011",
+             "--log-level", "warning", *args.probserve_args.split()],
+            8011, "smollm2-135m-instruct", logs / "probserve.log",
+        )
+    ]  # fmt: skip
+    if "vllm" in args.peers:
+        cmd = ["bash", str(PEERS / "vllm_cpu.sh"), hf_dir, "8012"]
+        servers.append(Server("vllm-cpu", cmd, 8012, "smollm2", logs / "vllm.log"))
+    if "llama" in args.peers:
+        binary = subprocess.run(["bash", str(PEERS / "llama_server.sh")], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        model_dir = subprocess.run(["bash", str(PEERS / "model.sh")], capture_output=True,
+                                   text=True, check=True).stdout.strip()  # fmt: skip
+        cmd = [binary, "-m", f"{model_dir}/model.gguf", "--host", "127.0.0.1", "--port", "8013",
+               "-np", "32", "-c", "16384", "-t", "2"]  # fmt: skip
+        servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log"))
+    return servers
+
+
+def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
+    """The whole sweep against one running server."""
+    out: dict = {"start_seconds": round(server.start_seconds, 1), "levels": {}}
+    warm = pools["stream"][:2]
+    asyncio.run(run_level(server.url, server.model, warm, 2, 8, None, args.timeout))
+    for conc in args.concurrency:
+        prompts = pools["stream"][: conc * args.requests_per_stream]
+        row = asyncio.run(run_level(server.url, server.model, prompts, conc,
+                                    args.output_tokens, None, args.timeout))  # fmt: skip
+        out["levels"][str(conc)] = row
+        print(server.name, json.dumps(row), flush=True)
+    for conc in args.concurrency[-2:]:  # logprobs off / on, alternated
+        prompts = pools["stream"][: conc * args.requests_per_stream]
+        for label, lp in (("off", None), ("top20", 20), ("off", None), ("top20", 20)):
+            row = asyncio.run(run_level(server.url, server.model, prompts, conc,
+                                        args.output_tokens, lp, args.timeout))  # fmt: skip
+            out["levels"].setdefault(f"{conc}-{label}", []).append(row["tok_per_s"])
+            print(server.name, f"{conc} streams, logprobs {label}:", row["tok_per_s"], flush=True)
+    if not args.no_scoring:
+        row = asyncio.run(run_scoring(server.url, server.model, pools["unrelated"], 8,
+                                      args.timeout))  # fmt: skip
+        out["scoring"] = row["prompt_tok_per_s"]
+        row = asyncio.run(run_scoring(server.url, server.model, pools["mc"], 8, args.timeout))
+        out["scoring_mc"] = row["prompt_tok_per_s"]
+        print(server.name, "scoring", out["scoring"], "mc", out["scoring_mc"], flush=True)
+    out["peak_rss_mb"] = round(tree_peak_rss(server.proc.pid) / 1024)  # type: ignore[union-attr]
+    return out
+
+
+def table(results: dict[str, dict], args: argparse.Namespace) -> str:
+    names = list(results)
+    peers = names[1:]
+    lines = ["| figure | " + " | ".join(names) + "".join(f" | probserve / {p}" for p in peers)
+             + " |", "|---" + "|---:" * (len(names) + len(peers)) + "|"]  # fmt: skip
+
+    def row(label: str, values: list[float | None]) -> None:
+        ours = values[0]
+        ratios = [f"{ours / v:.2f}x" if ours is not None and v else "-" for v in values[1:]]
+        shown = ["-" if v is None else f"{v:g}" for v in values]
+        lines.append(f"| {label} | " + " | ".join(shown + ratios) + " |")
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs), 1)
+
+    for conc in args.concurrency:
+        row(f"output tok/s, {conc} streams",
+            [results[n]["levels"][str(conc)]["tok_per_s"] for n in names])  # fmt: skip
+    for conc in args.concurrency[-2:]:
+        for label in ("off", "top20"):
+            row(f"output tok/s, {conc} streams, logprobs {label} (mean of 2, alternated)",
+                [mean(results[n]["levels"][f"{conc}-{label}"]) for n in names])  # fmt: skip
+    top = str(args.concurrency[-1])
+    ttft = [results[n]["levels"][top]["ttft_p50"] for n in names]
+    ratios = "".join(f" | {ttft[0] / t:.2f}x (lower is better)" for t in ttft[1:])
+    lines.append(f"| TTFT p50 at {top} streams (s) | " + " | ".join(map(str, ttft)) + ratios + " |")
+    if not args.no_scoring:
+        row("scoring, unrelated prompts (prompt tok/s)", [results[n]["scoring"] for n in names])
+        row("scoring, lm-eval multiple choice (prompt tok/s)",
+            [results[n]["scoring_mc"] for n in names])  # fmt: skip
+    rss = [results[n]["peak_rss_mb"] for n in names]
+    lines.append("| peak RSS, all processes (MB) | " + " | ".join(map(str, rss))
+                 + " |" + " - |" * len(peers))  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--peers", nargs="*", default=["vllm"], choices=["vllm", "llama"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=100)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--probserve-args", default="", help="extra flags for probserve serve")
+    ap.add_argument("--no-scoring", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--logs", default="/tmp/probserve-race")
+    args = ap.parse_args()
+
+    from probserve.models import load_tokenizer, prepared_source
+
+    source = prepared_source(None)  # the embedded model as a float32 HF directory (vLLM's input)
+    tokenizer = load_tokenizer(source)
+    n = max(args.concurrency) * args.requests_per_stream
+    pools = {
+        "stream": make_prompts_local(tokenizer, n, args.prompt_tokens, seed=0),
+        "unrelated": make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=1),
+        "mc": mc_prompts(make_prompts_local(tokenizer, 16, args.prompt_tokens, seed=2), 4, 5, 1),
+    }
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for server in build_servers(args, source.name_or_path, logs):
+        print(f"== {server.name}: starting", flush=True)
+        server.start()
+        try:
+            results[server.name] = measure(server, args, pools)
+        finally:
+            server.stop()
+    print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
+    print("command: .venv/bin/python bench/race.py " + " ".join(sys.argv[1:]))
+    print(json.dumps(results))
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+"""The engine worker process and its wire protocol: round trips, version checks, another
+architecture through the HF runner, death, stalls and the server's own exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import torch
+from server_util import free_port, running_state
+
+from probserve.engine import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    LogprobsMode,
+    LogprobsSpec,
+    SamplingParams,
+    TokenLogprobs,
+    wire,
+)
+from probserve.engine.info import EngineInfo
+from probserve.models import LoadedModel, ModelSource
+
+PROBSERVE = [sys.executable, "-m", "probserve.cli"]
+SMALL = ["--max-tokens", "3", "--kv-cache-gib", "0.01"]
+
+
+def _logprobs(n: int, k: int, rng: np.random.Generator, nested: bool = True) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_ids=rng.integers(0, 49152, n),
+        logprobs=rng.standard_normal(n).astype(np.float32),
+        ranks=rng.integers(1, 100, n),
+        top_ids=rng.integers(0, 49152, (n, k)),
+        top_logprobs=rng.standard_normal((n, k)).astype(np.float32),
+        target_logprobs=rng.standard_normal((n, 3)).astype(np.float32),
+        target_ids=(5, 6, 7),
+        entropy=np.full(n, -np.inf, dtype=np.float32),
+        processed=_logprobs(n, k, rng, nested=False) if nested else None,
+        full=rng.standard_normal((1, 17)).astype(np.float32) if nested else None,
+    )
+
+
+def _assert_same(a: TokenLogprobs | None, b: TokenLogprobs | None) -> None:
+    assert (a is None) == (b is None)
+    if a is None or b is None:
+        return
+    for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y), name
+    for name in ("target_logprobs", "entropy", "full"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+    assert a.target_ids == b.target_ids
+    _assert_same(a.processed, b.processed)
+
+
+def test_every_message_round_trips_bit_for_bit():
+    rng = np.random.default_rng(7)
+    commands, events = wire.Codec(wire.Command), wire.Codec(wire.Event)
+    req = EngineRequest(
+        "r-1",
+        (1, 2, 3),
+        SamplingParams(temperature=0.5, seed=2**64 - 1, logit_bias={7: -100.0}, max_tokens=None),
+        LogprobsSpec(top_k=3, prompt_top_k=0, mode=LogprobsMode.BOTH, target_ids=(9,)),
+        group="g",
+    )
+    for message in (
+        wire.Submit(requests=[req, EngineRequest("r-2", (4,))]),
+        wire.Abort(request_ids=["r-1"]),
+        wire.Shutdown(),
+    ):
+        assert commands.decode(commands.encode(message)) == message
+    outputs = [
+        EngineOutput(
+            "r-1",
+            (42,),
+            _logprobs(1, 3, rng),
+            _logprobs(2, 0, rng),
+            FinishReason.STOP,
+            num_prompt_tokens=3,
+            queue_time=0.25,
+        ),
+        EngineOutput.failure("r-2", "bad \ud800-free text ✓"),
+        EngineOutput("r-3"),
+    ]
+    back = events.decode(events.encode(wire.StepOutputs(outputs=outputs, stats={"running": 2.0})))
+    assert isinstance(back, wire.StepOutputs) and back.stats == {"running": 2.0}
+    for a, b in zip(outputs, back.outputs, strict=True):
+        assert (a.request_id, a.new_token_ids, a.finish_reason, a.error, a.queue_time) == (
+            b.request_id,
+            b.new_token_ids,
+            b.finish_reason,
+            b.error,
+            b.queue_time,
+        )
+        _assert_same(a.logprobs, b.logprobs)
+        _assert_same(a.prompt_logprobs, b.prompt_logprobs)
+    hello = wire.Hello(
+        info=EngineInfo(49152, 8192, 8192, (0, 2), "PagedRunner", 1024, True),
+        model="/m",
+        pid=1,
+        startup_seconds=1.5,
+    )
+    assert events.decode(events.encode(hello)) == hello
+
+
+def test_another_version_or_garbage_is_refused():
+    events = wire.Codec(wire.Event)
+    raw = msgspec.msgpack.encode({"type": "failed", "v": 2, "reason": "x"})
+    with pytest.raises(wire.ProtocolError, match="version 2"):
+        events.decode(raw)
+    with pytest.raises(wire.ProtocolError):
+        events.decode(b"\xc1 not msgpack")
+    with pytest.raises(wire.ProtocolError):  # a command is not an event
+        events.decode(wire.Codec(wire.Command).encode(wire.Shutdown()))
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def _wait(predicate, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+def test_worker_answers_as_the_inline_engine(smol: LoadedModel):
+    body = {
+        "prompt": "The three primary colours are",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 5,
+        "echo": True,
+    }
+    answers = []
+    for mode in ("process", "inline"):
+        with running_state(smol, "--worker", mode) as (url, state):
+            assert (state.engine.__class__.__name__ == "WorkerEngine") == (mode == "process")
+            answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
+    a, b = (x["choices"][0] for x in answers)
+    assert a["text"] == b["text"]
+    assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+    np.testing.assert_allclose(
+        a["logprobs"]["token_logprobs"][1:], b["logprobs"]["token_logprobs"][1:], atol=1e-5
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-2 (not the Llama family: the HF runner serves it) with SmolLM2's
+    tokenizer, saved as a plain Hugging Face directory."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    config = GPT2Config(vocab_size=smol.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+    path = tmp_path_factory.mktemp("gpt2")
+    GPT2LMHeadModel(config).eval().save_pretrained(path)
+    smol.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_gpt2_model_runs_on_the_hf_runner(gpt2_dir: Path):
+    out = subprocess.run(
+        [*PROBSERVE, "generate", "Hello", "--model", str(gpt2_dir), "--runner", "hf", *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "finish_reason: length" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_gpt2_worker_serves_every_logprobs_feature(smol: LoadedModel, gpt2_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gpt2_dir, dtype=torch.float32).eval()
+    gpt2 = LoadedModel(
+        model=None,
+        tokenizer=smol.tokenizer,
+        name="gpt2-tiny",
+        eos_token_ids=frozenset(),
+        context_length=128,
+        vocab_size=smol.vocab_size,
+        source=ModelSource(str(gpt2_dir), None, "gpt2-tiny"),
+    )
+    with running_state(gpt2, "--kv-cache-gib", "0.01") as (url, state):
+        assert state.engine.info.runner == "HFRunner"
+        body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 2}
+        r = httpx.post(f"{url}/v1/completions", json={**body, "echo": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+    ids = smol.tokenizer("Hello there")["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [float(ref[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    np.testing.assert_allclose(lp["token_logprobs"][1 : len(ids)], expected, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
+    with running_state(smol, "--engine-stall-timeout", "1") as (url, state):
+        eng = state.engine
+        assert eng.pid is not None
+        fatal: list[str] = []
+        eng.on_fatal = fatal.append
+        long = {"prompt": "Count:", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(base_url=url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=long) as stream,
+        ):
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # tokens are flowing
+            os.kill(eng.pid, signal.SIGSTOP)
+            try:
+                assert _wait(lambda: c.get("/health").json()["status"] == "stuck", 10)
+                assert c.get("/health").status_code == 503
+            finally:
+                os.kill(eng.pid, signal.SIGCONT)
+            assert _wait(lambda: c.get("/health").json()["status"] == "ok", 10)
+            os.kill(eng.pid, signal.SIGKILL)
+            rest = [ln for ln in lines if ln]
+        assert any('"error"' in ln for ln in rest), rest[-3:]  # the stream ends with an error
+        assert rest[-1] == "data: [DONE]"
+        h = httpx.get(f"{url}/health")
+        assert h.status_code == 503 and h.json()["status"] == "dead", h.text
+        assert fatal and "exited" in fatal[0]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`probserve serve` as a user starts it (its own process, a worker beside it)."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [*PROBSERVE, "serve", "--port", str(port), "--kv-cache-gib", "0.25"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return proc.poll() is not None
+
+    try:
+        assert _wait(up, 300) and proc.poll() is None, (tmp_path / "serve.log").read_text()
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_the_server_exits_non_zero_when_its_worker_dies(served):
+    proc, url = served
+    (worker,) = _children(proc.pid)
+    body = {"prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(timeout=60) == 1
+
+
+@pytest.mark.slow
+def test_the_worker_goes_when_its_server_is_killed(served):
+    proc, _ = served
+    (worker,) = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    assert _wait(lambda: _gone(worker), 15)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_and_stops_the_worker(served):
+    proc, url = served
+    (worker,) = _children(proc.pid)
+    results: list[int] = []
+    body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True}
+    t = threading.Thread(
+        target=lambda: results.append(
+            httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
+        )
+    )
+    t.start()
+    assert _wait(lambda: httpx.get(f"{url}/health").json()["running"] >= 1, 30)
+    proc.send_signal(signal.SIGTERM)
+    t.join()
+    assert results == [200]  # the request in flight finished
+    assert proc.wait(timeout=60) == 0
+    assert _wait(lambda: _gone(worker), 15)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for init to reap it counts as gone)."""
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().split()[2] == "Z"
