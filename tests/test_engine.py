@@ -259,3 +259,24 @@ def test_request_validation(tiny: LoadedModel, engine_for):
     assert "256" in str(err.value) and err.value.param == "max_tokens"
     with pytest.raises(RequestError):
         run(submit(EngineRequest("v", ())))
+
+
+def test_the_faster_matrix_kernel_is_chosen_and_held_alone(
+    smol: LoadedModel, monkeypatch: pytest.MonkeyPatch
+):
+    from probserve.models import linear as linear_module
+    from probserve.models.llama import LlamaForward
+
+    w = smol.model.model.layers[0].mlp.down_proj.weight
+    assert linear_module.choose_kernel(w) in ("dense", "onednn")
+    times = {"dense": 2.0, "onednn": 1.0}
+    with monkeypatch.context() as mp:
+        mp.setattr(linear_module, "_time", lambda layer, rows: times[layer.kernel])
+        assert linear_module.choose_kernel(w) == "onednn"
+        times["dense"] = 0.5
+        assert linear_module.choose_kernel(w) == "dense"
+    fw = LlamaForward(smol.model, "dense")
+    layer = fw.layers[0]
+    # a private dense copy: not the (possibly memory-mapped) source, and no packed twin
+    assert layer.down.w.data_ptr() != smol.model.model.layers[0].mlp.down_proj.weight.data_ptr()
+    assert not layer.down.w.is_mkldnn and torch.equal(layer.down.w, w)

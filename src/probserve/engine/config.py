@@ -20,6 +20,10 @@ class EngineConfig:
     runner: Literal["auto", "paged", "hf"] = setting(
         "auto", "auto: the paged Llama-family runner where it applies, else transformers'"
     )
+    linear: Literal["auto", "dense", "onednn"] = setting(
+        "auto",
+        "matrix kernel of the paged runner: dense (MKL), onednn (packed), auto (timed at start)",
+    )
     worker: Literal["process", "inline"] = setting(
         "process",
         "process: the engine runs in a worker process of its own; inline: in a thread of the "

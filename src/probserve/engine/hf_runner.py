@@ -28,7 +28,7 @@ class HFRunner:
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         return 4 * 2 * int(text.num_hidden_layers) * kv_heads * head_dim
 
-    def __init__(self, model: Any, num_blocks: int = 0, block_size: int = 0) -> None:
+    def __init__(self, model: Any, num_blocks: int = 0, config: object = None) -> None:
         from transformers import DynamicCache
 
         self.model = model

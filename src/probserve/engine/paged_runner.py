@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from probserve.engine import prompt_scoring
+from probserve.engine.config import EngineConfig
 from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
 from probserve.engine.scheduler import Chunk
 from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
@@ -26,9 +27,9 @@ class PagedRunner:
     def kv_bytes_per_token(config: Any) -> int:
         return KVCache.bytes_per_token(config)
 
-    def __init__(self, model: Any, num_blocks: int, block_size: int) -> None:
-        self.forward = LlamaForward(model)
-        self.block_size = block_size
+    def __init__(self, model: Any, num_blocks: int, config: EngineConfig) -> None:
+        self.forward = LlamaForward(model, config.linear)
+        self.block_size = block_size = config.block_size
         self.cache = KVCache.allocate(model.config, num_blocks, block_size)
         self.vocab = self.forward.vocab_size
 

@@ -58,7 +58,7 @@ class RunnerClass(Protocol):
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int: ...
 
-    def __call__(self, model: Any, num_blocks: int, block_size: int) -> Runner: ...
+    def __call__(self, model: Any, num_blocks: int, config: EngineConfig) -> Runner: ...
 
 
 def empty_logits(vocab: int) -> torch.Tensor:
@@ -85,4 +85,4 @@ def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
 
 def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
     cls = runner_class(loaded, config)
-    return cls(loaded.model, num_kv_blocks(loaded, config), config.block_size)
+    return cls(loaded.model, num_kv_blocks(loaded, config), config)

@@ -2,7 +2,8 @@
 
 It runs on the weights transformers loaded (fused into QKV and gate/up matrices once), takes a
 packed batch (every token of the step, prefill chunks and decode tokens alike, in one [T, H]
-tensor for all the matrix products) and computes attention per group: all decode tokens in one
+tensor for all the matrix products, through the kernel that is faster on this machine:
+models/linear.py) and computes attention per group: all decode tokens in one
 batched call, each prefill chunk in its own causal call. RMSNorm, RoPE (the model's own rotary
 module, so every rope-scaling variant its config names is honoured), GQA attention, SwiGLU, tied or
 untied head.
@@ -11,10 +12,12 @@ untied head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+
+from probserve.models.linear import Kernel, Linear, choose_kernel
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -83,33 +86,8 @@ class AttentionPlan:
     prefills: list[PrefillGroup] = field(default_factory=list)
 
 
-class Linear:
-    """y = x W^T + b with the weight pre-packed for oneDNN where torch has it.
-
-    MKL's sgemm behind F.linear re-packs the weight on every call; with 540 MB of float32 weights
-    read once per step that doubles the memory traffic. oneDNN's inner product on a weight
-    converted once (`to_mkldnn`) does not: measured on the 2-core CI machine over the SmolLM2
-    matrix chain, 21 vs 33 ms at 1 row, 48 vs 87 ms at 32 rows, 493 vs 824 ms at 512 rows
-    (results equal to ~1e-6)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        weight = weight.detach().float().contiguous()
-        bias = torch.zeros(weight.shape[0]) if bias is None else bias.detach().float()
-        self.packed = torch.backends.mkldnn.is_available()
-        if self.packed:
-            self.w = weight.to_mkldnn()
-            self.b = bias.to_mkldnn()
-        else:
-            self.w, self.b = weight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.w, self.b).to_dense()
-        return F.linear(x, self.w, self.b)
-
-
 class _Layer:
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, kernel: Kernel) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         # copies: a weight memory-mapped from safetensors may share one storage with the whole
         # file, and the packed runner must not keep that mapping alive (release_source)
@@ -121,10 +99,11 @@ class _Layer:
         self.qkv = Linear(
             torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
             torch.cat(biases) if all(b is not None for b in biases) else None,
+            kernel,
         )
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
-        self.down = Linear(mlp.down_proj.weight)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, kernel)
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, kernel)
+        self.down = Linear(mlp.down_proj.weight, None, kernel)
         self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
 
 
@@ -134,17 +113,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaForward:
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kernel: Kernel | Literal["auto"] = "auto") -> None:
+        """`kernel`: the linear layers' matrix kernel (models/linear.py); "auto" times both on
+        the first layer's MLP matrix and keeps the faster."""
         cfg = model.config
+        if kernel == "auto":
+            mlp = model.model.layers[0].mlp
+            kernel = choose_kernel(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.kernel: Kernel = kernel
         self.model = model
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.embed = model.model.embed_tokens.weight.detach().clone()
-        self.layers = [_Layer(layer) for layer in model.model.layers]
+        self.layers = [_Layer(layer, kernel) for layer in model.model.layers]
         self.norm = model.model.norm.weight.detach().clone()
         self.norm_eps = float(model.model.norm.variance_epsilon)
-        self.lm_head = Linear(model.lm_head.weight)
+        self.lm_head = Linear(model.lm_head.weight, None, kernel)
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.rotary = model.model.rotary_emb
         self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
