@@ -56,6 +56,24 @@ def tree_peak_rss(pid: int) -> int:
     return total
 
 
+def tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a process and its descendants, by command line."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:60]
+            out[f"{p} {cmd}"] = (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, IndexError):
+            continue
+    return out
+
+
 class Server:
     def __init__(self, name: str, cmd: list[str], port: int, model: str, log: Path) -> None:
         self.name, self.cmd, self.port, self.model, self.log = name, cmd, port, model, log
@@ -121,8 +139,16 @@ def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
     asyncio.run(run_level(server.url, server.model, warm, 2, 8, None, args.timeout))
     for conc in args.concurrency:
         prompts = pools["stream"][: conc * args.requests_per_stream]
+        before = tree_cpu_seconds(server.proc.pid)  # type: ignore[union-attr]
         row = asyncio.run(run_level(server.url, server.model, prompts, conc,
                                     args.output_tokens, None, args.timeout))  # fmt: skip
+        after = tree_cpu_seconds(server.proc.pid)  # type: ignore[union-attr]
+        # where the time goes: each server process's CPU use during this level, in cores
+        row["cores_by_process"] = {
+            name: round((cpu - before.get(name, 0.0)) / row["seconds"], 2)
+            for name, cpu in after.items()
+            if cpu - before.get(name, 0.0) > 0.01 * row["seconds"]
+        }
         out["levels"][str(conc)] = row
         print(server.name, json.dumps(row), flush=True)
     for conc in args.concurrency[-2:]:  # logprobs off / on, alternated

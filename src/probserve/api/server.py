@@ -169,6 +169,12 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
     the server: never a live socket in front of a dead engine)."""
     state = build_state(args)
+    if isinstance(state.engine, WorkerEngine):
+        # the model runs in the worker: torch here only ever does small work, and a second
+        # pool of threads would compete with the worker's for the cores
+        import torch
+
+        torch.set_num_threads(1)
     app = create_app(state)
     log.info("serving %s on http://%s:%d/v1", state.loaded.name, args.host, args.port)
     server = DrainingServer(

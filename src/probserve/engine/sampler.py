@@ -127,10 +127,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
     why and the other rows are sampled as usual."""
     logits = logits.float()
     errors: list[str | None] = [None] * len(rows)
-    bad = torch.isnan(logits).any(dim=1).tolist()
+    bad = _nan_rows(logits)
     processed: list[torch.Tensor] = []
     chosen = torch.zeros(len(rows), dtype=torch.long)
+    # greedy rows without processors: one argmax for all of them (ties: the lowest id, as per row)
+    plain = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.needs_processing]
+    plain = [i for i in plain if not bad[i]]
+    if plain:
+        chosen[plain] = torch.argmax(logits[plain], dim=1)
+    done = set(plain)
     for i, row in enumerate(rows):
+        if i in done:
+            processed.append(logits[i])
+            continue
         try:
             if bad[i]:
                 raise FloatingPointError("the model produced NaN logits")
@@ -158,6 +167,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
         else:
             results[i] = dataclasses.replace(raw[i], processed=proc[i])
     return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results, errors=errors)
+
+
+def _nan_rows(logits: torch.Tensor) -> list[bool]:
+    """Which rows hold a NaN: a row's sum is NaN if it does (or holds inf and -inf), so the
+    whole-row check runs only where the cheap one fires."""
+    suspects = torch.isnan(logits.sum(dim=1)).nonzero().flatten().tolist()
+    bad = [False] * logits.shape[0]
+    for i in suspects:
+        bad[i] = bool(torch.isnan(logits[i]).any())
+    return bad
 
 
 def _logprobs_rows(
