@@ -93,11 +93,12 @@ def test_every_message_round_trips_bit_for_bit():
             num_prompt_tokens=3,
             queue_time=0.25,
         ),
-        EngineOutput.failure("r-2", "bad \ud800-free text ✓"),
+        EngineOutput.failure("r-2", "a lone \ud800 surrogate, and ✓"),
         EngineOutput("r-3"),
     ]
     back = events.decode(events.encode(wire.StepOutputs(outputs=outputs, stats={"running": 2.0})))
     assert isinstance(back, wire.StepOutputs) and back.stats == {"running": 2.0}
+    assert outputs[1].error == "a lone \\ud800 surrogate, and ✓"  # kept valid UTF-8
     for a, b in zip(outputs, back.outputs, strict=True):
         assert (a.request_id, a.new_token_ids, a.finish_reason, a.error, a.queue_time) == (
             b.request_id,

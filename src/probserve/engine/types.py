@@ -175,6 +175,13 @@ class EngineOutput:
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first being scheduled
 
+    def __post_init__(self) -> None:
+        if self.error is not None:
+            # an error message may quote anything (an exception's text): keep it valid UTF-8,
+            # as JSON and the engine protocol need
+            clean = self.error.encode("utf-8", "backslashreplace").decode("utf-8")
+            object.__setattr__(self, "error", clean)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
