@@ -280,3 +280,7 @@ def test_the_faster_matrix_kernel_is_chosen_and_held_alone(
     # a private dense copy: not the (possibly memory-mapped) source, and no packed twin
     assert layer.down.w.data_ptr() != smol.model.model.layers[0].mlp.down_proj.weight.data_ptr()
     assert not layer.down.w.is_mkldnn and torch.equal(layer.down.w, w)
+    packed = LlamaForward(smol.model, "onednn").layers[0].down
+    assert packed.w.is_mkldnn  # the reordered form alone, no dense twin
+    x = torch.randn(5, w.shape[1])
+    torch.testing.assert_close(packed(x), layer.down(x), atol=1e-4, rtol=0)

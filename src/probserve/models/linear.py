@@ -2,13 +2,15 @@
 
 Two kernels compute y = x W^T + b in float32, equal to ~1e-6:
 - "dense": `F.linear` on a contiguous weight (MKL's sgemm/sgemv);
-- "onednn": oneDNN's inner product on a weight converted once (`to_mkldnn`, `mkldnn_linear`).
-Which one is faster depends on the machine, by 2x either way: on one 2-core CI machine (AVX-512,
-no VNNI) oneDNN took 21 vs 33 ms for SmolLM2's matrix chain at 1 row and 48 vs 87 ms at 32 rows
-(MKL re-packed the weight on every call); on another (Intel Xeon with AVX-512 bf16/VNNI,
-2026-11-30) MKL took 17 vs 38 ms at 1 row and 53 vs 61 ms at 32 rows. So `choose_kernel` times
-both once at start on one of the model's own matrices, at 1 and 32 rows, and the weights are
-then held in the faster form only (never both).
+- "onednn": oneDNN's matmul on a weight reordered once into its blocked layout
+  (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
+Which one is faster depends on the machine and the row count: on one 2-core CI machine
+(AVX-512, no VNNI) oneDNN took 21 vs 33 ms for SmolLM2's matrix chain at 1 row and 48 vs 87 ms
+at 32 rows (MKL re-packed the weight on every call); on another (Intel Xeon with AVX-512
+bf16/VNNI, 2026-11-30), for a 3072x576 matrix, MKL took 177-186 us at 1 row against oneDNN's
+234-243, and 667 us at 32 rows against 542 (443 vs 283 at 8). So `choose_kernel` times both once
+at start on one of the model's own matrices, at 1 and 32 rows, and the weights are then held in
+the faster form only (never both).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 Kernel = Literal["dense", "onednn"]
+PACK_ROWS = 32  # the row count oneDNN's weight layout is chosen for
 
 
 class Linear:
@@ -33,18 +36,19 @@ class Linear:
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Kernel = "dense"
     ) -> None:
         weight = weight.detach().float()
-        self.kernel: Kernel = kernel if torch.backends.mkldnn.is_available() else "dense"
+        self.kernel: Kernel = kernel if onednn_available() else "dense"
         if self.kernel == "onednn":
-            zeros = torch.zeros(weight.shape[0])
-            self.w = weight.contiguous().to_mkldnn()
-            self.b = (zeros if bias is None else bias.detach().float()).to_mkldnn()
+            # reordered once for oneDNN's matmul (blocked for ~32 rows, right for any count)
+            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+            self.b = None if bias is None else bias.detach().float().clone()
         else:
             self.w = weight.clone(memory_format=torch.contiguous_format)
             self.b = None if bias is None else bias.detach().float().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "onednn":
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.w, self.b).to_dense()
+            x = x.contiguous()
+            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
 
@@ -61,10 +65,14 @@ def layer_in_features(layer: Linear) -> int:
     return int(layer.w.shape[1])
 
 
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
 def choose_kernel(weight: torch.Tensor) -> Kernel:
     """The faster kernel for `weight` on this machine, timed at 1 and 32 rows (a decode step
     and a batch); the sum decides."""
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_available():
         return "dense"
     with torch.inference_mode():
         cost = {
