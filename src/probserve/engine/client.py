@@ -14,6 +14,7 @@ for `stall_timeout` seconds, `health()` says "stuck".
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import threading
@@ -85,7 +86,7 @@ class RequestStream:
         self.close()
 
 
-class EngineClient:
+class EngineClient(abc.ABC):
     """What the API needs of an engine. Subclasses start and stop the host and carry requests
     and aborts to it (`_send`); the streams, validation and liveness live here."""
 
@@ -104,15 +105,17 @@ class EngineClient:
         self._snapshot: dict[str, float] = dict.fromkeys(STAT_NAMES, 0.0)
 
     # ---- for subclasses -------------------------------------------------------------------
+    @abc.abstractmethod
     def start(self) -> None:
-        raise NotImplementedError
+        """Start the host (if not yet) and return once the engine serves; EngineDead if not."""
 
+    @abc.abstractmethod
     def stop(self) -> None:
-        raise NotImplementedError
+        """Stop the host and free what it holds."""
 
+    @abc.abstractmethod
     def _send(self, adds: list[EngineRequest], aborts: list[str]) -> None:
         """Carry new requests and aborts to the engine (called with the lock held)."""
-        raise NotImplementedError
 
     def _host_alive(self) -> str | None:
         """None while the host runs; else why not."""

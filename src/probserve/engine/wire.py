@@ -73,6 +73,7 @@ def _enc_hook(obj: object) -> object:
         header = dtype.str.encode().ljust(8) + a.ndim.to_bytes(8, "little")
         shape = np.asarray(a.shape, dtype="<i8").tobytes()
         return msgspec.msgpack.Ext(_NDARRAY, header + shape + a.astype(dtype, copy=False).tobytes())
+    # msgspec's protocol: a hook raises NotImplementedError for a type it does not handle
     raise NotImplementedError(f"cannot encode {type(obj).__name__}")
 
 
