@@ -154,7 +154,8 @@ def test_worker_answers_as_the_inline_engine(smol: LoadedModel):
     }
     answers = []
     for mode in ("process", "inline"):
-        with running_state(smol, "--worker", mode) as (url, state):
+        # one kernel for both: `--linear auto` is timed at each start and may choose either
+        with running_state(smol, "--worker", mode, "--linear", "dense") as (url, state):
             assert (state.engine.__class__.__name__ == "WorkerEngine") == (mode == "process")
             answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
     a, b = (x["choices"][0] for x in answers)
