@@ -42,7 +42,7 @@ async def _generate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
     engine = AsyncEngine(EngineCore(loaded, from_args(EngineConfig, args)))
-    (prompt,) = build_completion_prompts(loaded, table, [args.prompt], engine.core.max_context)
+    (prompt,) = build_completion_prompts(loaded, table, [args.prompt], engine.info.max_context)
     prompt_ids = tuple(prompt.ids)
     request = EngineRequest(
         request_id=AsyncEngine.new_request_id("cli"),

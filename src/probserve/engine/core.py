@@ -88,10 +88,6 @@ class EngineCore:
         self.pool.reset_prefix_cache()
         self.scheduler.prefix_query_tokens = self.scheduler.prefix_hit_tokens = 0
 
-    @property
-    def max_context(self) -> int:
-        return self.info.max_context
-
     # ---- requests -------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> int:
         """Check a request against the model; returns the max total length it may reach."""

@@ -53,16 +53,12 @@ class Linear:
 
 
 def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
-    x = torch.randn(rows, layer_in_features(layer))
+    x = torch.randn(rows, int(layer.w.shape[1]))
     layer(x)  # warm: first calls pick kernels and allocate
     start = time.perf_counter()
     for _ in range(repeats):
         layer(x)
     return (time.perf_counter() - start) / repeats
-
-
-def layer_in_features(layer: Linear) -> int:
-    return int(layer.w.shape[1])
 
 
 def onednn_available() -> bool:
