@@ -34,6 +34,9 @@ async def health(request: Request) -> JSONResponse:
     engine = _state(request).engine
     status, reason = engine.health()
     body: dict[str, object] = {"status": status, **engine.stats()}
+    info = getattr(engine, "info", None)  # absent when a worker died before saying hello
+    if info is not None:
+        body["deterministic"] = info.deterministic
     if reason is not None:
         body["reason"] = reason
     return JSONResponse(body, 200 if status == "ok" else 503)

@@ -30,3 +30,8 @@ class EngineConfig:
         "server process",
     )
     threads: int = setting(0, "torch threads of the engine (0: one per core)")
+    deterministic: bool = setting(
+        False,
+        "bitwise batch-invariant logprobs: a request's numbers are the same bits whatever else "
+        "is batched (the paged runner's row-invariant kernels; off where they cannot run)",
+    )

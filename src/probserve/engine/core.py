@@ -16,7 +16,13 @@ from probserve.engine import prompt_scoring
 from probserve.engine.block_pool import BlockPool
 from probserve.engine.config import EngineConfig
 from probserve.engine.info import EngineInfo, validate
-from probserve.engine.runner import Runner, build_runner, num_kv_blocks, runner_class
+from probserve.engine.runner import (
+    Runner,
+    build_runner,
+    effective_config,
+    num_kv_blocks,
+    runner_class,
+)
 from probserve.engine.sampler import SamplerRow, sample
 from probserve.engine.scheduler import Scheduler
 from probserve.engine.sequence import Sequence
@@ -38,7 +44,7 @@ class EngineCore:
         self, loaded: LoadedModel, config: EngineConfig | None = None, runner: Runner | None = None
     ) -> None:
         self.loaded = loaded
-        self.config = config or EngineConfig()
+        self.config = effective_config(loaded, config or EngineConfig())
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
         self.eos_ids = loaded.eos_token_ids
@@ -64,6 +70,7 @@ class EngineCore:
             runner=self._runner_name,
             kv_cache_tokens=self.token_capacity,
             prefix_caching=self.pool.prefix_caching,
+            deterministic=self.config.deterministic,
         )
 
     @property
@@ -71,12 +78,14 @@ class EngineCore:
         if self._runner is None:
             self._runner = build_runner(self.loaded, self.config)
             log.info(
-                "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s",
+                "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s, "
+                "deterministic %s",
                 self._runner_name,
                 self.pool.num_blocks,
                 self.config.block_size,
                 self.token_capacity,
                 "on" if self.pool.prefix_caching else "off",
+                "on" if self.config.deterministic else "off",
             )
         return self._runner
 
@@ -144,7 +153,9 @@ class EngineCore:
         prompt_scores: dict[str, TokenLogprobs] = {}
         for ch in chunks:
             seq = ch.seq
-            prompt_lp = prompt_scoring.collect(ch, run.prompt_rows.get(seq.request_id))
+            prompt_lp = prompt_scoring.collect(
+                ch, run.prompt_rows.get(seq.request_id), self.runner.row_math
+            )
             if seq.request.sampling.max_tokens == 0:
                 if ch.end >= seq.num_tokens:
                     self.scheduler.finish(seq)
@@ -157,7 +168,8 @@ class EngineCore:
                     prompt_scores[seq.request_id] = prompt_lp
         if not to_sample:
             return outputs
-        result = sample(run.sample_logits, [self._sampler_row(seq) for seq in to_sample])
+        rows = [self._sampler_row(seq) for seq in to_sample]
+        result = sample(run.sample_logits, rows, self.runner.row_math)
         for j, seq in enumerate(to_sample):
             error = result.errors[j]
             if error is not None:

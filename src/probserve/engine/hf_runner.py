@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from probserve.engine import prompt_scoring
+from probserve.engine.row_math import TorchRowMath
 from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
 from probserve.engine.scheduler import Chunk
 
@@ -37,6 +38,7 @@ class HFRunner:
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.row_math = TorchRowMath()
 
     def release_source_weights(self) -> None:
         """Nothing to drop: transformers' forward runs on the model's own weights."""

@@ -18,6 +18,7 @@ class EngineInfo:
     runner: str = ""  # the runner's class name
     kv_cache_tokens: int = 0
     prefix_caching: bool = False
+    deterministic: bool = False  # bitwise batch-invariant numbers (--deterministic, in effect)
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

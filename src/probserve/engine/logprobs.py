@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from probserve.engine.row_math import RowMath
 from probserve.engine.types import LogprobsSpec, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ SCORE_CHUNK_ROWS = 256
 
 
 def gather_logprobs(
+    math: RowMath,
     logprobs: torch.Tensor,
     token_ids: torch.Tensor,
     k: int,
@@ -36,12 +38,11 @@ def gather_logprobs(
         target_lp = logprobs.index_select(1, ids).numpy().astype(np.float32, copy=True)
     if entropy:
         # H = -sum p log p over the whole vocabulary; masked tokens (p = 0) add nothing
-        ent = torch.special.entr(logprobs.exp()).sum(dim=1).numpy().astype(np.float32, copy=True)
+        ent = math.entropy(logprobs).numpy().astype(np.float32, copy=True)
     chosen = logprobs.gather(1, token_ids.view(-1, 1))  # [n, 1]
     ranks = (logprobs > chosen).sum(dim=1) + 1
     if k > 0:
-        top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=1)
-        top_vals, top_ids = top.values, top.indices
+        top_vals, top_ids = math.topk(logprobs, k)
     else:
         top_vals = logprobs.new_empty((logprobs.shape[0], 0))
         top_ids = token_ids.new_empty((logprobs.shape[0], 0))
@@ -58,6 +59,7 @@ def gather_logprobs(
 
 
 def score_positions(
+    math: RowMath,
     rows: ScoreRows,
     targets: torch.Tensor,
     k: int,
@@ -71,8 +73,9 @@ def score_positions(
     full = sorted(set(spec.full_positions)) if spec else []
     parts = []
     for start in range(0, n, SCORE_CHUNK_ROWS):
-        lp = torch.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float(), dim=-1)
+        lp = math.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float())
         part = gather_logprobs(
+            math,
             lp,
             targets[start : start + SCORE_CHUNK_ROWS],
             k,

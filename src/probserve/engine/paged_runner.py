@@ -5,6 +5,10 @@ the rows that need them: the sampled position of each sequence that reaches its 
 prompt positions of sequences that score their prompt (cached-prefix positions included, from the
 cached hidden states). Prompt rows leave as hidden states (`ScoreRows`): the scorer turns them into
 logits a slice at a time, so scoring a long cached prompt never holds all its logits at once.
+
+With `deterministic` the forward runs on the row-invariant kernels, attention reads each token's
+keys through its sequence's block table, and the logprobs' reductions go through
+`InvariantRowMath`: a token's numbers do not depend on the rest of the step.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import torch
 
 from probserve.engine import prompt_scoring
 from probserve.engine.config import EngineConfig
+from probserve.engine.row_math import InvariantRowMath, RowMath, TorchRowMath
 from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
 from probserve.engine.scheduler import Chunk
+from probserve.kernels.invariant import InvariantKernels
 from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
 
 
@@ -28,7 +34,9 @@ class PagedRunner:
         return KVCache.bytes_per_token(config)
 
     def __init__(self, model: Any, num_blocks: int, config: EngineConfig) -> None:
-        self.forward = LlamaForward(model, config.linear)
+        kernels = InvariantKernels() if config.deterministic else None
+        self.forward = LlamaForward(model, config.linear, kernels)
+        self.row_math: RowMath = InvariantRowMath(kernels) if kernels else TorchRowMath()
         self.block_size = block_size = config.block_size
         self.cache = KVCache.allocate(model.config, num_blocks, block_size)
         self.vocab = self.forward.vocab_size
@@ -43,16 +51,28 @@ class PagedRunner:
 
     def _plan(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        plan = AttentionPlan(slots=torch.empty(0, dtype=torch.long))
+        for ch in chunks:
+            ids += ch.seq.token_ids[ch.start : ch.end]
+        positions = torch.cat([torch.arange(ch.start, ch.end) for ch in chunks])
+        plan = AttentionPlan(
+            slots=torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
+        )
+        if self.forward.kernels is not None:  # every token through its sequence's block table
+            plan.tables = self._tables(chunks)
+            lengths = torch.tensor([c.length for c in chunks])
+            plan.token_seq = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
+            plan.token_len = positions + 1
+        else:
+            self._sdpa_groups(chunks, plan)
+        return torch.tensor(ids, dtype=torch.long), positions, plan
+
+    def _sdpa_groups(self, chunks: list[Chunk], plan: AttentionPlan) -> None:
+        """The SDPA path's groups: every decode token in one padded batch, each prefill chunk
+        on its own."""
         decode_rows: list[int] = []
         decode_seqs: list[Chunk] = []
         row = 0
         for ch in chunks:
-            ids += ch.seq.token_ids[ch.start : ch.end]
-            positions.append(torch.arange(ch.start, ch.end))
-            slots.append(self._slots(ch.seq.block_table, ch.start, ch.end))
             if ch.length == 1:
                 decode_rows.append(row)
                 decode_seqs.append(ch)
@@ -64,15 +84,10 @@ class PagedRunner:
                     mask = torch.arange(ch.end).unsqueeze(0) <= q_pos
                 plan.prefills.append(PrefillGroup(slice(row, row + ch.length), keys, mask))
             row += ch.length
-        plan.slots = torch.cat(slots)
         if decode_seqs:
             lengths = torch.tensor([c.end for c in decode_seqs])
             longest = int(lengths.max())
-            width = -(-longest // self.block_size)
-            tables = torch.zeros((len(decode_seqs), width), dtype=torch.long)
-            for i, c in enumerate(decode_seqs):
-                table = c.seq.block_table[:width]
-                tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+            tables = self._tables(decode_seqs)
             pos = torch.arange(longest)
             valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
             keys = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
@@ -80,7 +95,16 @@ class PagedRunner:
             plan.decode_keys = torch.where(valid, keys, 0)
             plan.decode_mask = valid.view(len(decode_seqs), 1, 1, longest)
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
-        return torch.tensor(ids, dtype=torch.long), torch.cat(positions), plan
+
+    def _tables(self, chunks: list[Chunk]) -> torch.Tensor:
+        """[len(chunks), width] block tables, each chunk's up to its end (zero padded: the null
+        block)."""
+        width = max(-(-c.end // self.block_size) for c in chunks)
+        tables = torch.zeros((len(chunks), width), dtype=torch.long)
+        for i, c in enumerate(chunks):
+            table = c.seq.block_table[: -(-c.end // self.block_size)]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        return tables
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:

@@ -18,6 +18,7 @@ from probserve.engine.logprobs import score_positions
 from probserve.engine.types import TokenLogprobs
 
 if TYPE_CHECKING:
+    from probserve.engine.row_math import RowMath
     from probserve.engine.runner import ScoreRows
     from probserve.engine.scheduler import Chunk
     from probserve.engine.sequence import Sequence
@@ -47,7 +48,7 @@ def score_range(ch: Chunk) -> tuple[int, int]:
     return (first, min(ch.end, seq.num_prompt_tokens - 1))
 
 
-def collect(ch: Chunk, rows: ScoreRows | None) -> TokenLogprobs | None:
+def collect(ch: Chunk, rows: ScoreRows | None, math: RowMath) -> TokenLogprobs | None:
     """Score this chunk's rows; once the prompt is complete, return the whole prompt's scores."""
     seq = ch.seq
     state = seq.prompt_scores
@@ -56,7 +57,7 @@ def collect(ch: Chunk, rows: ScoreRows | None) -> TokenLogprobs | None:
         spec = seq.request.logprobs
         k = (spec.prompt_top_k or 0) if spec else 0
         targets = seq.prompt_tensor[a + 1 : b + 1]
-        state.parts.append(score_positions(rows, targets, k, spec, a))
+        state.parts.append(score_positions(math, rows, targets, k, spec, a))
     if wanted(seq) and ch.end >= seq.num_prompt_tokens:
         state.done = True
         parts, state.parts = state.parts, []

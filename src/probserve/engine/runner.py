@@ -8,11 +8,15 @@ Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from probserve.engine.row_math import RowMath
 
 if TYPE_CHECKING:
     from probserve.engine.config import EngineConfig
@@ -42,8 +46,12 @@ class RunOutput:
     prompt_rows: dict[str, ScoreRows] = field(default_factory=dict)  # request id -> its rows
 
 
+log = logging.getLogger(__name__)
+
+
 class Runner(Protocol):
     prefix_caching: bool
+    row_math: RowMath  # the vocabulary reductions its logprobs go through
 
     def run(self, chunks: list[Chunk]) -> RunOutput: ...
 
@@ -74,6 +82,31 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     if config.runner == "paged" or (config.runner == "auto" and llama.supports(loaded.model)):
         return PagedRunner  # type: ignore[return-value]
     return HFRunner  # type: ignore[return-value]
+
+
+def effective_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
+    """`config`, with `deterministic` kept only where it can run: the paged runner, a model
+    with a static RoPE, and kernels that build on this machine (a warning says why not)."""
+    if not config.deterministic:
+        return config
+    from probserve.engine.paged_runner import PagedRunner
+    from probserve.kernels.build import KernelBuildError, build
+    from probserve.models import llama
+
+    why = None
+    if runner_class(loaded, config) is not PagedRunner:
+        why = "the transformers runner has no row-invariant kernels"
+    else:
+        why = llama.deterministic_blocker(loaded.model)
+    if why is None:
+        try:
+            build()
+        except KernelBuildError as exc:
+            why = str(exc)
+    if why is None:
+        return config
+    log.warning("deterministic mode is off for this model: %s", why)
+    return dataclasses.replace(config, deterministic=False)
 
 
 def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:

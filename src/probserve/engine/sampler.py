@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from probserve.engine.logprobs import gather_logprobs
+from probserve.engine.row_math import RowMath
 from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams, TokenLogprobs
 
 
@@ -120,8 +121,9 @@ def _choose(row: SamplerRow, proc: torch.Tensor) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), proc.shape[0] - 1)
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
-    """Choose one token for each row of `logits` [B, V] and compute the logprobs asked for.
+def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> SamplerResult:
+    """Choose one token for each row of `logits` [B, V] and compute the logprobs asked for
+    (their vocabulary reductions through `math`).
 
     A row that fails (NaN logits, an error in a processor) fails alone: its `errors` entry says
     why and the other rows are sampled as usual."""
@@ -155,9 +157,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow]) -> SamplerResult:
     specs = {i: rows[i].logprobs for i in ok}
     raw_idx = [i for i in ok if specs[i].mode != LogprobsMode.PROCESSED]  # type: ignore[union-attr]
     proc_idx = [i for i in ok if specs[i].mode != LogprobsMode.RAW]  # type: ignore[union-attr]
-    raw = _logprobs_rows(logits[raw_idx] if raw_idx else None, raw_idx, chosen, specs)
+    raw = _logprobs_rows(math, logits[raw_idx] if raw_idx else None, raw_idx, chosen, specs)
     proc_rows = torch.stack([processed[i] for i in proc_idx]) if proc_idx else None
-    proc = _logprobs_rows(proc_rows, proc_idx, chosen, specs)
+    proc = _logprobs_rows(math, proc_rows, proc_idx, chosen, specs)
     for i in ok:
         mode = specs[i].mode  # type: ignore[union-attr]
         if mode == LogprobsMode.RAW:
@@ -180,6 +182,7 @@ def _nan_rows(logits: torch.Tensor) -> list[bool]:
 
 
 def _logprobs_rows(
+    math: RowMath,
     sources: torch.Tensor | None,
     idx: list[int],
     chosen: torch.Tensor,
@@ -189,16 +192,16 @@ def _logprobs_rows(
     for all of them; each row then takes its own k, target ids and entropy."""
     if not idx or sources is None:
         return {}
-    lp = torch.log_softmax(sources, dim=-1)
+    lp = math.log_softmax(sources)
     k_max = max(specs[i].top_k for i in idx)  # type: ignore[union-attr]
-    block = gather_logprobs(lp, chosen[idx], k_max)
+    block = gather_logprobs(math, lp, chosen[idx], k_max)
     out: dict[int, TokenLogprobs] = {}
     for j, i in enumerate(idx):
         spec = specs[i]
         assert spec is not None
         row = block.row(j, spec.top_k)
         if spec.target_ids or spec.entropy:
-            extra = gather_logprobs(lp[j : j + 1], chosen[i : i + 1], 0, spec.target_ids,
+            extra = gather_logprobs(math, lp[j : j + 1], chosen[i : i + 1], 0, spec.target_ids,
                                     spec.entropy)  # fmt: skip
             row = dataclasses.replace(
                 row,

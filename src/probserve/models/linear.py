@@ -1,9 +1,12 @@
 """The packed forward's linear layers, and the choice of matrix kernel for this machine.
 
-Two kernels compute y = x W^T + b in float32, equal to ~1e-6:
+Three kernels compute y = x W^T + b in float32, equal to ~1e-5:
 - "dense": `F.linear` on a contiguous weight (MKL's sgemm/sgemv);
 - "onednn": oneDNN's matmul on a weight reordered once into its blocked layout
-  (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`).
+  (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`);
+- "invariant": probserve's own (kernels/invariant.cpp) on a weight packed once into panels:
+  each output accumulates over K in order, so a row's result is the same bits whatever the
+  other rows (what `--deterministic` needs; MKL and oneDNN block K differently by row count).
 Which one is faster depends on the machine and the row count: on one 2-core CI machine
 (AVX-512, no VNNI) oneDNN took 21 vs 33 ms for SmolLM2's matrix chain at 1 row and 48 vs 87 ms
 at 32 rows (MKL re-packed the weight on every call); on another (Intel Xeon with AVX-512
@@ -22,9 +25,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from probserve.kernels.invariant import InvariantKernels, PackedWeight
+
 log = logging.getLogger(__name__)
 
-Kernel = Literal["dense", "onednn"]
+Kernel = Literal["dense", "onednn", "invariant"]
 PACK_ROWS = 32  # the row count oneDNN's weight layout is chosen for
 
 
@@ -33,11 +38,26 @@ class Linear:
     source, perhaps memory-mapped from a file, may then be released)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: Kernel = "dense"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernel: Kernel = "dense",
+        kernels: InvariantKernels | None = None,
     ) -> None:
+        """`kernels`: the loaded library, for the "invariant" kernel."""
         weight = weight.detach().float()
-        self.kernel: Kernel = kernel if onednn_available() else "dense"
-        if self.kernel == "onednn":
+        self.kernel: Kernel = kernel
+        if kernel == "onednn" and not onednn_available():
+            self.kernel = "dense"
+        self.kernels = kernels
+        self.packed: PackedWeight | None = None
+        if self.kernel == "invariant":
+            if kernels is None:
+                raise ValueError("the invariant kernel needs its library (InvariantKernels)")
+            self.packed = kernels.pack(weight, bias)
+            self.w = self.packed.panels
+            self.b = self.packed.bias
+        elif self.kernel == "onednn":
             # reordered once for oneDNN's matmul (blocked for ~32 rows, right for any count)
             self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
             self.b = None if bias is None else bias.detach().float().clone()
@@ -46,6 +66,8 @@ class Linear:
             self.b = None if bias is None else bias.detach().float().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.kernels.linear(x, self.packed)  # type: ignore[union-attr]
         if self.kernel == "onednn":
             x = x.contiguous()
             return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
@@ -53,7 +75,7 @@ class Linear:
 
 
 def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
-    x = torch.randn(rows, int(layer.w.shape[1]))
+    x = torch.randn(rows, int(layer.w.shape[-1] if layer.packed is None else layer.packed.k))
     layer(x)  # warm: first calls pick kernels and allocate
     start = time.perf_counter()
     for _ in range(repeats):

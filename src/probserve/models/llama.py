@@ -7,6 +7,14 @@ models/linear.py) and computes attention per group: all decode tokens in one
 batched call, each prefill chunk in its own causal call. RMSNorm, RoPE (the model's own rotary
 module, so every rope-scaling variant its config names is honoured), GQA attention, SwiGLU, tied or
 untied head.
+
+Deterministic (`kernels` given: `--deterministic`): every operation whose reduction order could
+depend on the batch runs on probserve's row-invariant kernels (kernels/invariant.cpp): the linear
+layers, RMSNorm, SwiGLU and attention (over the paged cache in place, one key order for prefill,
+chunked prefill and decode alike); RoPE's cos/sin come from a table built once in blocks of fixed
+size. What torch still does is exact per element (embedding gather, the residual adds, RoPE's
+products and sums, the cache writes), so a token's hidden state is the same bits whatever else
+the step holds.
 """
 
 from __future__ import annotations
@@ -17,9 +25,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from probserve.kernels.invariant import InvariantKernels
 from probserve.models.linear import Kernel, Linear, choose_kernel
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
+# RoPE variants whose cos/sin depend on the position alone (dynamic and longrope rescale with
+# the batch's longest sequence: no per-token invariance)
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+ROPE_BLOCK = 1024  # positions per block of the deterministic cos/sin table
 
 
 def supports(model: Any) -> bool:
@@ -32,6 +45,16 @@ def supports(model: Any) -> bool:
     window = getattr(cfg, "sliding_window", None)
     uses_window = getattr(cfg, "use_sliding_window", window is not None)
     return not (window and uses_window and window < cfg.max_position_embeddings)
+
+
+def deterministic_blocker(model: Any) -> str | None:
+    """Why this model cannot run the deterministic forward (None: it can)."""
+    if not supports(model):
+        return f"{type(model).__name__} does not run on the paged Llama-family forward"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
+    return None
 
 
 @dataclass
@@ -84,10 +107,14 @@ class AttentionPlan:
     decode_keys: torch.Tensor | None = None  # [B, L] slots (padded with 0)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
     prefills: list[PrefillGroup] = field(default_factory=list)
+    # the deterministic path: every token attends through its sequence's block table
+    tables: torch.Tensor | None = None  # [S, width] block ids
+    token_seq: torch.Tensor | None = None  # [T] row of `tables`
+    token_len: torch.Tensor | None = None  # [T] keys it attends to (its position + 1)
 
 
 class _Layer:
-    def __init__(self, layer: Any, kernel: Kernel) -> None:
+    def __init__(self, layer: Any, kernel: Kernel, kernels: InvariantKernels | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         # copies: a weight memory-mapped from safetensors may share one storage with the whole
         # file, and the packed runner must not keep that mapping alive (release_source)
@@ -100,10 +127,12 @@ class _Layer:
             torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
             torch.cat(biases) if all(b is not None for b in biases) else None,
             kernel,
+            kernels,
         )
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, kernel)
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, kernel)
-        self.down = Linear(mlp.down_proj.weight, None, kernel)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, kernel, kernels)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up = Linear(gate_up, None, kernel, kernels)
+        self.down = Linear(mlp.down_proj.weight, None, kernel, kernels)
         self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
 
 
@@ -113,11 +142,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaForward:
-    def __init__(self, model: Any, kernel: Kernel | Literal["auto"] = "auto") -> None:
+    def __init__(
+        self,
+        model: Any,
+        kernel: Kernel | Literal["auto"] = "auto",
+        kernels: InvariantKernels | None = None,
+    ) -> None:
         """`kernel`: the linear layers' matrix kernel (models/linear.py); "auto" times both on
-        the first layer's MLP matrix and keeps the faster."""
+        the first layer's MLP matrix and keeps the faster. `kernels`: run deterministic (the
+        row-invariant kernels everywhere; `kernel` is then "invariant")."""
         cfg = model.config
-        if kernel == "auto":
+        self.kernels = kernels
+        if kernels is not None:
+            blocker = deterministic_blocker(model)
+            if blocker:
+                raise ValueError(f"this model cannot run deterministic: {blocker}")
+            kernel = "invariant"
+        elif kernel == "auto":
             mlp = model.model.layers[0].mlp
             kernel = choose_kernel(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
         self.kernel: Kernel = kernel
@@ -126,13 +167,16 @@ class LlamaForward:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.embed = model.model.embed_tokens.weight.detach().clone()
-        self.layers = [_Layer(layer, kernel) for layer in model.model.layers]
+        self.layers = [_Layer(layer, kernel, kernels) for layer in model.model.layers]
         self.norm = model.model.norm.weight.detach().clone()
         self.norm_eps = float(model.model.norm.variance_epsilon)
-        self.lm_head = Linear(model.lm_head.weight, None, kernel)
+        self.lm_head = Linear(model.lm_head.weight, None, kernel, kernels)
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.rotary = model.model.rotary_emb
         self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
+        # the deterministic cos/sin table, grown ROPE_BLOCK positions at a time
+        self._rope_cos = torch.empty((0, self.head_dim))
+        self._rope_sin = torch.empty((0, self.head_dim))
 
     def release_source(self) -> None:
         """Drop the transformers model: every weight the forward uses is a copy held here (the
@@ -146,12 +190,11 @@ class LlamaForward:
         """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
         returns the final-norm hidden states [T, H]."""
         h = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary(h, positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, d]
+        cos, sin = self._rope(h, positions)  # [T, 1, d]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
         for li, layer in enumerate(self.layers):
-            x = F.rms_norm(h, (h.shape[-1],), layer.ln1, layer.eps1)
+            x = self._norm(h, layer.ln1, layer.eps1)
             qkv = layer.qkv(x)
             q = qkv[:, : nq * d].view(t, nq, d)
             k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
@@ -160,18 +203,49 @@ class LlamaForward:
             k = k * cos + _rotate_half(k) * sin
             cache.k[li].index_copy_(0, plan.slots, k)
             cache.v[li].index_copy_(0, plan.slots, v)
-            attn = self._attention(q, cache.k[li], cache.v[li], plan, layer.scale)
+            attn = self._attention(q, cache, li, plan, layer.scale)
             h = h + layer.o(attn)
-            x = F.rms_norm(h, (h.shape[-1],), layer.ln2, layer.eps2)
-            gu = layer.gate_up(x)
-            h = h + layer.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
-        out = F.rms_norm(h, (h.shape[-1],), self.norm, self.norm_eps)
+            x = self._norm(h, layer.ln2, layer.eps2)
+            h = h + layer.down(self._swiglu(layer.gate_up(x)))
+        out = self._norm(h, self.norm, self.norm_eps)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
 
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(h, weight, eps)
+        return F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gu)
+        return F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, d] at `positions`: the rotary module's, or in deterministic mode
+        rows of a table it filled in blocks of ROPE_BLOCK positions (each block one call of one
+        shape, so a position's row never depends on what else is in the step)."""
+        if self.kernels is None:
+            cos, sin = self.rotary(h, positions.unsqueeze(0))
+            return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        while self._rope_cos.shape[0] < need:
+            start = self._rope_cos.shape[0]
+            cos, sin = self.rotary(h[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
+            self._rope_cos = torch.cat([self._rope_cos, cos[0].float()])
+            self._rope_sin = torch.cat([self._rope_sin, sin[0].float()])
+        return self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1)
+
     def _attention(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: AttentionPlan, scale: float
+        self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, scale: float
     ) -> torch.Tensor:
+        kc, vc = cache.k[layer], cache.v[layer]
+        if self.kernels is not None:
+            assert plan.tables is not None and plan.token_seq is not None
+            assert plan.token_len is not None
+            return self.kernels.attention(
+                q, kc, vc, scale, plan.tables, plan.token_seq, plan.token_len, cache.block_size
+            )
         t, nq, d = q.shape
         out = q.new_empty((t, nq * d))
         if plan.decode_rows is not None:

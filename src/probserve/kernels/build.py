@@ -1,0 +1,118 @@
+"""Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
+
+The source is compiled with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the
+CPU it runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
+~/.cache/probserve) under a key of the source, the compiler, the flags and the CPU's feature
+list, so a source change, another compiler or another machine builds afresh and every later
+start loads the cached library in milliseconds. The build writes to a temporary file and renames
+it into place, so concurrent starts never load half a library. torch is imported first: the
+library then shares torch's OpenMP runtime (one thread pool, not two). `python -m
+probserve.kernels.build` builds it ahead of time (the Makefile's set-up does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to one)
+
+from probserve.models.cache import cache_root
+
+SOURCE = Path(__file__).with_name("invariant.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "ps_lanes": (ctypes.c_int, []),
+    "ps_panel_width": (ctypes.c_int, []),
+    "ps_linear": (None, [_P, _I, _I, _P, _I, _P, _P]),
+    "ps_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
+    "ps_silu_mul": (None, [_P, _I, _I, _P]),
+    "ps_log_softmax": (None, [_P, _I, _I, _P]),
+    "ps_entropy": (None, [_P, _I, _I, _P]),
+    "ps_topk": (None, [_P, _I, _I, _I, _P, _P]),
+    "ps_attention": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _I, _P, _P]),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels cannot be built or loaded here (no compiler, an unsupported CPU)."""
+
+
+def compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError(
+        "--deterministic needs a C++ compiler to build its kernels and none was found "
+        "(set CXX, or install one: Debian/Ubuntu `apt install g++`)"
+    )
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"|".join(
+            s.encode() for s in (SOURCE.read_text(), version, " ".join(FLAGS), _cpu_features())
+        )
+    ).hexdigest()
+    return cache_root() / "kernels" / f"invariant-{key[:16]}.so"
+
+
+def build() -> Path:
+    """The compiled library's path, building it if this machine has none cached."""
+    cxx = compiler()
+    path = library_path(cxx)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise KernelBuildError(f"building {SOURCE.name} with {cxx} failed:\n{done.stderr}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load() -> ctypes.CDLL:
+    """The kernels library with its functions' argument types declared."""
+    lib = ctypes.CDLL(str(build()))
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+if __name__ == "__main__":
+    try:
+        print(f"probserve kernels: {build()}")
+    except KernelBuildError as exc:
+        print(f"probserve kernels not built: {exc}", file=sys.stderr)
+        sys.exit(1)
