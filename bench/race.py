@@ -10,6 +10,12 @@ every figure and probserve's ratio to each peer; it is only meaningful within on
 
     .venv/bin/python bench/race.py --peers vllm            # ~10 minutes with vLLM's start
     .venv/bin/python bench/race.py --peers vllm llama --concurrency 1 4 16 32
+
+`--variant LABEL=FLAGS` (repeatable) runs probserve once per variant instead of once, for a
+same-run A/B of its own settings; the first variant is the base of every ratio:
+
+    .venv/bin/python bench/race.py --peers --variant off=--no-deterministic \
+        --variant deterministic=--deterministic
 """
 
 from __future__ import annotations
@@ -110,13 +116,15 @@ class Server:
 
 
 def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
+    variants = [v.split("=", 1) for v in args.variant] or [["", ""]]
     servers = [
         Server(
-            "probserve",
-            [str(Path(sys.executable).parent / "probserve"), "serve", "--port", "8011",
-             "--log-level", "warning", *args.probserve_args.split()],
-            8011, "smollm2-135m-instruct", logs / "probserve.log",
+            f"probserve ({label})" if label else "probserve",
+            [str(Path(sys.executable).parent / "probserve"), "serve", "--port", str(8020 + i),
+             "--log-level", "warning", *args.probserve_args.split(), *flags.split()],
+            8020 + i, "smollm2-135m-instruct", logs / f"probserve{i}.log",
         )
+        for i, (label, flags) in enumerate(variants)
     ]  # fmt: skip
     if "vllm" in args.peers:
         cmd = ["bash", str(PEERS / "vllm_cpu.sh"), hf_dir, "8012"]
@@ -172,7 +180,7 @@ def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
 def table(results: dict[str, dict], args: argparse.Namespace) -> str:
     names = list(results)
     peers = names[1:]
-    lines = ["| figure | " + " | ".join(names) + "".join(f" | probserve / {p}" for p in peers)
+    lines = ["| figure | " + " | ".join(names) + "".join(f" | {names[0]} / {p}" for p in peers)
              + " |", "|---" + "|---:" * (len(names) + len(peers)) + "|"]  # fmt: skip
 
     def row(label: str, values: list[float | None]) -> None:
@@ -213,6 +221,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--probserve-args", default="", help="extra flags for probserve serve")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                    help="run probserve once per variant with these extra flags")  # fmt: skip
     ap.add_argument("--no-scoring", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--logs", default="/tmp/probserve-race")

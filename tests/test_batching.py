@@ -70,15 +70,21 @@ def _same(a: list[EngineOutput], b: list[EngineOutput]) -> None:
         np.testing.assert_allclose(pa.top_logprobs, pb.top_logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("linear", ["dense", "onednn"])
+@pytest.mark.parametrize("linear", ["dense", "onednn", "invariant"])
 @pytest.mark.parametrize("model_name", ["smol", "tiny"])
 def test_paged_runner_logits_equal_transformers(
     model_name: str, linear: str, request: pytest.FixtureRequest
 ):
     """One packed step mixing a fresh prefill, a chunk after a prefix and decode tokens, with
-    each matrix kernel."""
+    each matrix kernel ("invariant": the whole deterministic forward)."""
     m: LoadedModel = request.getfixturevalue(model_name)
-    config = EngineConfig(kv_cache_gib=0.05, block_size=4, linear=linear)  # type: ignore[arg-type]
+    deterministic = linear == "invariant"
+    config = EngineConfig(
+        kv_cache_gib=0.05,
+        block_size=4,
+        linear="auto" if deterministic else linear,  # type: ignore[arg-type]
+        deterministic=deterministic,
+    )
     runner = build_runner(m, config)
     assert runner.forward.kernel == linear  # type: ignore[attr-defined]
     pool = BlockPool(65, 4)

@@ -22,7 +22,8 @@ class EngineConfig:
     )
     linear: Literal["auto", "dense", "onednn"] = setting(
         "auto",
-        "matrix kernel of the paged runner: dense (MKL), onednn (packed), auto (timed at start)",
+        "matrix kernel of the paged runner without --deterministic: dense (MKL), onednn "
+        "(packed), auto (timed at start)",
     )
     worker: Literal["process", "inline"] = setting(
         "process",
@@ -31,7 +32,8 @@ class EngineConfig:
     )
     threads: int = setting(0, "torch threads of the engine (0: one per core)")
     deterministic: bool = setting(
-        False,
+        True,
         "bitwise batch-invariant logprobs: a request's numbers are the same bits whatever else "
-        "is batched (the paged runner's row-invariant kernels; off where they cannot run)",
+        "is batched (the paged runner's row-invariant kernels, --linear then ignored; off where "
+        "they cannot run)",
     )

@@ -1,0 +1,331 @@
+"""--deterministic: the row-invariant kernels, and whole requests compared bit for bit whether
+alone or among others, chunked at any size, cached or not, preempted or not."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineOutput,
+    EngineRequest,
+    LogprobsSpec,
+    SamplingParams,
+)
+from probserve.engine.types import LogprobsMode, TokenLogprobs
+from probserve.kernels.build import KernelBuildError, build
+from probserve.kernels.invariant import InvariantKernels
+from probserve.models import LoadedModel
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def kernels() -> InvariantKernels:
+    return InvariantKernels()
+
+
+# ---- the kernels --------------------------------------------------------------------------
+def _subsets(m: int, rng: random.Random) -> list[tuple[int, int]]:
+    """(start, rows) slices of a batch of m rows: every size 1..m at a random start."""
+    return [(s, n) for n in range(1, m + 1) for s in [rng.randrange(0, m - n + 1)]]
+
+
+@pytest.mark.parametrize("shape", [(37, 19), (576, 64), (100, 1536), (33, 1)])
+def test_linear_rows_do_not_depend_on_the_batch(kernels: InvariantKernels, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(64, k, generator=g)
+    packed = kernels.pack(w, b)
+    full = kernels.linear(x, packed)
+    torch.testing.assert_close(full, F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    for start, rows in _subsets(64, random.Random(k)):
+        assert torch.equal(
+            kernels.linear(x[start : start + rows], packed), full[start : start + rows]
+        )
+
+
+def test_results_do_not_depend_on_the_thread_count(kernels: InvariantKernels):
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(300, 200, generator=g), torch.randn(50, 200, generator=g)
+    packed = kernels.pack(w)
+    logits = torch.randn(8, 20000, generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append((kernels.linear(x, packed), kernels.log_softmax(logits)))
+    finally:
+        torch.set_num_threads(threads)
+    for lin, lsm in results[1:]:
+        assert torch.equal(lin, results[0][0]) and torch.equal(lsm, results[0][1])
+
+
+def test_off_where_it_cannot_run_and_says_why(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    assert not EngineCore(tiny, EngineConfig(runner="hf", kv_cache_gib=0.05)).info.deterministic
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(KernelBuildError, match="needs a C\\+\\+ compiler"):
+        build()
+    core = EngineCore(tiny, EngineConfig(kv_cache_gib=0.05))
+    assert not core.info.deterministic
+    assert "deterministic mode is off" in caplog.text and "apt install g++" in caplog.text
+    assert len(_run(core, [_canary(tiny)])["canary"]) > 0  # it serves all the same
+
+
+def test_row_kernels_do_not_depend_on_the_batch(kernels: InvariantKernels):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 100, generator=g)
+    w = torch.randn(100, generator=g)
+    gate_up = torch.randn(40, 2 * 77, generator=g) * 6
+    logits = torch.randn(40, 5000, generator=g) * 4
+    logits[3, 10:900] = float("-inf")  # a processed row: masked tokens
+    norm, act = kernels.rms_norm(x, w, 1e-5), kernels.silu_mul(gate_up)
+    lp = kernels.log_softmax(logits)
+    ent = kernels.entropy(lp)
+    vals, ids = kernels.topk(lp, 20)
+    torch.testing.assert_close(norm, F.rms_norm(x, (100,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    ref_act = F.silu(gate_up[:, :77]) * gate_up[:, 77:]
+    torch.testing.assert_close(act, ref_act, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1), atol=1e-5, rtol=0)
+    ref_ent = torch.special.entr(torch.log_softmax(logits, -1).exp()).sum(1)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-4, rtol=1e-5)
+    assert torch.isfinite(ent).all() and torch.isinf(lp[3, 10:900]).all()
+    ref_top = torch.topk(lp, 20)
+    assert torch.equal(vals, ref_top.values) and torch.equal(ids, ref_top.indices)
+    for start, rows in _subsets(40, random.Random(1)):
+        sl = slice(start, start + rows)
+        assert torch.equal(kernels.rms_norm(x[sl], w, 1e-5), norm[sl])
+        assert torch.equal(kernels.silu_mul(gate_up[sl]), act[sl])
+        assert torch.equal(kernels.log_softmax(logits[sl]), lp[sl])
+        assert torch.equal(kernels.entropy(lp[sl]), ent[sl])
+        assert torch.equal(kernels.topk(lp[sl], 20)[1], ids[sl])
+
+
+def test_topk_orders_ties_by_id_and_is_a_prefix(kernels: InvariantKernels):
+    row = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0, 1.0, 2.0, float("-inf"), 1.0, 0.5]])
+    vals, ids = kernels.topk(row, 10)
+    assert ids[0].tolist() == [1, 3, 6, 2, 5, 8, 0, 9, 4, 7]
+    assert vals[0].tolist() == sorted(row[0].tolist(), reverse=True)
+    for k in range(1, 10):
+        assert torch.equal(kernels.topk(row, k)[1], ids[:, :k])
+    wide = torch.randn(2, 3000).round()  # many ties, and the k > 64 path
+    v200, i200 = kernels.topk(wide, 200)
+    v50, i50 = kernels.topk(wide, 50)
+    assert torch.equal(i200[:, :50], i50) and torch.equal(v200[:, :50], v50)
+    order = sorted(range(3000), key=lambda j: (-float(wide[0, j]), j))[:200]
+    assert i200[0].tolist() == order
+
+
+def test_paged_attention_equals_sdpa_and_is_row_invariant(kernels: InvariantKernels):
+    g = torch.Generator().manual_seed(3)
+    nq, nkv, d, bs, slots = 6, 2, 40, 4, 64
+    kc, vc = torch.randn(slots, nkv, d, generator=g), torch.randn(slots, nkv, d, generator=g)
+    tables = torch.tensor([[3, 9, 1, 12, 5], [2, 7, 14, 0, 0]])  # two sequences' blocks
+    seq = torch.tensor([0, 0, 0, 1, 0, 1])
+    lengths = torch.tensor([1, 9, 17, 6, 20, 11])
+    q = torch.randn(len(seq), nq, d, generator=g)
+    out = kernels.attention(q, kc, vc, 0.125, tables, seq, lengths, bs)
+    for t in range(len(seq)):
+        pos = torch.arange(int(lengths[t]))
+        keys_at = tables[seq[t], pos // bs] * bs + pos % bs
+        k = kc[keys_at].transpose(0, 1).repeat_interleave(nq // nkv, 0)  # [nq, L, d]
+        v = vc[keys_at].transpose(0, 1).repeat_interleave(nq // nkv, 0)
+        ref = F.scaled_dot_product_attention(q[t].unsqueeze(1), k, v, scale=0.125)
+        torch.testing.assert_close(out[t], ref.reshape(-1), atol=1e-5, rtol=1e-5)
+        alone = kernels.attention(q[t : t + 1], kc, vc, 0.125, tables, seq[t : t + 1],
+                                  lengths[t : t + 1], bs)  # fmt: skip
+        assert torch.equal(alone[0], out[t])
+
+
+# ---- whole requests -----------------------------------------------------------------------
+def _bits(outs: list[EngineOutput]) -> list[bytes]:
+    """Every number a request's outputs carry, as raw bytes (NaN and -0.0 included)."""
+    out: list[bytes] = []
+
+    def add(lp: TokenLogprobs | None) -> None:
+        if lp is None:
+            out.append(b"-")
+            return
+        for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs",
+                     "target_logprobs", "entropy", "full"):  # fmt: skip
+            arr = getattr(lp, name, None)
+            out.append(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
+        add(lp.processed) if lp.processed is not None else out.append(b"-")
+
+    for o in outs:
+        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        add(o.logprobs)
+        add(o.prompt_logprobs)
+        out.append(str(o.finish_reason).encode())
+    return out
+
+
+def _run(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
+    outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        for o in core.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
+def _canary(m: LoadedModel, rid: str = "canary", seeded: bool = False) -> EngineRequest:
+    ids = tuple(m.tokenizer("In a hole in the ground there lived a hobbit. Not a nasty,").input_ids)
+    sampling = (
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+        if seeded
+        else SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )
+    spec = LogprobsSpec(
+        top_k=5,
+        prompt_top_k=3,
+        mode=LogprobsMode.BOTH if seeded else LogprobsMode.RAW,
+        target_ids=(11, 502),
+        entropy=True,
+    )
+    return EngineRequest(rid, ids, sampling, spec)
+
+
+def _others(m: LoadedModel, count: int, seed: int) -> list[EngineRequest]:
+    rng = random.Random(seed)
+    vocab = m.vocab_size
+    reqs = []
+    for i in range(count):
+        ids = tuple(rng.randrange(10, vocab) for _ in range(rng.randrange(1, 60)))
+        k = rng.choice([0, 2, 20])
+        sampling = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 14), ignore_eos=True,
+            seed=rng.randrange(1000),
+        )  # fmt: skip
+        spec = LogprobsSpec(top_k=k, prompt_top_k=rng.choice([None, 1]))
+        reqs.append(EngineRequest(f"other{i}", ids, sampling, spec))
+    return reqs
+
+
+def _det(**config: object) -> EngineConfig:
+    config.setdefault("kv_cache_gib", 0.1)
+    return EngineConfig(deterministic=True, **config)  # type: ignore[arg-type]
+
+
+def test_a_request_among_63_others_is_bitwise_the_same(smol: LoadedModel):
+    core = EngineCore(smol, _det(max_num_seqs=64))
+    assert core.info.deterministic
+    for seeded in (False, True):
+        alone = _run(core, [_canary(smol, seeded=seeded)])["canary"]
+        crowd = _others(smol, 63, seed=5)
+        mixed = _run(core, [*crowd[:30], _canary(smol, seeded=seeded), *crowd[30:]])
+        assert _bits(mixed["canary"]) == _bits(alone)
+
+
+@pytest.mark.parametrize("budget", [1, 6, 16, 512])
+def test_chunk_size_and_prefix_cache_leave_the_bits_alone(smol: LoadedModel, budget: int):
+    reference = _run(EngineCore(smol, _det(prefix_caching=False)), [_canary(smol)])["canary"]
+    core = EngineCore(smol, _det(max_num_batched_tokens=budget, block_size=4))
+    cold = _run(core, [_canary(smol), *_others(smol, 3, seed=budget)])["canary"]
+    hits = core.scheduler.prefix_hit_tokens
+    warm = _run(core, [_canary(smol, "again")])["again"]
+    assert core.scheduler.prefix_hit_tokens > hits  # the second one read its prefix cached
+    assert _bits(cold) == _bits(reference) == _bits(warm)
+
+
+def test_preempted_and_recomputed_requests_keep_their_bits(smol: LoadedModel):
+    reqs = [_canary(smol, f"c{i}") for i in range(3)] + _others(smol, 5, seed=9)
+    alone = {r.request_id: _run(EngineCore(smol, _det()), [r])[r.request_id] for r in reqs[::3]}
+    per_token = 4 * (2 * 30 * 3 * 64 + 576)
+    tight = EngineCore(smol, _det(block_size=4, kv_cache_gib=40 * 4 * per_token / 2**30))
+    outs = _run(tight, reqs)
+    assert tight.scheduler.num_preemptions > 0
+    for rid, expected in alone.items():
+        assert _bits(outs[rid]) == _bits(expected)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    others=st.integers(0, 12),
+    seed=st.integers(0, 10**6),
+    budget=st.integers(1, 96),
+    block_size=st.sampled_from([1, 4, 16]),
+    prefix_caching=st.booleans(),
+    seeded=st.booleans(),
+)
+def test_random_batch_mixes_are_bitwise_invariant(
+    tiny: LoadedModel, others, seed, budget, block_size, prefix_caching, seeded
+):
+    reference = _run(EngineCore(tiny, _det()), [_canary(tiny, seeded=seeded)])["canary"]
+    core = EngineCore(tiny, _det(max_num_batched_tokens=budget, block_size=block_size,
+                                 prefix_caching=prefix_caching))  # fmt: skip
+    crowd = _others(tiny, others, seed)
+    at = random.Random(seed).randrange(0, others + 1)
+    outs = _run(core, [*crowd[:at], _canary(tiny, seeded=seeded), *crowd[at:]])
+    assert _bits(outs["canary"]) == _bits(reference)
+
+
+# ---- over HTTP ----------------------------------------------------------------------------
+def _stream(c: httpx.Client, path: str, body: dict) -> list[dict]:
+    with c.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+
+
+def test_http_answers_are_the_same_bytes_alone_under_load_and_streamed(smol: LoadedModel):
+    from server_util import running_server
+
+    comp = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8,
+            "logprobs": 5, "echo": True, "temperature": 0}  # fmt: skip
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 8, "logprobs": True, "top_logprobs": 5, "temperature": 0}  # fmt: skip
+    load = [
+        {
+            "model": MODEL,
+            "prompt": f"Story {i}: once upon a time" * (1 + i % 5),
+            "max_tokens": 24,
+            "logprobs": 3,
+            "temperature": 1.0,
+            "seed": i,
+        }
+        for i in range(12)
+    ]
+    with (
+        running_server(smol, "--deterministic") as url,
+        httpx.Client(base_url=url, timeout=300) as c,
+    ):
+        assert c.get("/health").json()["deterministic"] is True
+        alone_c = c.post("/v1/completions", json=comp).json()["choices"]
+        alone_h = c.post("/v1/chat/completions", json=chat).json()["choices"]
+        with ThreadPoolExecutor(len(load)) as pool:
+            busy = [pool.submit(c.post, "/v1/completions", json=b) for b in load]
+            time.sleep(0.5)  # the others are in the batch
+            loaded_c = c.post("/v1/completions", json=comp).json()["choices"]
+            loaded_h = c.post("/v1/chat/completions", json=chat).json()["choices"]
+            assert all(f.result().status_code == 200 for f in busy)
+        assert loaded_c == alone_c
+        assert loaded_h == alone_h
+        # streamed: the same values, chunk by chunk
+        chunks = _stream(c, "/v1/chat/completions", chat)
+        streamed = [e for ch in chunks for e in (ch["choices"][0].get("logprobs") or {})
+                    .get("content", [])]  # fmt: skip
+        assert streamed == alone_h[0]["logprobs"]["content"]
+        plain = {**comp, "echo": False}
+        whole = c.post("/v1/completions", json=plain).json()["choices"][0]["logprobs"]
+        chunks = _stream(c, "/v1/completions", plain)
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            got = [v for ch in chunks for v in ch["choices"][0]["logprobs"][key]]
+            assert got == whole[key]
