@@ -358,10 +358,12 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
             const float* qh = q + u * d;
             const int64_t* table = tables + seq[t] * width;
             float mx = NEG_INF;
-            for (int64_t j = 0; j < L; ++j) {
-                const int64_t slot = table[j / block_size] * block_size + j % block_size;
-                s[j] = dot(qh, kc + (slot * nkv + kvh) * d, d) * scale;
-                mx = std::max(mx, s[j]);
+            for (int64_t b = 0, j = 0; j < L; ++b) {  // block by block: no division per key
+                const float* kb = kc + (table[b] * block_size * nkv + kvh) * d;
+                for (int64_t o = 0; o < block_size && j < L; ++o, ++j) {
+                    s[j] = dot(qh, kb + o * nkv * d, d) * scale;
+                    mx = std::max(mx, s[j]);
+                }
             }
             const vf vm = vset1(mx);
             vf sum = vzero();
@@ -377,13 +379,15 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
             for (int64_t g0 = 0; g0 < nv; g0 += G) {
                 const int64_t gn = std::min(G, nv - g0);
                 for (int64_t c = 0; c < gn; ++c) acc[c] = vzero();
-                for (int64_t j = 0; j < L; ++j) {
-                    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-                    const float* vp = vc + (slot * nkv + kvh) * d + g0 * W;
-                    const vf p = vset1(s[j]);
-                    for (int64_t c = 0; c < gn; ++c) {
-                        const int64_t n = std::min<int64_t>(W, d - (g0 + c) * W);
-                        acc[c] = vfma(p, n == W ? vload(vp + c * W) : vload_n(vp + c * W, n, 0.0f), acc[c]);
+                for (int64_t b = 0, j = 0; j < L; ++b) {
+                    const float* vb = vc + (table[b] * block_size * nkv + kvh) * d + g0 * W;
+                    for (int64_t o = 0; o < block_size && j < L; ++o, ++j) {
+                        const float* vp = vb + o * nkv * d;
+                        const vf p = vset1(s[j]);
+                        for (int64_t c = 0; c < gn; ++c) {
+                            const int64_t n = std::min<int64_t>(W, d - (g0 + c) * W);
+                            acc[c] = vfma(p, n == W ? vload(vp + c * W) : vload_n(vp + c * W, n, 0.0f), acc[c]);
+                        }
                     }
                 }
                 for (int64_t c = 0; c < gn; ++c)
