@@ -77,6 +77,23 @@ inline vf vselect_gt(vf a, vf b, vf then, vf other) {
 inline vf vselect_nan(vf a, vf then, vf other) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), other, then);
 }
+// W vectors in, one out whose lanes are the W vectors' sums, in a fixed but permuted order
+inline vf sum_lanes_raw(const vf* a) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)  // 512 -> 256: two vectors' halves side by side
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 256 -> 128: one vector per 128-bit lane
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // 4 -> 2 within each 128-bit lane
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+inline vf vpermute(vf a, const int32_t* idx) {
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(idx), a);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int W = 8;
 constexpr int MR_MAX = 6;  // 12 accumulators of 16 registers
@@ -128,9 +145,41 @@ inline vf vselect_gt(vf a, vf b, vf then, vf other) {
 inline vf vselect_nan(vf a, vf then, vf other) {
     return _mm256_blendv_ps(other, then, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
 }
+inline vf sum_lanes_raw(const vf* a) {
+    vf b[4], d[2];
+    for (int i = 0; i < 4; ++i)  // 256 -> 128: one vector per 128-bit lane
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(d[0], d[1], 0x88), _mm256_shuffle_ps(d[0], d[1], 0xDD));
+}
+inline vf vpermute(vf a, const int32_t* idx) {
+    return _mm256_permutevar8x32_ps(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+}
 #else
 #error "probserve's deterministic kernels need a CPU with AVX2 and FMA, or AVX-512"
 #endif
+
+// Where sum_lanes_raw puts each input's sum, found once by running it on constants.
+struct LaneOrder {
+    int32_t idx[W];
+    LaneOrder() {
+        vf a[W];
+        for (int i = 0; i < W; ++i) a[i] = vset1(static_cast<float>(i));
+        float out[W];
+        vstore_lanes(out, sum_lanes_raw(a));
+        for (int lane = 0; lane < W; ++lane) idx[static_cast<int>(out[lane]) / W] = lane;
+    }
+    static void vstore_lanes(float* p, vf a) { vstore(p, a); }
+};
+
+// lane i: the sum of a[i]'s lanes (each sum a fixed tree, chosen by i alone)
+inline vf sum_lanes(const vf* a) {
+    static const LaneOrder order;
+    return vpermute(sum_lanes_raw(a), order.idx);
+}
 
 constexpr int NR = 2 * W;  // columns per packed weight panel
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -339,59 +388,119 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
 // Causal attention of T packed query tokens over a paged KV cache, read in place.
 // q [T, nq, d]; kc, vc [slots, nkv, d]; out [T, nq * d]. Token t belongs to the sequence whose
 // block table is tables[seq[t]] (width entries of block ids) and attends to its first len[t]
-// positions (slot = table[j / block_size] * block_size + j % block_size). Per (token, head):
-// scores in key order, the max, exp and their sum in W lanes, then sum_j p_j v_j in key order.
+// positions (slot = table[j / block_size] * block_size + j % block_size).
+// One unit of work is a tile of up to TQ consecutive tokens of one sequence (a prefill chunk's)
+// and one KV head with its group of query heads: K and V are read once for the tile. The
+// arithmetic of each (token, head) is the same whatever its tile: scores in key order (each a
+// dot product in W lanes, the lanes of W keys summed together by one fixed network, so key j's
+// tree depends on j mod W alone), their max, exp and sum in W lanes, p_j = e_j / sum, then
+// sum_j p_j v_j in key order.
 void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
                   int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
                   int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len) {
-    const int64_t group = nq / nkv;
+    constexpr int64_t TQ = 4;   // tokens per tile
+    constexpr int64_t R = 24;   // accumulators of the P.V pass
+    const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
+    const int64_t row = nkv * d;  // floats from one slot's K (or V) of a head to the next slot's
+    std::vector<int64_t> tiles;   // first token of each tile, then T
     int64_t longest = 0;
-    for (int64_t t = 0; t < T; ++t) longest = std::max(longest, len[t]);
-#pragma omp parallel if (T * nq > 1)
+    for (int64_t t = 0; t < T; ++t) {
+        longest = std::max(longest, len[t]);
+        const int64_t first = tiles.empty() ? -1 : tiles.back();
+        if (first < 0 || t - first >= TQ || seq[t] != seq[first] || len[t] != len[t - 1] + 1)
+            tiles.push_back(t);
+    }
+    const int64_t ntiles = static_cast<int64_t>(tiles.size());
+    tiles.push_back(T);
+    const int64_t stride = longest + W, pairs_max = TQ * group;
+    const int64_t cn = std::min<int64_t>(nv, R), hg = std::max<int64_t>(1, R / cn);
+#pragma omp parallel if (T * nkv > 1)
     {
-        std::vector<float> s(static_cast<size_t>(longest + W));
-        constexpr int64_t G = 16;  // output vectors accumulated per pass over the keys
-        vf acc[G];
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t u = 0; u < T * nq; ++u) {
-            const int64_t t = u / nq, h = u % nq, kvh = h / group, L = len[t];
-            const float* qh = q + u * d;
-            const int64_t* table = tables + seq[t] * width;
-            float mx = NEG_INF;
-            for (int64_t b = 0, j = 0; j < L; ++b) {  // block by block: no division per key
-                const float* kb = kc + (table[b] * block_size * nkv + kvh) * d;
-                for (int64_t o = 0; o < block_size && j < L; ++o, ++j) {
-                    s[j] = dot(qh, kb + o * nkv * d, d) * scale;
-                    mx = std::max(mx, s[j]);
+        std::vector<float> s(static_cast<size_t>(pairs_max * stride));
+        std::vector<const float*> keys(static_cast<size_t>(longest));
+        std::vector<const float*> qp(static_cast<size_t>(pairs_max));
+        std::vector<float*> op(static_cast<size_t>(pairs_max));
+        std::vector<int64_t> lp(static_cast<size_t>(pairs_max));
+        std::vector<float> mx(static_cast<size_t>(pairs_max * W));
+        vf acc[R > W ? R : W];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < ntiles * nkv; ++u) {
+            const int64_t tile = u / nkv, kvh = u % nkv;
+            const int64_t t0 = tiles[tile], nt = tiles[tile + 1] - t0, np = nt * group;
+            const int64_t Lmax = len[t0 + nt - 1];
+            const int64_t* table = tables + seq[t0] * width;
+            for (int64_t b = 0, j = 0; j < Lmax; ++b)  // block by block: no division per key
+                for (int64_t o = 0; o < block_size && j < Lmax; ++o, ++j)
+                    keys[j] = kc + (table[b] * block_size + o) * row + kvh * d;
+            for (int64_t i = 0; i < nt; ++i)
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t p = i * group + g, head = kvh * group + g;
+                    qp[p] = q + ((t0 + i) * nq + head) * d;
+                    op[p] = out + (t0 + i) * nq * d + head * d;
+                    lp[p] = len[t0 + i];
+                    vstore(mx.data() + p * W, vset1(NEG_INF));
+                }
+            // scores: each block of W keys once from memory, for every (token, head) of the tile
+            for (int64_t j0 = 0; j0 < Lmax; j0 += W) {
+                for (int64_t p = 0; p < np; ++p) {
+                    if (j0 >= lp[p]) continue;
+                    const int64_t n = std::min<int64_t>(W, lp[p] - j0);
+                    for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
+                    for (int64_t i = 0; i < n; ++i) {
+                        const float* kp = keys[j0 + i];
+                        vf a = vzero();
+                        for (int64_t c = 0; c + 1 < nv; ++c) a = vfma(vload(qp[p] + c * W), vload(kp + c * W), a);
+                        const int64_t c = nv - 1;
+                        acc[i] = vfma(vload_n(qp[p] + c * W, tail, 0.0f), vload_n(kp + c * W, tail, 0.0f), a);
+                    }
+                    float* sg = s.data() + p * stride + j0;
+                    vstore_n(sg, vmul(sum_lanes(acc), vset1(scale)), n);
+                    vstore(mx.data() + p * W, vmax(vload(mx.data() + p * W), vload_n(sg, n, NEG_INF)));
                 }
             }
-            const vf vm = vset1(mx);
-            vf sum = vzero();
-            for (int64_t j = 0; j < L; j += W) {
-                const int64_t n = std::min<int64_t>(W, L - j);
-                const vf e = vexp(vsub(vload_n(s.data() + j, n, NEG_INF), vm));
-                vstore_n(s.data() + j, e, n);
-                sum = vadd(sum, e);
+            for (int64_t p = 0; p < np; ++p) {  // p_j = exp(s_j - max) / sum
+                float* sg = s.data() + p * stride;
+                const int64_t L = lp[p];
+                const vf vm = vset1(hmax(vload(mx.data() + p * W)));
+                vf sum = vzero();
+                for (int64_t j = 0; j < L; j += W) {
+                    const int64_t n = std::min<int64_t>(W, L - j);
+                    const vf e = vexp(vsub(vload_n(sg + j, n, NEG_INF), vm));
+                    vstore_n(sg + j, e, n);
+                    sum = vadd(sum, e);
+                }
+                const vf l = vset1(hsum(sum));
+                for (int64_t j = 0; j < L; j += W) {
+                    const int64_t n = std::min<int64_t>(W, L - j);
+                    vstore_n(sg + j, vdiv(vload_n(sg + j, n, 0.0f), l), n);
+                }
             }
-            const vf l = vset1(hsum(sum));
-            const int64_t nv = (d + W - 1) / W;
-            float* o = out + t * nq * d + h * d;
-            for (int64_t g0 = 0; g0 < nv; g0 += G) {
-                const int64_t gn = std::min(G, nv - g0);
-                for (int64_t c = 0; c < gn; ++c) acc[c] = vzero();
-                for (int64_t b = 0, j = 0; j < L; ++b) {
-                    const float* vb = vc + (table[b] * block_size * nkv + kvh) * d + g0 * W;
-                    for (int64_t o = 0; o < block_size && j < L; ++o, ++j) {
-                        const float* vp = vb + o * nkv * d;
-                        const vf p = vset1(s[j]);
-                        for (int64_t c = 0; c < gn; ++c) {
-                            const int64_t n = std::min<int64_t>(W, d - (g0 + c) * W);
-                            acc[c] = vfma(p, n == W ? vload(vp + c * W) : vload_n(vp + c * W, n, 0.0f), acc[c]);
+            // out = sum_j p_j v_j in key order, for groups of (token, head) and of columns
+            for (int64_t c0 = 0; c0 < nv; c0 += cn) {
+                const int64_t cc = std::min(cn, nv - c0);
+                for (int64_t p0 = 0; p0 < np; p0 += hg) {
+                    const int64_t pg = std::min(hg, np - p0);
+                    int64_t last = 0;
+                    for (int64_t p = p0; p < p0 + pg; ++p) last = std::max(last, lp[p]);
+                    for (int64_t i = 0; i < pg * cc; ++i) acc[i] = vzero();
+                    for (int64_t j = 0; j < last; ++j) {
+                        const float* vp = keys[j] - kc + vc + c0 * W;
+                        for (int64_t c = 0; c < cc; ++c) {
+                            const bool full = c0 + c + 1 < nv || tail == W;
+                            const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
+                            for (int64_t p = 0; p < pg; ++p)
+                                if (j < lp[p0 + p])
+                                    acc[p * cc + c] = vfma(vset1(s[(p0 + p) * stride + j]), v, acc[p * cc + c]);
                         }
                     }
+                    for (int64_t p = 0; p < pg; ++p)
+                        for (int64_t c = 0; c < cc; ++c) {
+                            const bool full = c0 + c + 1 < nv || tail == W;
+                            float* o = op[p0 + p] + (c0 + c) * W;
+                            if (full) vstore(o, acc[p * cc + c]);
+                            else vstore_n(o, acc[p * cc + c], tail);
+                        }
                 }
-                for (int64_t c = 0; c < gn; ++c)
-                    vstore_n(o + (g0 + c) * W, vdiv(acc[c], l), std::min<int64_t>(W, d - (g0 + c) * W));
             }
         }
     }
