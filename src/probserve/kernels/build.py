@@ -27,7 +27,9 @@ import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to o
 from probserve.models.cache import cache_root
 
 SOURCE = Path(__file__).with_name("invariant.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
+# on what the compiler fuses)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
@@ -35,6 +37,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ps_lanes": (ctypes.c_int, []),
     "ps_panel_width": (ctypes.c_int, []),
     "ps_linear": (None, [_P, _I, _I, _P, _I, _P, _P]),
+    "ps_packed_rows": (None, [_P, _I, _P, _I, _P]),
     "ps_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "ps_silu_mul": (None, [_P, _I, _I, _P]),
     "ps_log_softmax": (None, [_P, _I, _I, _P]),

@@ -282,6 +282,17 @@ void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_
     }
 }
 
+// rows of a packed [N, K] weight: out[t] = w[ids[t]] (a tied embedding read from the head's
+// panels, so the weight is held once)
+void ps_packed_rows(const float* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
+#pragma omp parallel for schedule(static) if (T * K > (1 << 16))
+    for (int64_t t = 0; t < T; ++t) {
+        const float* src = packed + (ids[t] / NR) * K * NR + ids[t] % NR;
+        float* o = out + t * K;
+        for (int64_t k = 0; k < K; ++k) o[k] = src[k * NR];
+    }
+}
+
 // out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, per row of H
 void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out) {
 #pragma omp parallel for schedule(static) if (M * H > (1 << 16))

@@ -58,6 +58,15 @@ class InvariantKernels:
         )
         return out.view(*lead, w.n)
 
+    def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the packed weight, [len(ids), K] (an embedding lookup)."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+        self.lib.ps_packed_rows(
+            w.panels.data_ptr(), w.k, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x = _f32(x)
         out = torch.empty_like(x)

@@ -166,11 +166,15 @@ class LlamaForward:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.embed = model.model.embed_tokens.weight.detach().clone()
         self.layers = [_Layer(layer, kernel, kernels) for layer in model.model.layers]
         self.norm = model.model.norm.weight.detach().clone()
         self.norm_eps = float(model.model.norm.variance_epsilon)
         self.lm_head = Linear(model.lm_head.weight, None, kernel, kernels)
+        embed = model.model.embed_tokens.weight
+        # a tied embedding is read from the head's own copy (dense, or packed panels): the
+        # weight is held once; an untied one (or oneDNN's blocked head) keeps its own copy
+        self.tied = embed.data_ptr() == model.lm_head.weight.data_ptr() and kernel != "onednn"
+        self.embed = None if self.tied else embed.detach().clone()
         self.vocab_size = int(model.lm_head.weight.shape[0])
         self.rotary = model.model.rotary_emb
         self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
@@ -189,7 +193,7 @@ class LlamaForward:
     ) -> torch.Tensor:
         """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
         returns the final-norm hidden states [T, H]."""
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         cos, sin = self._rope(h, positions)  # [T, 1, d]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         t = input_ids.shape[0]
@@ -210,6 +214,13 @@ class LlamaForward:
         out = self._norm(h, self.norm, self.norm_eps)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return F.embedding(ids, self.embed)
+        if self.lm_head.packed is not None:
+            return self.kernels.rows(self.lm_head.packed, ids)  # type: ignore[union-attr]
+        return F.embedding(ids, self.lm_head.w)
 
     def _norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.kernels is not None:
