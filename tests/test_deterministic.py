@@ -133,13 +133,17 @@ def test_topk_orders_ties_by_id_and_is_a_prefix(kernels: InvariantKernels):
     assert i200[0].tolist() == order
 
 
-def test_paged_attention_equals_sdpa_and_is_row_invariant(kernels: InvariantKernels):
+@pytest.mark.parametrize("nq, d", [(6, 40), (6, 64), (9, 64), (4, 128)])
+def test_paged_attention_equals_sdpa_and_is_row_invariant(kernels: InvariantKernels, nq, d):
+    """Head sizes of the generic loops (40, 128) and of the register-blocked ones (64), token
+    tiles of a prefill chunk against each token alone."""
     g = torch.Generator().manual_seed(3)
-    nq, nkv, d, bs, slots = 6, 2, 40, 4, 64
+    nkv, bs, slots = 2 if nq % 2 == 0 else 3, 4, 64
     kc, vc = torch.randn(slots, nkv, d, generator=g), torch.randn(slots, nkv, d, generator=g)
     tables = torch.tensor([[3, 9, 1, 12, 5], [2, 7, 14, 0, 0]])  # two sequences' blocks
-    seq = torch.tensor([0, 0, 0, 1, 0, 1])
-    lengths = torch.tensor([1, 9, 17, 6, 20, 11])
+    # a chunk of 7 consecutive positions (tiles of 4 + 3), lone tokens of both sequences
+    seq = torch.tensor([0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1])
+    lengths = torch.tensor([1, 9, 17, 6, 11, 12, 13, 14, 15, 16, 17, 11])
     q = torch.randn(len(seq), nq, d, generator=g)
     out = kernels.attention(q, kc, vc, 0.125, tables, seq, lengths, bs)
     for t in range(len(seq)):

@@ -257,6 +257,48 @@ constexpr auto micro_table(std::integer_sequence<int, R...>) {
     return std::array<Micro, sizeof...(R)>{&micro<R + 1>...};
 }
 
+// Attention's inner loops with the sizes known at compile time (head_dim = FAST_NV vectors),
+// so the accumulators live in registers. The operations and their order are those of the
+// generic loops in ps_attention, so either path gives the same bits.
+constexpr int FAST_NV = 64 / W;
+constexpr int FAST_PG6 = 24 / FAST_NV;  // the P.V pass's pairs per group (R / FAST_NV)
+constexpr int FAST_PG3 = 3;             // one token of a 3-heads-per-KV-head model (decode)
+
+// scores of n <= W keys for one query head: lane i = q . k_i (W lanes in order, then the lane
+// network), times scale
+template <int NV>
+inline vf scores_fast(const float* qh, const float* kc, const int64_t* offs, int64_t n, float scale) {
+    vf qv[NV];
+    for (int c = 0; c < NV; ++c) qv[c] = vload(qh + c * W);
+    vf acc[W];
+    for (int i = 0; i < W; ++i) acc[i] = vzero();
+    for (int64_t i = 0; i < n; ++i) {
+        const float* kp = kc + offs[i];
+        vf a = vzero();
+        for (int c = 0; c < NV; ++c) a = vfma(qv[c], vload(kp + c * W), a);
+        acc[i] = a;
+    }
+    return vmul(sum_lanes(acc), vset1(scale));
+}
+
+// acc[p * NV + c] += p_j * v_j[c] for keys [j0, j1), PG (token, head) pairs all attending to them
+template <int NV, int PG>
+inline void pv_fast(vf* acc, const float* vc, const int64_t* offs, int64_t j0, int64_t j1,
+                    const float* const* probs) {
+    vf a[PG * NV];
+    for (int i = 0; i < PG * NV; ++i) a[i] = acc[i];
+    for (int64_t j = j0; j < j1; ++j) {
+        const float* vp = vc + offs[j];
+        vf v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = vload(vp + c * W);
+        for (int p = 0; p < PG; ++p) {
+            const vf pb = vset1(probs[p][j]);
+            for (int c = 0; c < NV; ++c) a[p * NV + c] = vfma(pb, v[c], a[p * NV + c]);
+        }
+    }
+    for (int i = 0; i < PG * NV; ++i) acc[i] = a[i];
+}
+
 }  // namespace
 
 extern "C" {
@@ -412,8 +454,8 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
     constexpr int64_t TQ = 4;   // tokens per tile
     constexpr int64_t R = 24;   // accumulators of the P.V pass
     const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
-    const int64_t row = nkv * d;  // floats from one slot's K (or V) of a head to the next slot's
-    std::vector<int64_t> tiles;   // first token of each tile, then T
+    const bool fast = nv == FAST_NV && tail == W;
+    std::vector<int64_t> tiles;  // first token of each tile, then T
     int64_t longest = 0;
     for (int64_t t = 0; t < T; ++t) {
         longest = std::max(longest, len[t]);
@@ -428,8 +470,9 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
 #pragma omp parallel if (T * nkv > 1)
     {
         std::vector<float> s(static_cast<size_t>(pairs_max * stride));
-        std::vector<const float*> keys(static_cast<size_t>(longest));
+        std::vector<int64_t> offs(static_cast<size_t>(longest + W));  // key j: its K/V offset
         std::vector<const float*> qp(static_cast<size_t>(pairs_max));
+        std::vector<const float*> probs(static_cast<size_t>(pairs_max));
         std::vector<float*> op(static_cast<size_t>(pairs_max));
         std::vector<int64_t> lp(static_cast<size_t>(pairs_max));
         std::vector<float> mx(static_cast<size_t>(pairs_max * W));
@@ -442,13 +485,14 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
             const int64_t* table = tables + seq[t0] * width;
             for (int64_t b = 0, j = 0; j < Lmax; ++b)  // block by block: no division per key
                 for (int64_t o = 0; o < block_size && j < Lmax; ++o, ++j)
-                    keys[j] = kc + (table[b] * block_size + o) * row + kvh * d;
+                    offs[j] = ((table[b] * block_size + o) * nkv + kvh) * d;
             for (int64_t i = 0; i < nt; ++i)
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t p = i * group + g, head = kvh * group + g;
                     qp[p] = q + ((t0 + i) * nq + head) * d;
                     op[p] = out + (t0 + i) * nq * d + head * d;
                     lp[p] = len[t0 + i];
+                    probs[p] = s.data() + p * stride;
                     vstore(mx.data() + p * W, vset1(NEG_INF));
                 }
             // scores: each block of W keys once from memory, for every (token, head) of the tile
@@ -456,16 +500,22 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                 for (int64_t p = 0; p < np; ++p) {
                     if (j0 >= lp[p]) continue;
                     const int64_t n = std::min<int64_t>(W, lp[p] - j0);
-                    for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
-                    for (int64_t i = 0; i < n; ++i) {
-                        const float* kp = keys[j0 + i];
-                        vf a = vzero();
-                        for (int64_t c = 0; c + 1 < nv; ++c) a = vfma(vload(qp[p] + c * W), vload(kp + c * W), a);
-                        const int64_t c = nv - 1;
-                        acc[i] = vfma(vload_n(qp[p] + c * W, tail, 0.0f), vload_n(kp + c * W, tail, 0.0f), a);
+                    vf sc;
+                    if (fast) {
+                        sc = scores_fast<FAST_NV>(qp[p], kc, offs.data() + j0, n, scale);
+                    } else {
+                        for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
+                        for (int64_t i = 0; i < n; ++i) {
+                            const float* kp = kc + offs[j0 + i];
+                            vf a = vzero();
+                            for (int64_t c = 0; c + 1 < nv; ++c) a = vfma(vload(qp[p] + c * W), vload(kp + c * W), a);
+                            const int64_t c = nv - 1;
+                            acc[i] = vfma(vload_n(qp[p] + c * W, tail, 0.0f), vload_n(kp + c * W, tail, 0.0f), a);
+                        }
+                        sc = vmul(sum_lanes(acc), vset1(scale));
                     }
                     float* sg = s.data() + p * stride + j0;
-                    vstore_n(sg, vmul(sum_lanes(acc), vset1(scale)), n);
+                    vstore_n(sg, sc, n);
                     vstore(mx.data() + p * W, vmax(vload(mx.data() + p * W), vload_n(sg, n, NEG_INF)));
                 }
             }
@@ -491,17 +541,28 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                 const int64_t cc = std::min(cn, nv - c0);
                 for (int64_t p0 = 0; p0 < np; p0 += hg) {
                     const int64_t pg = std::min(hg, np - p0);
-                    int64_t last = 0;
-                    for (int64_t p = p0; p < p0 + pg; ++p) last = std::max(last, lp[p]);
+                    int64_t first = lp[p0], last = 0;  // keys every pair / some pair attends to
+                    for (int64_t p = p0; p < p0 + pg; ++p) {
+                        first = std::min(first, lp[p]);
+                        last = std::max(last, lp[p]);
+                    }
                     for (int64_t i = 0; i < pg * cc; ++i) acc[i] = vzero();
-                    for (int64_t j = 0; j < last; ++j) {
-                        const float* vp = keys[j] - kc + vc + c0 * W;
+                    int64_t j = 0;
+                    if (fast && pg == FAST_PG6) {
+                        pv_fast<FAST_NV, FAST_PG6>(acc, vc, offs.data(), 0, first, probs.data() + p0);
+                        j = first;
+                    } else if (fast && pg == FAST_PG3) {
+                        pv_fast<FAST_NV, FAST_PG3>(acc, vc, offs.data(), 0, first, probs.data() + p0);
+                        j = first;
+                    }
+                    for (; j < last; ++j) {
+                        const float* vp = vc + offs[j] + c0 * W;
                         for (int64_t c = 0; c < cc; ++c) {
                             const bool full = c0 + c + 1 < nv || tail == W;
                             const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
                             for (int64_t p = 0; p < pg; ++p)
                                 if (j < lp[p0 + p])
-                                    acc[p * cc + c] = vfma(vset1(s[(p0 + p) * stride + j]), v, acc[p * cc + c]);
+                                    acc[p * cc + c] = vfma(vset1(probs[p0 + p][j]), v, acc[p * cc + c]);
                         }
                     }
                     for (int64_t p = 0; p < pg; ++p)
