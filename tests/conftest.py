@@ -78,6 +78,17 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
+def run_core(core: EngineCore, reqs: list) -> dict[str, list]:
+    """Submit `reqs` to a synchronous engine and step it until idle: each request's outputs."""
+    outs: dict[str, list] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        core.add_request(r)
+    while core.has_work():
+        for o in core.step():
+            outs[o.request_id].append(o)
+    return outs
+
+
 @pytest.fixture(scope="session")
 def base_url(smol: LoadedModel) -> Iterator[str]:
     """A probserve server over the embedded model, for the whole session."""

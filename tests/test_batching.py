@@ -8,7 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from conftest import run
+from conftest import run, run_core
 
 from probserve.engine import (
     EngineConfig,
@@ -167,16 +167,6 @@ def test_alone_and_among_eight_others_identical(smol: LoadedModel, engine_for):
     _same(alone, results[4])
 
 
-def _run_all(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
-    outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        core.add_request(r)
-    while core.has_work():
-        for o in core.step():
-            outs[o.request_id].append(o)
-    return outs
-
-
 def _mc_requests(m: LoadedModel) -> list[EngineRequest]:
     """lm-eval multiple choice: one long context, several continuations; scored prompts."""
     ctx = _ids(m, " ".join(TEXTS) * 2)
@@ -205,13 +195,13 @@ def _mc_requests(m: LoadedModel) -> list[EngineRequest]:
     ids=["no-prefix-cache", "prefix-cache", "tiny-chunks", "hf-runner"],
 )
 def test_results_do_not_depend_on_engine_settings(smol: LoadedModel, config: dict):
-    baseline = _run_all(
+    baseline = run_core(
         EngineCore(smol, EngineConfig(prefix_caching=False, kv_cache_gib=0.25)), _mc_requests(smol)
     )
     core = EngineCore(smol, EngineConfig(kv_cache_gib=0.25, **config))
     # run the batch twice: the second time prompts hit the prefix cache (when on)
     for _ in range(2):
-        outs = _run_all(core, _mc_requests(smol))
+        outs = run_core(core, _mc_requests(smol))
         for req in _mc_requests(smol):
             got = outs[req.request_id]
             _same(got, baseline[req.request_id])
@@ -224,7 +214,7 @@ def test_results_do_not_depend_on_engine_settings(smol: LoadedModel, config: dic
 def test_prefix_cache_hit_scores_the_whole_prompt(smol: LoadedModel):
     core = EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=0.25))
     reqs = _mc_requests(smol)
-    first = _run_all(core, reqs[:1])["mc0"]
+    first = run_core(core, reqs[:1])["mc0"]
     again = EngineRequest("again", reqs[0].prompt_token_ids, reqs[0].sampling, reqs[0].logprobs)
     core.add_request(again)
     hits = core.scheduler.prefix_hit_tokens
@@ -243,14 +233,14 @@ def test_preemption_by_recomputation(smol: LoadedModel):
     and every result equals the one computed alone."""
     reqs = [_req(f"p{i}", _ids(smol, t), n=24) for i, t in enumerate(TEXTS[:6])]
     alone = {
-        r.request_id: _run_all(
+        r.request_id: run_core(
             EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=0.25)), [r]
         )[r.request_id]
         for r in reqs
     }
     per_token = 4 * (2 * 30 * 3 * 64 + 576)
     tight = EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=40 * 4 * per_token / 2**30))
-    outs = _run_all(tight, reqs)
+    outs = run_core(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     for rid, expected in alone.items():
         _same(outs[rid], expected)
@@ -280,10 +270,10 @@ def test_continuations_sent_together_share_their_context(smol: LoadedModel):
     context's blocks instead of computing them again, and results stay exact."""
     reqs = _mc_requests(smol)[:4]
     core = EngineCore(smol, EngineConfig(block_size=8, kv_cache_gib=0.25))
-    outs = _run_all(core, reqs)
+    outs = run_core(core, reqs)
     shared_blocks = (len(reqs[0].prompt_token_ids) - 8) // 8
     assert core.scheduler.prefix_hit_tokens >= 3 * shared_blocks * 8
-    baseline = _run_all(
+    baseline = run_core(
         EngineCore(smol, EngineConfig(prefix_caching=False, kv_cache_gib=0.25)), reqs
     )
     for req in reqs:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_core
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +87,7 @@ def test_off_where_it_cannot_run_and_says_why(
     core = EngineCore(tiny, EngineConfig(kv_cache_gib=0.05))
     assert not core.info.deterministic
     assert "deterministic mode is off" in caplog.text and "apt install g++" in caplog.text
-    assert len(_run(core, [_canary(tiny)])["canary"]) > 0  # it serves all the same
+    assert len(run_core(core, [_canary(tiny)])["canary"]) > 0  # it serves all the same
 
 
 def test_row_kernels_do_not_depend_on_the_batch(kernels: InvariantKernels):
@@ -181,16 +182,6 @@ def _bits(outs: list[EngineOutput]) -> list[bytes]:
     return out
 
 
-def _run(core: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[EngineOutput]]:
-    outs: dict[str, list[EngineOutput]] = {r.request_id: [] for r in reqs}
-    for r in reqs:
-        core.add_request(r)
-    while core.has_work():
-        for o in core.step():
-            outs[o.request_id].append(o)
-    return outs
-
-
 def _canary(m: LoadedModel, rid: str = "canary", seeded: bool = False) -> EngineRequest:
     ids = tuple(m.tokenizer("In a hole in the ground there lived a hobbit. Not a nasty,").input_ids)
     sampling = (
@@ -233,29 +224,29 @@ def test_a_request_among_63_others_is_bitwise_the_same(smol: LoadedModel):
     core = EngineCore(smol, _det(max_num_seqs=64))
     assert core.info.deterministic
     for seeded in (False, True):
-        alone = _run(core, [_canary(smol, seeded=seeded)])["canary"]
+        alone = run_core(core, [_canary(smol, seeded=seeded)])["canary"]
         crowd = _others(smol, 63, seed=5)
-        mixed = _run(core, [*crowd[:30], _canary(smol, seeded=seeded), *crowd[30:]])
+        mixed = run_core(core, [*crowd[:30], _canary(smol, seeded=seeded), *crowd[30:]])
         assert _bits(mixed["canary"]) == _bits(alone)
 
 
 @pytest.mark.parametrize("budget", [1, 6, 16, 512])
 def test_chunk_size_and_prefix_cache_leave_the_bits_alone(smol: LoadedModel, budget: int):
-    reference = _run(EngineCore(smol, _det(prefix_caching=False)), [_canary(smol)])["canary"]
+    reference = run_core(EngineCore(smol, _det(prefix_caching=False)), [_canary(smol)])["canary"]
     core = EngineCore(smol, _det(max_num_batched_tokens=budget, block_size=4))
-    cold = _run(core, [_canary(smol), *_others(smol, 3, seed=budget)])["canary"]
+    cold = run_core(core, [_canary(smol), *_others(smol, 3, seed=budget)])["canary"]
     hits = core.scheduler.prefix_hit_tokens
-    warm = _run(core, [_canary(smol, "again")])["again"]
+    warm = run_core(core, [_canary(smol, "again")])["again"]
     assert core.scheduler.prefix_hit_tokens > hits  # the second one read its prefix cached
     assert _bits(cold) == _bits(reference) == _bits(warm)
 
 
 def test_preempted_and_recomputed_requests_keep_their_bits(smol: LoadedModel):
     reqs = [_canary(smol, f"c{i}") for i in range(3)] + _others(smol, 5, seed=9)
-    alone = {r.request_id: _run(EngineCore(smol, _det()), [r])[r.request_id] for r in reqs[::3]}
+    alone = {r.request_id: run_core(EngineCore(smol, _det()), [r])[r.request_id] for r in reqs[::3]}
     per_token = 4 * (2 * 30 * 3 * 64 + 576)
     tight = EngineCore(smol, _det(block_size=4, kv_cache_gib=40 * 4 * per_token / 2**30))
-    outs = _run(tight, reqs)
+    outs = run_core(tight, reqs)
     assert tight.scheduler.num_preemptions > 0
     for rid, expected in alone.items():
         assert _bits(outs[rid]) == _bits(expected)
@@ -273,12 +264,12 @@ def test_preempted_and_recomputed_requests_keep_their_bits(smol: LoadedModel):
 def test_random_batch_mixes_are_bitwise_invariant(
     tiny: LoadedModel, others, seed, budget, block_size, prefix_caching, seeded
 ):
-    reference = _run(EngineCore(tiny, _det()), [_canary(tiny, seeded=seeded)])["canary"]
+    reference = run_core(EngineCore(tiny, _det()), [_canary(tiny, seeded=seeded)])["canary"]
     core = EngineCore(tiny, _det(max_num_batched_tokens=budget, block_size=block_size,
                                  prefix_caching=prefix_caching))  # fmt: skip
     crowd = _others(tiny, others, seed)
     at = random.Random(seed).randrange(0, others + 1)
-    outs = _run(core, [*crowd[:at], _canary(tiny, seeded=seeded), *crowd[at:]])
+    outs = run_core(core, [*crowd[:at], _canary(tiny, seeded=seeded), *crowd[at:]])
     assert _bits(outs["canary"]) == _bits(reference)
 
 
