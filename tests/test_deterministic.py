@@ -324,3 +324,11 @@ def test_http_answers_are_the_same_bytes_alone_under_load_and_streamed(smol: Loa
         for key in ("tokens", "token_logprobs", "top_logprobs"):
             got = [v for ch in chunks for v in ch["choices"][0]["logprobs"][key]]
             assert got == whole[key]
+
+
+def test_embedding_rows_refuse_ids_outside_the_table(kernels: InvariantKernels):
+    packed = kernels.pack(torch.arange(40.0).view(10, 4))
+    assert kernels.rows(packed, torch.tensor([9, 0])).tolist() == [[36, 37, 38, 39], [0, 1, 2, 3]]
+    for bad in ([10], [-1]):
+        with pytest.raises(IndexError):
+            kernels.rows(packed, torch.tensor(bad))

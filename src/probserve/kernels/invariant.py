@@ -61,6 +61,9 @@ class InvariantKernels:
     def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the packed weight, [len(ids), K] (an embedding lookup)."""
         ids = ids.to(torch.int64).contiguous()
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < w.n):
+            # the engine validates ids first; the kernel reads memory, so it checks again
+            raise IndexError(f"token id outside the embedding's {w.n} rows")
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
         self.lib.ps_packed_rows(
             w.panels.data_ptr(), w.k, ids.data_ptr(), ids.numel(), out.data_ptr()
