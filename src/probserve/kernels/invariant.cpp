@@ -169,10 +169,9 @@ struct LaneOrder {
         vf a[W];
         for (int i = 0; i < W; ++i) a[i] = vset1(static_cast<float>(i));
         float out[W];
-        vstore_lanes(out, sum_lanes_raw(a));
+        vstore(out, sum_lanes_raw(a));
         for (int lane = 0; lane < W; ++lane) idx[static_cast<int>(out[lane]) / W] = lane;
     }
-    static void vstore_lanes(float* p, vf a) { vstore(p, a); }
 };
 
 // lane i: the sum of a[i]'s lanes (each sum a fixed tree, chosen by i alone)

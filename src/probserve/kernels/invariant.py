@@ -52,9 +52,9 @@ class InvariantKernels:
         lead = x.shape[:-1]
         x = x.reshape(-1, w.k)
         out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
-        bias = 0 if w.bias is None else w.bias.data_ptr()
+        bias = None if w.bias is None else w.bias.data_ptr()
         self.lib.ps_linear(
-            x.data_ptr(), x.shape[0], w.k, w.panels.data_ptr(), w.n, bias or None, out.data_ptr()
+            x.data_ptr(), x.shape[0], w.k, w.panels.data_ptr(), w.n, bias, out.data_ptr()
         )
         return out.view(*lead, w.n)
 
