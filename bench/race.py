@@ -81,8 +81,12 @@ def tree_cpu_seconds(pid: int) -> dict[str, float]:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, model: str, log: Path) -> None:
+    def __init__(
+        self, name: str, cmd: list[str], port: int, model: str, log: Path, scores: bool = True
+    ) -> None:
+        """`scores`: the server returns prompt logprobs (echo), so the scoring sweep applies."""
         self.name, self.cmd, self.port, self.model, self.log = name, cmd, port, model, log
+        self.scores = scores
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start_seconds = 0.0
@@ -136,7 +140,8 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
                                    text=True, check=True).stdout.strip()  # fmt: skip
         cmd = [binary, "-m", f"{model_dir}/model.gguf", "--host", "127.0.0.1", "--port", "8013",
                "-np", "32", "-c", "16384", "-t", "2"]  # fmt: skip
-        servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log"))
+        # llama-server returns no prompt logprobs (no echo): it sits the scoring sweep out
+        servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log", False))
     return servers
 
 
@@ -166,7 +171,7 @@ def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
                                         args.output_tokens, lp, args.timeout))  # fmt: skip
             out["levels"].setdefault(f"{conc}-{label}", []).append(row["tok_per_s"])
             print(server.name, f"{conc} streams, logprobs {label}:", row["tok_per_s"], flush=True)
-    if not args.no_scoring:
+    if not args.no_scoring and server.scores:
         row = asyncio.run(run_scoring(server.url, server.model, pools["unrelated"], 8,
                                       args.timeout))  # fmt: skip
         out["scoring"] = row["prompt_tok_per_s"]
@@ -204,9 +209,10 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
     ratios = "".join(f" | {ttft[0] / t:.2f}x (lower is better)" for t in ttft[1:])
     lines.append(f"| TTFT p50 at {top} streams (s) | " + " | ".join(map(str, ttft)) + ratios + " |")
     if not args.no_scoring:
-        row("scoring, unrelated prompts (prompt tok/s)", [results[n]["scoring"] for n in names])
+        row("scoring, unrelated prompts (prompt tok/s)",
+            [results[n].get("scoring") for n in names])  # fmt: skip
         row("scoring, lm-eval multiple choice (prompt tok/s)",
-            [results[n]["scoring_mc"] for n in names])  # fmt: skip
+            [results[n].get("scoring_mc") for n in names])  # fmt: skip
     rss = [results[n]["peak_rss_mb"] for n in names]
     lines.append("| peak RSS, all processes (MB) | " + " | ".join(map(str, rss))
                  + " |" + " - |" * len(peers))  # fmt: skip

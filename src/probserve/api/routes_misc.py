@@ -37,6 +37,7 @@ async def health(request: Request) -> JSONResponse:
     info = getattr(engine, "info", None)  # absent when a worker died before saying hello
     if info is not None:
         body["deterministic"] = info.deterministic
+        body["weights"] = info.weights
     if reason is not None:
         body["reason"] = reason
     return JSONResponse(body, 200 if status == "ok" else 503)

@@ -26,6 +26,7 @@ from probserve.engine import (
     LogprobsMode,
     WorkerEngine,
 )
+from probserve.engine.runner import weights_for
 from probserve.flags import from_args
 from probserve.models import LoadedModel, load_model, load_tokenizer, resolve_model
 
@@ -58,7 +59,7 @@ def start_engine(
     config = from_args(EngineConfig, args)
     limits = from_args(Limits, args)
     if config.worker == "inline":
-        loaded = loaded or load_model(args.model)
+        loaded = loaded or load_model(args.model, weights_for(config))
         inline = AsyncEngine(
             EngineCore(loaded, config),
             max_pending=limits.max_queued,

@@ -31,6 +31,12 @@ class EngineConfig:
         "server process",
     )
     threads: int = setting(0, "torch threads of the engine (0: one per core)")
+    weights: Literal["native", "float32"] = setting(
+        "native",
+        "native: a GGUF file's Q4_0/Q4_1/Q8_0 blocks stay as the file holds them and are "
+        "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
+        "needs --deterministic and the paged runner, else float32); float32: dequantized",
+    )
     deterministic: bool = setting(
         True,
         "bitwise batch-invariant logprobs: a request's numbers are the same bits whatever else "

@@ -71,6 +71,7 @@ class EngineCore:
             kv_cache_tokens=self.token_capacity,
             prefix_caching=self.pool.prefix_caching,
             deterministic=self.config.deterministic,
+            weights=loaded.weights_format,
         )
 
     @property
@@ -79,13 +80,14 @@ class EngineCore:
             self._runner = build_runner(self.loaded, self.config)
             log.info(
                 "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s, "
-                "deterministic %s",
+                "deterministic %s, weights %s",
                 self._runner_name,
                 self.pool.num_blocks,
                 self.config.block_size,
                 self.token_capacity,
                 "on" if self.pool.prefix_caching else "off",
                 "on" if self.config.deterministic else "off",
+                self.info.weights,
             )
         return self._runner
 

@@ -12,6 +12,7 @@ from probserve.engine import prompt_scoring
 from probserve.engine.row_math import TorchRowMath
 from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
 from probserve.engine.scheduler import Chunk
+from probserve.models.loader import LoadedModel
 
 
 class HFRunner:
@@ -29,10 +30,10 @@ class HFRunner:
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         return 4 * 2 * int(text.num_hidden_layers) * kv_heads * head_dim
 
-    def __init__(self, model: Any, num_blocks: int = 0, config: object = None) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int = 0, config: object = None) -> None:
         from transformers import DynamicCache
 
-        self.model = model
+        self.model = model = loaded.model
         self._cache_cls = DynamicCache
         params = inspect.signature(model.forward).parameters
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`

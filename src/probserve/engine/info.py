@@ -19,6 +19,7 @@ class EngineInfo:
     kv_cache_tokens: int = 0
     prefix_caching: bool = False
     deterministic: bool = False  # bitwise batch-invariant numbers (--deterministic, in effect)
+    weights: str = "float32"  # what the weights are held as: float32, or GGUF blocks "Q4_1+Q8_0"
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

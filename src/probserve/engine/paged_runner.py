@@ -24,6 +24,7 @@ from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
 from probserve.engine.scheduler import Chunk
 from probserve.kernels.invariant import InvariantKernels
 from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
+from probserve.models.loader import LoadedModel
 
 
 class PagedRunner:
@@ -33,9 +34,10 @@ class PagedRunner:
     def kv_bytes_per_token(config: Any) -> int:
         return KVCache.bytes_per_token(config)
 
-    def __init__(self, model: Any, num_blocks: int, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
+        model = loaded.model
         kernels = InvariantKernels() if config.deterministic else None
-        self.forward = LlamaForward(model, config.linear, kernels)
+        self.forward = LlamaForward(model, config.linear, kernels, loaded.weights)
         self.row_math: RowMath = InvariantRowMath(kernels) if kernels else TorchRowMath()
         self.block_size = block_size = config.block_size
         self.cache = KVCache.allocate(model.config, num_blocks, block_size)

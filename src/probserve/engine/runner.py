@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -66,7 +66,7 @@ class RunnerClass(Protocol):
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int: ...
 
-    def __call__(self, model: Any, num_blocks: int, config: EngineConfig) -> Runner: ...
+    def __call__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> Runner: ...
 
 
 def empty_logits(vocab: int) -> torch.Tensor:
@@ -84,9 +84,19 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     return HFRunner  # type: ignore[return-value]
 
 
+def weights_for(config: EngineConfig) -> Literal["native", "float32"]:
+    """The weights to load for `config`: native blocks run on the paged runner's deterministic
+    kernels only (models/loader.py falls back to float32 where the model or machine can't)."""
+    if config.runner == "hf" or not config.deterministic:
+        return "float32"
+    return config.weights
+
+
 def effective_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
     """`config`, with `deterministic` kept only where it can run: the paged runner, a model
     with a static RoPE, and kernels that build on this machine (a warning says why not)."""
+    if loaded.weights is not None and runner_class(loaded, config).__name__ != "PagedRunner":
+        raise ValueError("native (quantized) weights run on the paged runner only")
     if not config.deterministic:
         return config
     from probserve.engine.paged_runner import PagedRunner
@@ -118,4 +128,4 @@ def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
 
 def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
     cls = runner_class(loaded, config)
-    return cls(loaded.model, num_kv_blocks(loaded, config), config)
+    return cls(loaded, num_kv_blocks(loaded, config), config)

@@ -126,14 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     events.connect(args.events)
     codec = wire.Codec(wire.Command)
     try:
+        from probserve.engine.runner import weights_for
         from probserve.models.loader import load_source, prepared_source
 
         source = prepared_source(args.model)
-        loaded = load_source(source)
+        loaded = load_source(source, weights_for(config))
         core = EngineCore(loaded, config)
         core.warmup()
         core.runner.release_source_weights()
-        loaded.model = None  # the runner holds what it needs; nothing else keeps the weights
+        # the runner holds what it needs; nothing else keeps the weights (or the file's blocks)
+        loaded.model = loaded.weights = None
         worker = Worker(core, commands, events)
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)

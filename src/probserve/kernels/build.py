@@ -1,8 +1,9 @@
 """Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
 
-The source is compiled with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the
-CPU it runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
-~/.cache/probserve) under a key of the source, the compiler, the flags and the CPU's feature
+The sources (invariant.cpp and quantized.cpp, with simd.h) are compiled into one library with
+the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it runs on
+(-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default ~/.cache/probserve)
+under a key of the sources, the compiler, the flags and the CPU's feature
 list, so a source change, another compiler or another machine builds afresh and every later
 start loads the cached library in milliseconds. The build writes to a temporary file and renames
 it into place, so concurrent starts never load half a library. torch is imported first: the
@@ -26,7 +27,9 @@ import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to o
 
 from probserve.models.cache import cache_root
 
-SOURCE = Path(__file__).with_name("invariant.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp")  # one library
+HEADERS = (HERE / "simd.h",)
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -44,6 +47,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ps_entropy": (None, [_P, _I, _I, _P]),
     "ps_topk": (None, [_P, _I, _I, _I, _P, _P]),
     "ps_attention": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _I, _P, _P]),
+    "ps_qblock_bytes": (_I, [ctypes.c_int]),
+    "ps_qlinear": (None, [ctypes.c_int, _P, _I, _I, _P, _I, _P, _P]),
+    "ps_qrows": (None, [ctypes.c_int, _P, _I, _P, _I, _P]),
 }
 
 
@@ -75,7 +81,13 @@ def library_path(cxx: str) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"|".join(
-            s.encode() for s in (SOURCE.read_text(), version, " ".join(FLAGS), _cpu_features())
+            s.encode()
+            for s in (
+                *(f.read_text() for f in (*SOURCES, *HEADERS)),
+                version,
+                " ".join(FLAGS),
+                _cpu_features(),
+            )
         )
     ).hexdigest()
     return cache_root() / "kernels" / f"invariant-{key[:16]}.so"
@@ -92,10 +104,14 @@ def build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+            [cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         if done.returncode != 0:
-            raise KernelBuildError(f"building {SOURCE.name} with {cxx} failed:\n{done.stderr}")
+            names = ", ".join(f.name for f in SOURCES)
+            raise KernelBuildError(f"building {names} with {cxx} failed:\n{done.stderr}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

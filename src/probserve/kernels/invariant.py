@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from probserve.kernels.build import load
@@ -25,8 +26,35 @@ class PackedWeight:
     k: int
 
 
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [N, K] weight in GGUF blocks, packed for quantized.cpp: panels of P output columns, in
+    each for every block of 32 along K the float16 scales d[P] (Q4_1: and mins m[P]) then the
+    32 rows of P quants (4-bit: two columns a byte, column j low and j + P/2 high; 8-bit: one)."""
+
+    data: torch.Tensor  # uint8 [panels, K / 32, block bytes]
+    bias: torch.Tensor | None
+    fmt: int  # QFORMATS' value
+    n: int
+    k: int
+
+
+# GGML quantization type id -> (quantized.cpp's format id, GGUF bytes per block of 32)
+QFORMATS: dict[int, tuple[int, int]] = {2: (0, 18), 3: (1, 20), 8: (2, 34)}  # Q4_0, Q4_1, Q8_0
+QBLOCK = 32
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
+
+
+def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ids, checked against the table's n rows: the engine validates ids first, but the
+    kernels read memory, so they are checked again."""
+    ids = ids.to(torch.int64).contiguous()
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < n):
+        raise IndexError(f"token id outside the embedding's {n} rows")
+    return ids
 
 
 class InvariantKernels:
@@ -41,11 +69,67 @@ class InvariantKernels:
         w = torch.zeros((padded, k), dtype=torch.float32)
         w[:n] = weight.detach().float()
         panels = w.view(padded // p, p, k).transpose(1, 2).contiguous()
-        b = None
-        if bias is not None:
-            b = torch.zeros(padded, dtype=torch.float32)
-            b[:n] = bias.detach().float()
-        return PackedWeight(panels, b, int(n), int(k))
+        return PackedWeight(panels, self._bias(bias, n), int(n), int(k))
+
+    def _bias(self, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        if bias is None:
+            return None
+        padded = torch.zeros(-(-n // self.panel) * self.panel, dtype=torch.float32)
+        padded[:n] = bias.detach().float()
+        return padded
+
+    def qpack(
+        self, blocks: np.ndarray, ggml_type: int, bias: torch.Tensor | None = None
+    ) -> QuantizedWeight:
+        """Rows of GGUF blocks, uint8 [N, K / 32 * block bytes] as the file holds them, packed
+        into quantized.cpp's panels (the values are untouched: only their places change)."""
+        fmt, size = QFORMATS[ggml_type]
+        p, half = self.panel, self.panel // 2
+        n, row_bytes = blocks.shape
+        nb = row_bytes // size
+        raw = np.zeros((-(-n // p) * p, nb, size), dtype=np.uint8)
+        raw[:n] = np.asarray(blocks).reshape(n, nb, size)
+        panels = raw.shape[0] // p
+        scales = 4 if fmt == 1 else 2  # d (and m) bytes at the block's start
+        qs = raw[..., scales:]
+        # 8-bit: one int8 a column; 4-bit: the file's nibbles, element j low and j + 16 high
+        quants = qs if fmt == 2 else np.concatenate([qs & 15, qs >> 4], axis=-1)
+        # [panels, P, nb, 32] -> [panels, nb, 32 (k), P (column)]
+        quants = quants.reshape(panels, p, nb, QBLOCK).transpose(0, 2, 3, 1)
+        if fmt != 2:
+            quants = quants[..., :half] | (quants[..., half:] << 4)
+        parts = [  # d, then m: [panels, P, nb, 2 bytes] -> [panels, nb, P * 2]
+            raw[..., i : i + 2].reshape(panels, p, nb, 2).transpose(0, 2, 1, 3)
+            for i in range(0, scales, 2)
+        ]
+        parts = [part.reshape(panels, nb, -1) for part in parts]
+        parts.append(quants.reshape(panels, nb, -1))
+        data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+        assert data.shape[-1] == self.lib.ps_qblock_bytes(fmt)
+        return QuantizedWeight(
+            torch.from_numpy(data), self._bias(bias, n), fmt, int(n), int(nb * QBLOCK)
+        )
+
+    def qlinear(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+        """x [..., K] times a quantized weight: the same bits as `linear` on its dequantized
+        float32 copy."""
+        x = _f32(x)
+        lead = x.shape[:-1]
+        x = x.reshape(-1, w.k)
+        out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
+        bias = None if w.bias is None else w.bias.data_ptr()
+        self.lib.ps_qlinear(
+            w.fmt, x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.n, bias, out.data_ptr()
+        )
+        return out.view(*lead, w.n)
+
+    def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a quantized weight, dequantized (an embedding lookup)."""
+        ids = _row_ids(ids, w.n)
+        out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+        n = ids.numel()
+        self.lib.ps_qrows(w.fmt, w.data.data_ptr(), w.k, ids.data_ptr(), n, out.data_ptr())
+        return out
 
     def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x = _f32(x)
@@ -60,10 +144,7 @@ class InvariantKernels:
 
     def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the packed weight, [len(ids), K] (an embedding lookup)."""
-        ids = ids.to(torch.int64).contiguous()
-        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < w.n):
-            # the engine validates ids first; the kernel reads memory, so it checks again
-            raise IndexError(f"token id outside the embedding's {w.n} rows")
+        ids = _row_ids(ids, w.n)
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
         self.lib.ps_packed_rows(
             w.panels.data_ptr(), w.k, ids.data_ptr(), ids.numel(), out.data_ptr()

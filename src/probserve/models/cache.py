@@ -50,8 +50,9 @@ def converted(
 
     if not source.gguf_file:
         return source
-    target = converted_dir(Path(source.name_or_path) / source.gguf_file)
-    as_dir = ModelSource(str(target), None, source.served_name)
+    gguf = Path(source.name_or_path) / source.gguf_file
+    target = converted_dir(gguf)
+    as_dir = ModelSource(str(target), None, source.served_name, blocks_file=str(gguf))
     if (target / _DONE).is_file():
         return as_dir
     try:

@@ -25,7 +25,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from probserve.kernels.invariant import InvariantKernels, PackedWeight
+from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
+from probserve.models.gguf_blocks import QuantizedTensor, Weight
 
 log = logging.getLogger(__name__)
 
@@ -35,22 +36,34 @@ PACK_ROWS = 32  # the row count oneDNN's weight layout is chosen for
 
 class Linear:
     """y = x W^T + b with the weight held in the form its kernel wants (a private copy: the
-    source, perhaps memory-mapped from a file, may then be released)."""
+    source, perhaps memory-mapped from a file, may then be released). A weight in GGUF blocks
+    stays in them with the "invariant" kernel (kernels/quantized.cpp: the same bits as on its
+    float32 copy); the other kernels take it dequantized."""
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: Weight,
         bias: torch.Tensor | None = None,
         kernel: Kernel = "dense",
         kernels: InvariantKernels | None = None,
     ) -> None:
         """`kernels`: the loaded library, for the "invariant" kernel."""
-        weight = weight.detach().float()
         self.kernel: Kernel = kernel
         if kernel == "onednn" and not onednn_available():
             self.kernel = "dense"
         self.kernels = kernels
         self.packed: PackedWeight | None = None
+        self.quantized: QuantizedWeight | None = None
+        if isinstance(weight, QuantizedTensor):
+            self.out_features, self.in_features = weight.n, weight.k
+            if self.kernel == "invariant" and kernels is not None:
+                self.quantized = kernels.qpack(weight.blocks, weight.ggml_type, bias)
+                self.w = self.quantized.data
+                self.b = self.quantized.bias
+                return
+            weight = weight.dequantize()
+        weight = weight.detach().float()
+        self.out_features, self.in_features = (int(d) for d in weight.shape)
         if self.kernel == "invariant":
             if kernels is None:
                 raise ValueError("the invariant kernel needs its library (InvariantKernels)")
@@ -66,6 +79,8 @@ class Linear:
             self.b = None if bias is None else bias.detach().float().clone()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.kernels.qlinear(x, self.quantized)  # type: ignore[union-attr]
         if self.packed is not None:
             return self.kernels.linear(x, self.packed)  # type: ignore[union-attr]
         if self.kernel == "onednn":
@@ -75,7 +90,7 @@ class Linear:
 
 
 def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
-    x = torch.randn(rows, int(layer.w.shape[-1] if layer.packed is None else layer.packed.k))
+    x = torch.randn(rows, layer.in_features)
     layer(x)  # warm: first calls pick kernels and allocate
     start = time.perf_counter()
     for _ in range(repeats):

@@ -19,13 +19,15 @@ the step holds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
-from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.invariant import InvariantKernels, QuantizedWeight
+from probserve.models.gguf_blocks import Weight, as_float, stack_rows
 from probserve.models.linear import Kernel, Linear, choose_kernel
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -114,26 +116,39 @@ class AttentionPlan:
 
 
 class _Layer:
-    def __init__(self, layer: Any, kernel: Kernel, kernels: InvariantKernels | None) -> None:
+    def __init__(
+        self,
+        layer: Any,
+        prefix: str,
+        weights: Mapping[str, Weight],
+        kernel: Kernel,
+        kernels: InvariantKernels | None,
+    ) -> None:
+        """`layer`: the transformers module (its sizes and constants; on the meta device when
+        the weights come from elsewhere); `weights`: every tensor by its parameter name."""
         attn, mlp = layer.self_attn, layer.mlp
-        # copies: a weight memory-mapped from safetensors may share one storage with the whole
-        # file, and the packed runner must not keep that mapping alive (release_source)
-        self.ln1 = layer.input_layernorm.weight.detach().clone()
-        self.ln2 = layer.post_attention_layernorm.weight.detach().clone()
+
+        def tensor(name: str) -> torch.Tensor:
+            # copies: a weight memory-mapped from safetensors may share one storage with the
+            # whole file, and the packed runner must not keep that mapping alive (release_source)
+            return as_float(weights[prefix + name]).detach().clone()
+
+        def linear(*names: str) -> Linear:
+            weight = stack_rows([weights[f"{prefix}{n}.weight"] for n in names])
+            biases = [weights.get(f"{prefix}{n}.bias") for n in names]
+            bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[misc]
+            return Linear(weight, bias, kernel, kernels)
+
+        self.ln1 = tensor("input_layernorm.weight")
+        self.ln2 = tensor("post_attention_layernorm.weight")
         self.eps1 = float(layer.input_layernorm.variance_epsilon)
         self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv = Linear(
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-            torch.cat(biases) if all(b is not None for b in biases) else None,
-            kernel,
-            kernels,
-        )
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, kernel, kernels)
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up = Linear(gate_up, None, kernel, kernels)
-        self.down = Linear(mlp.down_proj.weight, None, kernel, kernels)
+        self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        self.o = linear("self_attn.o_proj")
+        self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
+        self.down = linear("mlp.down_proj")
         self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
+        self.intermediate = int(mlp.down_proj.in_features)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -147,40 +162,63 @@ class LlamaForward:
         model: Any,
         kernel: Kernel | Literal["auto"] = "auto",
         kernels: InvariantKernels | None = None,
+        weights: Mapping[str, Weight] | None = None,
     ) -> None:
         """`kernel`: the linear layers' matrix kernel (models/linear.py); "auto" times both on
         the first layer's MLP matrix and keeps the faster. `kernels`: run deterministic (the
-        row-invariant kernels everywhere; `kernel` is then "invariant")."""
+        row-invariant kernels everywhere; `kernel` is then "invariant"). `weights`: the tensors
+        by parameter name where the model holds none of its own (a GGUF file's blocks,
+        models/gguf_blocks.py: they stay quantized with `kernels`); default: the model's."""
         cfg = model.config
         self.kernels = kernels
+        if weights is None:
+            weights = dict(model.named_parameters(remove_duplicate=False))
         if kernels is not None:
             blocker = deterministic_blocker(model)
             if blocker:
                 raise ValueError(f"this model cannot run deterministic: {blocker}")
             kernel = "invariant"
         elif kernel == "auto":
-            mlp = model.model.layers[0].mlp
-            kernel = choose_kernel(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+            gate_up = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+            kernel = choose_kernel(as_float(stack_rows([weights[n] for n in gate_up])))
         self.kernel: Kernel = kernel
         self.model = model
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.layers = [_Layer(layer, kernel, kernels) for layer in model.model.layers]
-        self.norm = model.model.norm.weight.detach().clone()
+        self.layers = [
+            _Layer(layer, f"model.layers.{i}.", weights, kernel, kernels)
+            for i, layer in enumerate(model.model.layers)
+        ]
+        self.norm = as_float(weights["model.norm.weight"]).detach().clone()
         self.norm_eps = float(model.model.norm.variance_epsilon)
-        self.lm_head = Linear(model.lm_head.weight, None, kernel, kernels)
-        embed = model.model.embed_tokens.weight
-        # a tied embedding is read from the head's own copy (dense, or packed panels): the
-        # weight is held once; an untied one (or oneDNN's blocked head) keeps its own copy
-        self.tied = embed.data_ptr() == model.lm_head.weight.data_ptr() and kernel != "onednn"
-        self.embed = None if self.tied else embed.detach().clone()
-        self.vocab_size = int(model.lm_head.weight.shape[0])
+        head, embed = weights["lm_head.weight"], weights["model.embed_tokens.weight"]
+        self.lm_head = Linear(head, None, kernel, kernels)
+        # a tied embedding is read from the head's own copy (dense, packed panels or blocks):
+        # the weight is held once; an untied one (or oneDNN's blocked head) keeps its own copy
+        same = head is embed or (
+            isinstance(head, torch.Tensor)
+            and isinstance(embed, torch.Tensor)
+            and head.data_ptr() == embed.data_ptr()
+        )
+        self.tied = same and kernel != "onednn"
+        self.embed: torch.Tensor | QuantizedWeight | None = None
+        if not self.tied:
+            self.embed = self._own_embedding(embed)
+        self.vocab_size = self.lm_head.out_features
         self.rotary = model.model.rotary_emb
-        self.intermediate = int(model.model.layers[0].mlp.down_proj.weight.shape[1])
+        self.intermediate = self.layers[0].intermediate
         # the deterministic cos/sin table, grown ROPE_BLOCK positions at a time
         self._rope_cos = torch.empty((0, self.head_dim))
         self._rope_sin = torch.empty((0, self.head_dim))
+
+    def _own_embedding(self, embed: Weight) -> torch.Tensor | QuantizedWeight:
+        """An untied embedding: in its blocks where the kernels read them, else float32."""
+        from probserve.models.gguf_blocks import QuantizedTensor
+
+        if isinstance(embed, QuantizedTensor) and self.kernels is not None:
+            return self.kernels.qpack(embed.blocks, embed.ggml_type)
+        return as_float(embed).detach().clone()
 
     def release_source(self) -> None:
         """Drop the transformers model: every weight the forward uses is a copy held here (the
@@ -216,8 +254,12 @@ class LlamaForward:
         return out
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, QuantizedWeight):
+            return self.kernels.qrows(self.embed, ids)  # type: ignore[union-attr]
         if self.embed is not None:
             return F.embedding(ids, self.embed)
+        if self.lm_head.quantized is not None:
+            return self.kernels.qrows(self.lm_head.quantized, ids)  # type: ignore[union-attr]
         if self.lm_head.packed is not None:
             return self.kernels.rows(self.lm_head.packed, ids)  # type: ignore[union-attr]
         return F.embedding(ids, self.lm_head.w)

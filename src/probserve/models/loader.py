@@ -11,12 +11,13 @@ Resolution order:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -37,6 +38,15 @@ class ModelSource:
     name_or_path: str
     gguf_file: str | None = None
     served_name: str = ""
+    # the GGUF file a converted directory (models/cache.py) came from: native weights read it
+    blocks_file: str | None = None
+
+    @property
+    def quantized_file(self) -> str | None:
+        """The GGUF file whose blocks `--weights native` serves, if the source has one."""
+        if self.blocks_file:
+            return self.blocks_file
+        return str(Path(self.name_or_path) / self.gguf_file) if self.gguf_file else None
 
     @property
     def spec(self) -> str:
@@ -50,7 +60,9 @@ class ModelSource:
 class LoadedModel:
     """Everything the engine and the API need from a loaded model."""
 
-    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode, float32
+    # a transformers PreTrainedModel (causal LM), in eval mode, float32; with `weights`, its
+    # skeleton on the meta device (sizes, constants, RoPE), the tensors being in `weights`
+    model: Any
     tokenizer: Any  # a transformers tokenizer
     name: str
     eos_token_ids: frozenset[int]
@@ -58,6 +70,9 @@ class LoadedModel:
     vocab_size: int
     chat_template: str | None = None
     source: ModelSource | None = field(default=None, repr=False)
+    # native weights (a GGUF file's blocks, models/gguf_blocks.py) by parameter name, or None
+    weights: dict[str, Any] | None = field(default=None, repr=False)
+    weights_format: str = "float32"  # what the weights are held as: float32, or "Q4_1+Q8_0"
 
 
 def embedded_gguf_path() -> Path:
@@ -127,8 +142,14 @@ def _context_length(config: Any, tokenizer: Any) -> int:
     return 2048
 
 
-def load_source(source: ModelSource) -> LoadedModel:
-    """Load a resolved source: weights in float32 and eval mode, tokenizer, limits."""
+Weights = Literal["native", "float32"]
+
+
+def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedModel:
+    """Load a resolved source: tokenizer, limits, and the weights in float32 and eval mode, or
+    with `weights="native"` a GGUF file's quantized blocks as the file holds them (where the
+    file has blocks the kernels multiply, the model runs on the paged forward and the kernels
+    build here; otherwise float32, with a warning saying why)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
@@ -136,24 +157,69 @@ def load_source(source: ModelSource) -> LoadedModel:
         kwargs["gguf_file"] = source.gguf_file
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.name_or_path, dtype=torch.float32, **kwargs
-        )
+        native = _native(source, kwargs) if weights == "native" else None
+        if native is not None:
+            model, tensors, held = native
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.name_or_path, dtype=torch.float32, **kwargs
+            )
+            tensors, held = None, "float32"
     except _LOAD_ERRORS as exc:
         raise ModelLoadError(f"cannot load model {source.name_or_path!r}: {_first(exc)}") from exc
     model.eval()
     model.requires_grad_(False)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=source.served_name or source.name_or_path,
         eos_token_ids=_eos_ids(model, tokenizer),
         context_length=_context_length(model.config, tokenizer),
-        vocab_size=vocab,
+        vocab_size=int(
+            model.config.vocab_size if tensors else model.get_output_embeddings().weight.shape[0]
+        ),
         chat_template=getattr(tokenizer, "chat_template", None),
         source=source,
+        weights=tensors,
+        weights_format=held,
     )
+
+
+def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], str] | None:
+    """(skeleton, tensors by name, format) for a quantized GGUF source the quantized forward
+    serves; None (float32 is loaded instead) for any other, with a warning where it is a GGUF
+    file that cannot run natively."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from probserve.kernels.build import KernelBuildError, build
+    from probserve.models import llama
+    from probserve.models.gguf_blocks import block_formats, load_weights
+
+    path = source.quantized_file
+    if not path:
+        return None
+    config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    why = llama.deterministic_blocker(model)
+    if why is None:
+        try:
+            build()
+        except KernelBuildError as exc:
+            why = str(exc)
+    if why:
+        log.warning("native weights are off for this model (%s): loading float32", why)
+        return None
+    rotary = model.model.rotary_emb  # its tables, built for real (meta holds no values)
+    model.model.rotary_emb = type(rotary)(config=model.config)
+    with contextlib.suppress(OSError):  # none saved: the config's own stays
+        model.generation_config = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
+    weights = load_weights(path, model)
+    formats = "+".join(block_formats(weights))
+    if not formats:
+        return None  # no blocks the kernels read: the float32 model is as small
+    log.info("native weights: %s blocks from %s", formats, path)
+    return model, weights, formats
 
 
 def prepared_source(spec: str | None) -> ModelSource:
@@ -163,11 +229,11 @@ def prepared_source(spec: str | None) -> ModelSource:
     return converted(resolve_model(spec), load_source, save_hf_directory)
 
 
-def load_model(spec: str | None = None) -> LoadedModel:
+def load_model(spec: str | None = None, weights: Weights = "float32") -> LoadedModel:
     """Resolve and load a model; raises ModelLoadError with a one-line message on failure."""
     source = prepared_source(spec)
     log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
-    return load_source(source)
+    return load_source(source, weights)
 
 
 def load_tokenizer(source: ModelSource) -> Any:

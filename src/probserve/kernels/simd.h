@@ -1,0 +1,300 @@
+// The vector layer shared by probserve's kernels: one ISA (AVX-512, or AVX2 + FMA + F16C) behind
+// small inline functions, the fixed lane-sum network, a vector exp, and the float32 micro-kernel
+// of the linear layers (see invariant.cpp for the row-invariance rules they keep).
+#pragma once
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <utility>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;
+constexpr int MR_MAX = 12;  // rows per micro-kernel: 24 accumulators of 32 registers
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline __mmask16 lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline vf vload_n(const float* p, int64_t n, float fill) {
+    return _mm512_mask_loadu_ps(vset1(fill), lanes(n), p);
+}
+inline void vstore_n(float* p, vf a, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), a); }
+inline __m256 high_half(vf a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+inline float hsum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+inline float hmax8(__m256 a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+inline float hsum(vf a) { return hsum8(_mm256_add_ps(_mm512_castps512_ps256(a), high_half(a))); }
+inline float hmax(vf a) { return hmax8(_mm256_max_ps(_mm512_castps512_ps256(a), high_half(a))); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in [-126, 127]
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_castsi512_ps(e);
+}
+inline vf vselect_lt(vf a, vf b, vf then, vf other) {  // a < b ? then : other
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), other, then);
+}
+inline vf vselect_gt(vf a, vf b, vf then, vf other) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), other, then);
+}
+inline vf vselect_nan(vf a, vf then, vf other) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), other, then);
+}
+// W vectors in, one out whose lanes are the W vectors' sums, in a fixed but permuted order
+inline vf sum_lanes_raw(const vf* a) {
+    vf b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i)  // 512 -> 256: two vectors' halves side by side
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // 256 -> 128: one vector per 128-bit lane
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // 4 -> 2 within each 128-bit lane
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+inline vf vpermute(vf a, const int32_t* idx) {
+    return _mm512_permutexvar_ps(_mm512_loadu_si512(idx), a);
+}
+// GGUF blocks: W float16 scales, W quants of one byte (or of one nibble: vlow4 / vhigh4)
+using vi = __m512i;
+inline vf vhalf(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vi vload_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi vload_i8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf vcvt(vi a) { return _mm512_cvtepi32_ps(a); }
+// the values q + offset of 4-bit quants, from bytes holding two: a 16-entry table lookup
+// (vpermps reads an index's low 4 bits, so the low nibble needs no mask)
+struct Nibbles {
+    vf table;
+    explicit Nibbles(int offset) {
+        float v[16];
+        for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(i + offset);
+        table = _mm512_loadu_ps(v);
+    }
+    vf lo(vi bytes) const { return _mm512_permutexvar_ps(bytes, table); }
+    vf hi(vi bytes) const { return _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int W = 8;
+constexpr int MR_MAX = 6;  // 12 accumulators of 16 registers
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline __m256i lanes(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline vf vload_n(const float* p, int64_t n, float fill) {
+    __m256i m = lanes(n);
+    return _mm256_blendv_ps(vset1(fill), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+}
+inline void vstore_n(float* p, vf a, int64_t n) { _mm256_maskstore_ps(p, lanes(n), a); }
+inline float hsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+inline float hmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_castsi256_ps(e);
+}
+inline vf vselect_lt(vf a, vf b, vf then, vf other) {
+    return _mm256_blendv_ps(other, then, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+}
+inline vf vselect_gt(vf a, vf b, vf then, vf other) {
+    return _mm256_blendv_ps(other, then, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+}
+inline vf vselect_nan(vf a, vf then, vf other) {
+    return _mm256_blendv_ps(other, then, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+inline vf sum_lanes_raw(const vf* a) {
+    vf b[4], d[2];
+    for (int i = 0; i < 4; ++i)  // 256 -> 128: one vector per 128-bit lane
+        b[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)
+        d[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    return _mm256_add_ps(_mm256_shuffle_ps(d[0], d[1], 0x88), _mm256_shuffle_ps(d[0], d[1], 0xDD));
+}
+inline vf vpermute(vf a, const int32_t* idx) {
+    return _mm256_permutevar8x32_ps(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx)));
+}
+using vi = __m256i;
+inline vf vhalf(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi vload_u8(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi vload_i8(const uint8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf vcvt(vi a) { return _mm256_cvtepi32_ps(a); }
+struct Nibbles {  // as AVX-512's, with a mask, an add and a conversion
+    vi offset;
+    explicit Nibbles(int off) : offset(_mm256_set1_epi32(off)) {}
+    vf lo(vi bytes) const {
+        return vcvt(_mm256_add_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), offset));
+    }
+    vf hi(vi bytes) const { return vcvt(_mm256_add_epi32(_mm256_srli_epi32(bytes, 4), offset)); }
+};
+#else
+#error "probserve's deterministic kernels need a CPU with AVX2, FMA and F16C, or AVX-512"
+#endif
+
+// Where sum_lanes_raw puts each input's sum, found once by running it on constants.
+struct LaneOrder {
+    int32_t idx[W];
+    LaneOrder() {
+        vf a[W];
+        for (int i = 0; i < W; ++i) a[i] = vset1(static_cast<float>(i));
+        float out[W];
+        vstore(out, sum_lanes_raw(a));
+        for (int lane = 0; lane < W; ++lane) idx[static_cast<int>(out[lane]) / W] = lane;
+    }
+};
+
+// lane i: the sum of a[i]'s lanes (each sum a fixed tree, chosen by i alone)
+inline vf sum_lanes(const vf* a) {
+    static const LaneOrder order;
+    return vpermute(sum_lanes_raw(a), order.idx);
+}
+
+constexpr int NR = 2 * W;  // columns per packed weight panel
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float POS_INF = std::numeric_limits<float>::infinity();
+
+// exp(x) to ~1 ulp (Cephes' single-precision polynomial); results below FLT_MIN are flushed
+// to 0 (exp(-inf) = 0), above the float range +inf, NaN stays NaN.
+inline vf vexp(vf x) {
+    const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
+    vf c = vmin(vmax(x, lo), hi);
+    vf n = vround(vmul(c, vset1(1.44269504088896341f)));
+    vf r = vfnma(n, vset1(0.693359375f), c);
+    r = vfnma(n, vset1(-2.12194440e-4f), r);
+    vf p = vset1(1.9875691500e-4f);
+    p = vfma(p, r, vset1(1.3981999507e-3f));
+    p = vfma(p, r, vset1(8.3334519073e-3f));
+    p = vfma(p, r, vset1(4.1665795894e-2f));
+    p = vfma(p, r, vset1(1.6666665459e-1f));
+    p = vfma(p, r, vset1(5.0000001201e-1f));
+    p = vadd(vfma(p, vmul(r, r), r), vset1(1.0f));
+    vf y = vmul(p, vpow2i(n));
+    y = vselect_lt(x, lo, vzero(), y);
+    y = vselect_gt(x, hi, vset1(POS_INF), y);
+    return vselect_nan(x, x, y);
+}
+
+// sum_k a[k] * b[k], W lanes in order then the lane tree
+inline float dot(const float* a, const float* b, int64_t n) {
+    vf acc = vzero();
+    int64_t i = 0;
+    for (; i + W <= n; i += W) acc = vfma(vload(a + i), vload(b + i), acc);
+    if (i < n) acc = vfma(vload_n(a + i, n - i, 0.0f), vload_n(b + i, n - i, 0.0f), acc);
+    return hsum(acc);
+}
+
+// out[r, :ncols] = a0[r] | a1[r] (+ bias): a micro-kernel's tile, tails stored masked
+template <int MR>
+inline void store_tile(const vf* a0, const vf* a1, const float* bias, float* out, int64_t ldo,
+                       int64_t ncols) {
+    for (int r = 0; r < MR; ++r) {
+        vf y0 = a0[r], y1 = a1[r];
+        if (bias) {
+            y0 = vadd(y0, vload(bias));
+            y1 = vadd(y1, vload(bias + W));
+        }
+        float* o = out + r * ldo;
+        if (ncols == NR) {
+            vstore(o, y0);
+            vstore(o + W, y1);
+        } else if (ncols > W) {
+            vstore(o, y0);
+            vstore_n(o + W, y1, ncols - W);
+        } else {
+            vstore_n(o, y0, ncols);
+        }
+    }
+}
+
+// MR rows of x times one panel [K, NR]: each output accumulates over k in order, one FMA a step
+template <int MR>
+void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
+           float* out, int64_t ldo, int64_t ncols) {
+    vf a0[MR], a1[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+        const vf w0 = vload(panel + k * NR), w1 = vload(panel + k * NR + W);
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; ++r) {
+            const vf b = vset1(x[r * ldx + k]);
+            a0[r] = vfma(b, w0, a0[r]);
+            a1[r] = vfma(b, w1, a1[r]);
+        }
+    }
+    store_tile<MR>(a0, a1, bias, out, ldo, ncols);
+}
+
+using Micro = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
+                       int64_t);
+
+template <int... R>
+constexpr auto micro_table(std::integer_sequence<int, R...>) {
+    return std::array<Micro, sizeof...(R)>{&micro<R + 1>...};
+}
+
+
+}  // namespace

@@ -1,0 +1,187 @@
+"""A GGUF file's weights in the file's own blocks: what `--weights native` serves.
+
+transformers' GGUF loader dequantizes every tensor to float32; here the tensors of the block
+formats probserve's kernels multiply directly (Q4_0, Q4_1, Q8_0: kernels/quantized.cpp) stay as
+the file's bytes, and the rest (float32 norms, other formats) are dequantized as transformers
+does. Names and the q/k row order come from transformers' own GGUF mapping and tensor processor
+(the processor's row permutation moves whole rows, so it applies to rows of blocks unchanged).
+So a dequantized `QuantizedTensor` is bit for bit the tensor `from_pretrained(gguf_file=...)`
+gives, and the quantized forward computes the float32 forward's numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# GGML type ids of the block formats the kernels multiply in place: Q4_0, Q4_1, Q8_0
+NATIVE_TYPES = frozenset({2, 3, 8})
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A [N, K] weight as rows of GGUF blocks: uint8 [N, K / 32 * block bytes]."""
+
+    blocks: np.ndarray
+    ggml_type: int
+    k: int
+
+    @property
+    def n(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.ggml_type).name
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight, as gguf (and so transformers) computes it."""
+        from gguf import dequantize
+
+        values = dequantize(self.blocks, self.ggml_type).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(self.n, self.k))
+
+
+Weight = torch.Tensor | QuantizedTensor
+
+
+def stack_rows(parts: Sequence[Weight]) -> Weight:
+    """The weights' rows one after another (a fused QKV or gate/up matrix): blocks stay blocks
+    where every part has the same format; otherwise all become float32."""
+    first = parts[0]
+    if isinstance(first, QuantizedTensor) and all(
+        isinstance(p, QuantizedTensor) and p.ggml_type == first.ggml_type for p in parts
+    ):
+        blocks = np.concatenate([p.blocks for p in parts])  # type: ignore[union-attr]
+        return QuantizedTensor(blocks, first.ggml_type, first.k)
+    return torch.cat([as_float(p) for p in parts])
+
+
+def as_float(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
+
+
+BLOCKS_FILE = "blocks.safetensors"  # the cache of a file's weights, in its converted directory
+
+
+def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
+    """`read_weights`, through a cache: reading a GGUF file's metadata takes seconds (its
+    tokenizer's vocabulary is hundreds of thousands of fields), so the weights are written once,
+    as they come out of the file (blocks as uint8 rows, other tensors float32), into a
+    safetensors file beside the converted model (models/cache.py), which later starts map."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    from probserve.models.cache import converted_dir
+
+    cache = converted_dir(Path(path)) / BLOCKS_FILE
+    if cache.is_file():
+        return _from_cache(cache, skeleton, safe_open)
+    weights = read_weights(path, skeleton)
+    stored: dict[str, np.ndarray] = {}
+    meta: dict[str, str] = {}
+    seen: set[int] = set()
+    for name, value in weights.items():
+        if id(value) in seen:  # a tied twin: restored from its first name on load
+            continue
+        seen.add(id(value))
+        if isinstance(value, QuantizedTensor):
+            stored[name] = np.ascontiguousarray(value.blocks)
+            meta[name] = f"{value.ggml_type},{value.k}"
+        else:
+            stored[name] = value.numpy()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        save_file(stored, str(tmp), metadata=meta)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("could not cache the GGUF blocks (%s): reading the file at every start", exc)
+    return weights
+
+
+def _from_cache(cache: Path, skeleton: Any, safe_open: Any) -> dict[str, Weight]:
+    out: dict[str, Weight] = {}
+    with safe_open(str(cache), framework="np") as f:
+        meta = f.metadata() or {}
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            array = f.get_tensor(name)
+            if name in meta:
+                ggml_type, k = (int(v) for v in meta[name].split(","))
+                out[name] = QuantizedTensor(array, ggml_type, k)
+            else:
+                out[name] = torch.from_numpy(array)
+    return _with_ties(out, skeleton, cache.name)
+
+
+def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
+    """The file's tensors by transformers parameter name (`skeleton`: the model, on the meta
+    device, whose names they take); tied weights appear under each of their names."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    reader = GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    arch_name = bytes(field.parts[field.data[0]]).decode()
+    arch = next((a for a, n in MODEL_ARCH_NAMES.items() if n == arch_name), None)
+    if arch is None:
+        raise KeyError(f"gguf does not know the architecture {arch_name!r}")
+    cfg = skeleton.config
+    processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(
+        config={
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+        }
+    )
+    # transformers' mapping (get_gguf_hf_weights_map), for the top-level names alone
+    name_map = get_tensor_name_map(arch, cfg.num_hidden_layers)
+    names: dict[str, str] = {}
+    for hf_name, _ in skeleton.named_parameters(remove_duplicate=False):
+        base, _, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is not None:
+            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
+    out: dict[str, Weight] = {}
+    for tensor in reader.tensors:
+        name = names.get(tensor.name)
+        if name is None:
+            continue
+        if tensor.tensor_type in NATIVE_TYPES:
+            rows = processor.process(weights=tensor.data, name=tensor.name).weights
+            out[name] = QuantizedTensor(rows, int(tensor.tensor_type), int(tensor.shape[0]))
+        else:
+            values = dequantize(tensor.data, tensor.tensor_type)
+            values = processor.process(weights=values, name=tensor.name).weights
+            out[name] = torch.from_numpy(np.array(values, dtype=np.float32))
+    return _with_ties(out, skeleton, Path(path).name)
+
+
+def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, Weight]:
+    """Tied parameters (one Parameter under several names) share one tensor; every parameter
+    must have one."""
+    params = list(skeleton.named_parameters(remove_duplicate=False))
+    for name, param in params:
+        if name not in out:
+            twin = next((o for o, p in params if o in out and p is param), None)
+            if twin is not None:
+                out[name] = out[twin]
+    missing = sorted(name for name, _ in params if name not in out)
+    if missing:
+        raise KeyError(f"{source} has no tensor for {', '.join(missing[:3])}")
+    return out
+
+
+def block_formats(weights: dict[str, Weight]) -> list[str]:
+    """The block formats among the weights, by name ("Q4_1", "Q8_0")."""
+    return sorted({w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)})
