@@ -73,6 +73,15 @@ inline Nibbles nibbles() {
     return Nibbles(F == Q4_0 ? -8 : 0);
 }
 
+// a block's cache lines, requested ahead of use: the one-row product reads a block in ~60 ns,
+// faster than a line arrives from memory unasked (prefetching never faults, even past the end)
+constexpr int64_t PREFETCH = 8;  // blocks ahead
+template <int F>
+inline void prefetch_block(const uint8_t* b) {
+    for (int64_t line = 0; line < Layout<F>::block; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(b + line), _MM_HINT_T0);
+}
+
 // MR rows of x times one quantized panel, dequantizing each k's weights once for all MR rows
 template <int MR, int F>
 void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const float* bias,
@@ -84,6 +93,7 @@ void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const 
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
     for (int64_t blk = 0; blk < K / QK; ++blk) {
         const uint8_t* b = panel + blk * L::block;
+        prefetch_block<F>(b + PREFETCH * L::block);
         vf d0, d1, m0, m1;
         block_scales<F>(b, d0, d1, m0, m1);
         const uint8_t* q = b + L::scales;
@@ -109,6 +119,7 @@ void dequant_panel(const uint8_t* panel, int64_t K, float* dst) {
     const Nibbles nib = nibbles<F>();
     for (int64_t blk = 0; blk < K / QK; ++blk) {
         const uint8_t* b = panel + blk * L::block;
+        prefetch_block<F>(b + PREFETCH * L::block);
         vf d0, d1, m0, m1;
         block_scales<F>(b, d0, d1, m0, m1);
         const uint8_t* q = b + L::scales;

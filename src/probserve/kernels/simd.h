@@ -277,6 +277,9 @@ void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const flo
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
     for (int64_t k = 0; k < K; ++k) {
+        // the panel's lines, requested ahead of use (a prefetch never faults past the end)
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR + NR / 2), _MM_HINT_T0);
         const vf w0 = vload(panel + k * NR), w1 = vload(panel + k * NR + W);
 #pragma GCC unroll 12
         for (int r = 0; r < MR; ++r) {
