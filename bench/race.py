@@ -138,8 +138,11 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
                                 text=True, check=True).stdout.strip()  # fmt: skip
         model_dir = subprocess.run(["bash", str(PEERS / "model.sh")], capture_output=True,
                                    text=True, check=True).stdout.strip()  # fmt: skip
+        # --no-repack: its AMX kernels (reached through weight repacking) die with SIGILL on
+        # VMs whose CPUID lists AMX without granting it (gdb: tinygemm_kernel_amx); without
+        # them it runs its AVX-512/AVX2 dot products, its usual CPU path
         cmd = [binary, "-m", f"{model_dir}/model.gguf", "--host", "127.0.0.1", "--port", "8013",
-               "-np", "32", "-c", "16384", "-t", "2"]  # fmt: skip
+               "-np", "32", "-c", "16384", "-t", "2", "--no-repack"]  # fmt: skip
         # llama-server returns no prompt logprobs (no echo): it sits the scoring sweep out
         servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log", False))
     return servers

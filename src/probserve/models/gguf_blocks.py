@@ -72,20 +72,21 @@ def as_float(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
-BLOCKS_FILE = "blocks.safetensors"  # the cache of a file's weights, in its converted directory
 
 
 def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     """`read_weights`, through a cache: reading a GGUF file's metadata takes seconds (its
     tokenizer's vocabulary is hundreds of thousands of fields), so the weights are written once,
     as they come out of the file (blocks as uint8 rows, other tensors float32), into a
-    safetensors file beside the converted model (models/cache.py), which later starts map."""
+    safetensors file beside the converted model directory (models/cache.py; beside, not in it:
+    whatever loads that directory reads every *.safetensors file it holds)."""
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
     from probserve.models.cache import converted_dir
 
-    cache = converted_dir(Path(path)) / BLOCKS_FILE
+    converted = converted_dir(Path(path))
+    cache = converted.with_name(f"{converted.name}.blocks.safetensors")
     if cache.is_file():
         return _from_cache(cache, skeleton, safe_open)
     weights = read_weights(path, skeleton)
