@@ -10,6 +10,7 @@ every figure and probserve's ratio to each peer; it is only meaningful within on
 
     .venv/bin/python bench/race.py --peers vllm            # ~10 minutes with vLLM's start
     .venv/bin/python bench/race.py --peers vllm llama --concurrency 1 4 16 32
+    .venv/bin/python bench/race.py --peers llama --alternate 4   # + one-stream A/B/A/B rounds
 
 `--variant LABEL=FLAGS` (repeatable) runs probserve once per variant instead of once, for a
 same-run A/B of its own settings; the first variant is the base of every ratio:
@@ -235,6 +236,8 @@ def main() -> None:
     ap.add_argument("--no-scoring", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--logs", default="/tmp/probserve-race")
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="then one stream, the servers alternated (all up), ROUNDS times")  # fmt: skip
     args = ap.parse_args()
 
     from probserve.models import load_tokenizer, prepared_source
@@ -257,10 +260,43 @@ def main() -> None:
             results[server.name] = measure(server, args, pools)
         finally:
             server.stop()
+    rounds = alternate(args, pools, logs) if args.alternate else None
     print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
     print("command: .venv/bin/python bench/race.py " + " ".join(sys.argv[1:]))
     print(json.dumps(results))
     print(table(results, args))
+    if rounds:
+        print(rounds)
+
+
+def alternate(args: argparse.Namespace, pools: dict, logs: Path) -> str:
+    """One stream, server after server, `--alternate` rounds, with every server up at once
+    (idle while another is measured): a one-stream ratio that the machine's drift over the
+    sweep (minutes apart) cannot move. vLLM sits out: it holds ~7 GB and takes minutes to start,
+    and the sweep has its one-stream figure."""
+    servers = [s for s in build_servers(args, "", logs) if s.name != "vllm-cpu"]
+    tok: dict[str, list[float]] = {s.name: [] for s in servers}
+    try:
+        for server in servers:
+            server.start()
+        prompts = pools["stream"][: args.requests_per_stream]
+        for _ in range(args.alternate):
+            for server in servers:
+                row = asyncio.run(run_level(server.url, server.model, prompts, 1,
+                                            args.output_tokens, None, args.timeout))  # fmt: skip
+                tok[server.name].append(row["tok_per_s"])
+                print(server.name, "alternated, 1 stream:", row["tok_per_s"], flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    means = {name: sum(v) / len(v) for name, v in tok.items()}
+    base = next(iter(means))
+    lines = [f"\n| 1 stream, {args.alternate} alternated rounds | mean tok/s | rounds | "
+             f"{base} / this |", "|---|---:|---|---:|"]  # fmt: skip
+    for name, mean in means.items():
+        shown = ", ".join(f"{v:g}" for v in tok[name])
+        lines.append(f"| {name} | {mean:.1f} | {shown} | {means[base] / mean:.2f}x |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
