@@ -147,7 +147,10 @@ async def one_stream(
                 chunk = json.loads(line[6:])
                 for choice in chunk.get("choices", []):
                     lp = choice.get("logprobs")
-                    tokens += len(lp["tokens"]) if lp else (1 if choice.get("text") else 0)
+                    # OpenAI's completions shape {"tokens": [...]}; llama-server sends chat's
+                    # {"content": [...]} on completions too
+                    counted = (lp.get("tokens") or lp.get("content") or []) if lp else []
+                    tokens += len(counted) if lp else (1 if choice.get("text") else 0)
                 if tokens and ttft is None:
                     ttft = time.perf_counter() - start
         return Result(tokens, time.perf_counter() - start, r.status_code == 200, ttft)

@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--logs", default="/tmp/probserve-race")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
-                    help="then one stream, the servers alternated (all up), ROUNDS times")  # fmt: skip
+                    help="then one-stream rounds, servers alternated")  # fmt: skip
     args = ap.parse_args()
 
     from probserve.models import load_tokenizer, prepared_source
@@ -260,6 +260,7 @@ def main() -> None:
             results[server.name] = measure(server, args, pools)
         finally:
             server.stop()
+        print(server.name, "result", json.dumps(results[server.name]), flush=True)
     rounds = alternate(args, pools, logs) if args.alternate else None
     print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
     print("command: .venv/bin/python bench/race.py " + " ".join(sys.argv[1:]))
