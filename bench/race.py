@@ -270,6 +270,9 @@ def main() -> None:
         print(rounds)
 
 
+PAUSE = 3.0  # seconds between alternated rounds
+
+
 def alternate(args: argparse.Namespace, pools: dict, logs: Path) -> str:
     """One stream, server after server, `--alternate` rounds, with every server up at once
     (idle while another is measured): a one-stream ratio that the machine's drift over the
@@ -283,10 +286,16 @@ def alternate(args: argparse.Namespace, pools: dict, logs: Path) -> str:
         prompts = pools["stream"][: args.requests_per_stream]
         for _ in range(args.alternate):
             for server in servers:
+                time.sleep(PAUSE)  # the last server's threads stop spinning (llama's --poll)
+                before = {s.name: sum(tree_cpu_seconds(s.proc.pid).values()) for s in servers}  # type: ignore[union-attr]
                 row = asyncio.run(run_level(server.url, server.model, prompts, 1,
                                             args.output_tokens, None, args.timeout))  # fmt: skip
+                idle = {s.name: round((sum(tree_cpu_seconds(s.proc.pid).values())  # type: ignore[union-attr]
+                                       - before[s.name]) / row["seconds"], 2)
+                        for s in servers if s is not server}  # fmt: skip
                 tok[server.name].append(row["tok_per_s"])
-                print(server.name, "alternated, 1 stream:", row["tok_per_s"], flush=True)
+                print(server.name, "alternated, 1 stream:", row["tok_per_s"],
+                      "| cores the idle servers used meanwhile:", idle, flush=True)  # fmt: skip
     finally:
         for server in servers:
             server.stop()
