@@ -72,8 +72,6 @@ def as_float(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight
 
 
-
-
 def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     """`read_weights`, through a cache: reading a GGUF file's metadata takes seconds (its
     tokenizer's vocabulary is hundreds of thousands of fields), so the weights are written once,
