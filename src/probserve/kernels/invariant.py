@@ -7,6 +7,7 @@ row is a function of its own input row only: the guarantee `--deterministic` res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,15 +114,7 @@ class InvariantKernels:
     def qlinear(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x [..., K] times a quantized weight: the same bits as `linear` on its dequantized
         float32 copy."""
-        x = _f32(x)
-        lead = x.shape[:-1]
-        x = x.reshape(-1, w.k)
-        out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
-        bias = None if w.bias is None else w.bias.data_ptr()
-        self.lib.ps_qlinear(
-            w.fmt, x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.n, bias, out.data_ptr()
-        )
-        return out.view(*lead, w.n)
+        return self._product(x, w, lambda *a: self.lib.ps_qlinear(w.fmt, *a))
 
     def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a quantized weight, dequantized (an embedding lookup)."""
@@ -132,14 +125,21 @@ class InvariantKernels:
         return out
 
     def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        return self._product(x, w, self.lib.ps_linear)
+
+    @staticmethod
+    def _product(
+        x: torch.Tensor, w: PackedWeight | QuantizedWeight, call: Callable[..., None]
+    ) -> torch.Tensor:
+        """x [..., K] times a packed weight: `call(x, M, K, weight, N, bias, out)` on the
+        library's pointers."""
         x = _f32(x)
         lead = x.shape[:-1]
         x = x.reshape(-1, w.k)
         out = torch.empty((x.shape[0], w.n), dtype=torch.float32)
+        data = w.panels if isinstance(w, PackedWeight) else w.data
         bias = None if w.bias is None else w.bias.data_ptr()
-        self.lib.ps_linear(
-            x.data_ptr(), x.shape[0], w.k, w.panels.data_ptr(), w.n, bias, out.data_ptr()
-        )
+        call(x.data_ptr(), x.shape[0], w.k, data.data_ptr(), w.n, bias, out.data_ptr())
         return out.view(*lead, w.n)
 
     def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -82,55 +82,51 @@ inline void prefetch_block(const uint8_t* b) {
         _mm_prefetch(reinterpret_cast<const char*>(b + line), _MM_HINT_T0);
 }
 
-// MR rows of x times one quantized panel, dequantizing each k's weights once for all MR rows
-template <int MR, int F>
-void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const float* bias,
-            float* out, int64_t ldo, int64_t ncols) {
+// every k of one quantized panel in order: body(k, w0, w1) with the k's NR weights dequantized
+// (columns [0, W) in w0, [W, NR) in w1), the blocks prefetched ahead
+template <int F, class Body>
+inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
     using L = Layout<F>;
     const Nibbles nib = nibbles<F>();
-    vf a0[MR], a1[MR];
-#pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
     for (int64_t blk = 0; blk < K / QK; ++blk) {
         const uint8_t* b = panel + blk * L::block;
         prefetch_block<F>(b + PREFETCH * L::block);
         vf d0, d1, m0, m1;
         block_scales<F>(b, d0, d1, m0, m1);
         const uint8_t* q = b + L::scales;
-        const float* xb = x + blk * QK;
         for (int64_t kk = 0; kk < QK; ++kk) {
             vf w0, w1;
             dequant<F>(q + kk * L::row, nib, d0, d1, m0, m1, w0, w1);
-#pragma GCC unroll 12
-            for (int r = 0; r < MR; ++r) {
-                const vf xv = vset1(xb[r * ldx + kk]);
-                a0[r] = vfma(xv, w0, a0[r]);
-                a1[r] = vfma(xv, w1, a1[r]);
-            }
+            body(blk * QK + kk, w0, w1);
         }
     }
+}
+
+// MR rows of x times one quantized panel, dequantizing each k's weights once for all MR rows
+template <int MR, int F>
+void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const float* bias,
+            float* out, int64_t ldo, int64_t ncols) {
+    vf a0[MR], a1[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
+    walk_panel<F>(panel, K, [&](int64_t k, vf w0, vf w1) {
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; ++r) {
+            const vf xv = vset1(x[r * ldx + k]);
+            a0[r] = vfma(xv, w0, a0[r]);
+            a1[r] = vfma(xv, w1, a1[r]);
+        }
+    });
     store_tile<MR>(a0, a1, bias, out, ldo, ncols);
 }
 
 // one panel as float32 [K, NR], the layout micro() reads
 template <int F>
 void dequant_panel(const uint8_t* panel, int64_t K, float* dst) {
-    using L = Layout<F>;
-    const Nibbles nib = nibbles<F>();
-    for (int64_t blk = 0; blk < K / QK; ++blk) {
-        const uint8_t* b = panel + blk * L::block;
-        prefetch_block<F>(b + PREFETCH * L::block);
-        vf d0, d1, m0, m1;
-        block_scales<F>(b, d0, d1, m0, m1);
-        const uint8_t* q = b + L::scales;
-        for (int64_t kk = 0; kk < QK; ++kk) {
-            vf w0, w1;
-            dequant<F>(q + kk * L::row, nib, d0, d1, m0, m1, w0, w1);
-            float* o = dst + (blk * QK + kk) * NR;
-            vstore(o, w0);
-            vstore(o + W, w1);
-        }
-    }
+    walk_panel<F>(panel, K, [dst](int64_t k, vf w0, vf w1) {
+        vstore(dst + k * NR, w0);
+        vstore(dst + k * NR + W, w1);
+    });
 }
 
 using QMicro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,
