@@ -109,14 +109,8 @@ void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const 
     vf a0[MR], a1[MR];
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
-    walk_panel<F>(panel, K, [&](int64_t k, vf w0, vf w1) {
-#pragma GCC unroll 12
-        for (int r = 0; r < MR; ++r) {
-            const vf xv = vset1(x[r * ldx + k]);
-            a0[r] = vfma(xv, w0, a0[r]);
-            a1[r] = vfma(xv, w1, a1[r]);
-        }
-    });
+    walk_panel<F>(panel, K,
+                  [&](int64_t k, vf w0, vf w1) { accumulate<MR>(a0, a1, x, ldx, k, w0, w1); });
     store_tile<MR>(a0, a1, bias, out, ldo, ncols);
 }
 

@@ -269,6 +269,18 @@ inline void store_tile(const vf* a0, const vf* a1, const float* bias, float* out
     }
 }
 
+// one step k of an MR-row tile: a[r] += x[r, k] * w, one FMA per output (the only arithmetic
+// the linear kernels accumulate with, whatever the weights' storage)
+template <int MR>
+inline void accumulate(vf* a0, vf* a1, const float* x, int64_t ldx, int64_t k, vf w0, vf w1) {
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+        const vf b = vset1(x[r * ldx + k]);
+        a0[r] = vfma(b, w0, a0[r]);
+        a1[r] = vfma(b, w1, a1[r]);
+    }
+}
+
 // MR rows of x times one panel [K, NR]: each output accumulates over k in order, one FMA a step
 template <int MR>
 void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
@@ -280,13 +292,7 @@ void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const flo
         // the panel's lines, requested ahead of use (a prefetch never faults past the end)
         _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR + NR / 2), _MM_HINT_T0);
-        const vf w0 = vload(panel + k * NR), w1 = vload(panel + k * NR + W);
-#pragma GCC unroll 12
-        for (int r = 0; r < MR; ++r) {
-            const vf b = vset1(x[r * ldx + k]);
-            a0[r] = vfma(b, w0, a0[r]);
-            a1[r] = vfma(b, w1, a1[r]);
-        }
+        accumulate<MR>(a0, a1, x, ldx, k, vload(panel + k * NR), vload(panel + k * NR + W));
     }
     store_tile<MR>(a0, a1, bias, out, ldo, ncols);
 }
