@@ -95,16 +95,17 @@ def weights_for(config: EngineConfig) -> Literal["native", "float32"]:
 def effective_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
     """`config`, with `deterministic` kept only where it can run: the paged runner, a model
     with a static RoPE, and kernels that build on this machine (a warning says why not)."""
-    if loaded.weights is not None and runner_class(loaded, config).__name__ != "PagedRunner":
-        raise ValueError("native (quantized) weights run on the paged runner only")
-    if not config.deterministic:
-        return config
     from probserve.engine.paged_runner import PagedRunner
     from probserve.kernels.build import KernelBuildError, build
     from probserve.models import llama
 
+    paged = runner_class(loaded, config) is PagedRunner
+    if loaded.weights is not None and not paged:
+        raise ValueError("native (quantized) weights run on the paged runner only")
+    if not config.deterministic:
+        return config
     why = None
-    if runner_class(loaded, config) is not PagedRunner:
+    if not paged:
         why = "the transformers runner has no row-invariant kernels"
     else:
         why = llama.deterministic_blocker(loaded.model)

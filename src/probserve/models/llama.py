@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, QuantizedWeight
-from probserve.models.gguf_blocks import Weight, as_float, stack_rows
+from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Kernel, Linear, choose_kernel
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
@@ -214,8 +214,6 @@ class LlamaForward:
 
     def _own_embedding(self, embed: Weight) -> torch.Tensor | QuantizedWeight:
         """An untied embedding: in its blocks where the kernels read them, else float32."""
-        from probserve.models.gguf_blocks import QuantizedTensor
-
         if isinstance(embed, QuantizedTensor) and self.kernels is not None:
             return self.kernels.qpack(embed.blocks, embed.ggml_type)
         return as_float(embed).detach().clone()
