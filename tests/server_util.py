@@ -35,7 +35,7 @@ def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, Serve
     built in the test (no source) is served by an inline engine."""
     if loaded.source is None and "--worker" not in extra:
         extra = (*extra, "--worker", "inline")
-    state = build_state(serve_args(*extra), loaded)
+    state, supervisor = build_state(serve_args(*extra), loaded)
     app = create_app(state)
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, state.config.limits, "127.0.0.1", port))
@@ -49,6 +49,7 @@ def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, Serve
     try:
         yield f"http://127.0.0.1:{port}", state
     finally:
+        supervisor.stop()
         server.should_exit = True
         thread.join(timeout=30)
 

@@ -490,13 +490,13 @@ def test_websockets_are_refused_without_a_key(smol: LoadedModel):
     from probserve.api.app import create_app
     from probserve.api.server import build_state
 
-    state = build_state(serve_args("--worker", "inline"), smol)
+    state, _ = build_state(serve_args("--worker", "inline"), smol)
     try:
         app = create_app(state)  # no lifespan: the app's own start and stop never run
         with pytest.raises(WebSocketDisconnect), TestClient(app).websocket_connect("/") as ws:
             ws.receive_text()
     finally:
-        state.engine.stop()
+        state.default.engine.stop()
 
 
 def test_stop_token_ids_are_capped(c: httpx.Client, after_check: None):
@@ -521,7 +521,7 @@ def test_prefix_cache_hash_is_collision_resistant():
 
 def test_health_tells_the_truth_about_the_engine(tiny: LoadedModel, monkeypatch):
     with running_state(tiny, "--engine-stall-timeout", "0.5") as (url, state):
-        eng = state.engine
+        eng = state.default.engine
         real_step = eng.core.step
 
         def slow_step():  # type: ignore[no-untyped-def]

@@ -130,8 +130,11 @@ def test_another_version_or_garbage_is_refused():
 
 
 def _children(pid: int) -> list[int]:
-    path = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(x) for x in path.read_text().split()] if path.exists() else []
+    """The child processes of `pid`, whichever of its threads started them."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.exists():
+        return []
+    return sorted(int(x) for t in tasks.iterdir() for x in (t / "children").read_text().split())
 
 
 def _wait(predicate, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
@@ -156,7 +159,7 @@ def test_worker_answers_as_the_inline_engine(smol: LoadedModel):
     for mode in ("process", "inline"):
         # deterministic (the default): the same kernels in both, so the same bits
         with running_state(smol, "--worker", mode) as (url, state):
-            assert (state.engine.__class__.__name__ == "WorkerEngine") == (mode == "process")
+            assert (state.default.engine.__class__.__name__ == "WorkerEngine") == (mode == "process")
             answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
     a, b = (x["choices"][0] for x in answers)
     assert a["text"] == b["text"]
@@ -205,7 +208,7 @@ def test_a_gpt2_worker_serves_every_logprobs_feature(smol: LoadedModel, gpt2_dir
         source=ModelSource(str(gpt2_dir), None, "gpt2-tiny"),
     )
     with running_state(gpt2, "--kv-cache-gib", "0.01") as (url, state):
-        assert state.engine.info.runner == "HFRunner"
+        assert state.default.engine.info.runner == "HFRunner"
         body = {"prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 2}
         r = httpx.post(f"{url}/v1/completions", json={**body, "echo": True}, timeout=60)
         assert r.status_code == 200, r.text
@@ -220,7 +223,7 @@ def test_a_gpt2_worker_serves_every_logprobs_feature(smol: LoadedModel, gpt2_dir
 @pytest.mark.slow
 def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
     with running_state(smol, "--engine-stall-timeout", "1") as (url, state):
-        eng = state.engine
+        eng = state.default.engine
         assert eng.pid is not None
         fatal: list[str] = []
         eng.on_fatal = fatal.append
@@ -250,12 +253,15 @@ def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
-    """`probserve serve` as a user starts it (its own process, a worker beside it)."""
+def served(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`probserve serve` as a user starts it (its own process, a worker beside it), with the
+    extra flags of an indirect parameter."""
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [*PROBSERVE, "serve", "--port", str(port), "--kv-cache-gib", "0.25"],
+        [*PROBSERVE, "serve", "--port", str(port), "--kv-cache-gib", "0.25", *getattr(request, "param", ())],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -277,6 +283,7 @@ def served(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("served", [("--worker-restarts", "0")], indirect=True)
 def test_the_server_exits_non_zero_when_its_worker_dies(served):
     proc, url = served
     (worker,) = _children(proc.pid)
@@ -284,6 +291,28 @@ def test_the_server_exits_non_zero_when_its_worker_dies(served):
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(timeout=60) == 1
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_restarted_and_answers_as_before(served):
+    proc, url = served
+    (worker,) = _children(proc.pid)
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    before = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
+    os.kill(worker, signal.SIGKILL)
+    seen: set[str] = set()
+
+    def back() -> bool:
+        h = httpx.get(f"{url}/health", timeout=5)
+        seen.add(h.json()["status"])
+        return h.status_code == 200
+
+    assert _wait(back, 120), seen
+    assert seen & {"restarting", "dead"}, seen  # /health said so while the worker was away
+    (fresh,) = _children(proc.pid)
+    assert fresh != worker and proc.poll() is None
+    after = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
+    assert after == before
 
 
 @pytest.mark.slow

@@ -88,6 +88,10 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from probserve.cluster.app import run_cluster
+
+        return run_cluster(args)
     from probserve.api.server import run_server
 
     return run_server(args)
@@ -119,8 +123,27 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_export)
 
     serve = sub.add_parser("serve", help="serve the OpenAI API")
-    _add_model_args(serve)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="a model to serve (repeat for several, each in its own engine worker): "
+        "smollm2-135m-instruct (embedded, the default), a local HF directory, a .gguf file, "
+        "or a hub id such as org/name",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="the name clients use for the model of the same position (it also answers to its own)",
+    )
+    serve.add_argument(
+        "--worker-restarts",
+        type=int,
+        default=3,
+        help="restarts of a model's dead engine worker in any 10 minutes before it is given up "
+        "(the server exits non-zero once no model can serve)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -138,6 +161,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
     add_args(serve, EngineConfig)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on a Ray Serve cluster: replicas of each model's engine, prefix-aware "
+        "routing, failover (pip install 'probserve[ray]'; docs/scale-out.md)",
+    )
+    serve.add_argument("--config", default=None, help="--ray: the cluster configuration file")
+    serve.add_argument("--replicas", type=int, default=1, help="--ray without --config: per model")
+    serve.add_argument(
+        "--ray-address", default=None, help="--ray: the Ray cluster to join (default: start one)"
+    )
     serve.set_defaults(func=_serve)
     return parser
 

@@ -31,11 +31,13 @@ from probserve.api.state import ServerState
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        state.engine.start()
+        for model in state.models:
+            model.engine.start()
         try:
             yield
         finally:
-            state.engine.stop()
+            for model in state.models:
+                model.engine.stop()
 
     app = FastAPI(title="probserve", version=__version__, lifespan=lifespan)
     app.state.probserve = state

@@ -26,14 +26,14 @@ from probserve.api.protocol import (
 )
 from probserve.api.run import Run
 from probserve.api.sse import event, sse_response
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
 
 
-def _check(state: ServerState, body: ChatCompletionRequest) -> int | None:
+def _check(state: Serving, body: ChatCompletionRequest) -> int | None:
     cap = state.config.max_top_logprobs
     if body.top_logprobs is not None:
         if not body.logprobs:
@@ -49,7 +49,7 @@ def _check(state: ServerState, body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-def _logprobs(state: ServerState, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
+def _logprobs(state: Serving, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
     if k is None:
         return None
     return ChatLogprobs(content=state.fmt.chat(pieces, k), refusal=None)
@@ -98,8 +98,8 @@ def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> Continuatio
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.probserve
-    model = state.check_model(body.model)
+    state: Serving = request.app.state.probserve.serving(body.model)
+    model = state.name
     k = _check(state, body)
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

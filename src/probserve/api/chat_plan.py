@@ -9,11 +9,11 @@ from probserve.api.prompts import chat_prompt, check_messages, check_template_kw
 from probserve.api.protocol import ChatMessage, SamplingFields
 from probserve.api.run import Plan
 from probserve.api.sampling import candidate_params, check_request, logprobs_spec
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 
 
 async def chat_plan(
-    state: ServerState,
+    state: Serving,
     body: SamplingFields,
     messages: list[ChatMessage],
     max_tokens: int | None,

@@ -26,7 +26,7 @@ from probserve.api.protocol import (
 from probserve.api.run import Plan, Run
 from probserve.api.sampling import candidate_params, check_request, logprobs_spec
 from probserve.api.sse import event, sse_response
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
 from probserve.engine import TokenLogprobs
 
@@ -43,7 +43,7 @@ class _Shape:
     k: int | None  # logprobs asked for (None: no logprobs in the response)
 
 
-async def _plan(state: ServerState, body: CompletionRequest) -> tuple[Plan, _Shape]:
+async def _plan(state: Serving, body: CompletionRequest) -> tuple[Plan, _Shape]:
     cfg = state.config
     if body.logprobs is not None and body.logprobs > cfg.max_logprobs:
         raise bad_request(
@@ -92,7 +92,7 @@ def _scored(prompt: Prompt, scores: TokenLogprobs | None) -> list[Piece]:
 
 
 def _choice_logprobs(
-    state: ServerState,
+    state: Serving,
     shape: _Shape,
     prompt: Prompt,
     pieces: list[Piece],
@@ -106,8 +106,8 @@ def _choice_logprobs(
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.probserve
-    model = state.check_model(body.model)
+    state: Serving = request.app.state.probserve.serving(body.model)
+    model = state.name
     plan, shape = await _plan(state, body)
     run = await Run(state, request, plan, "cmpl").start()
     if body.stream:

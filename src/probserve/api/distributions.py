@@ -22,7 +22,7 @@ from probserve.api.errors import ERRORS, bad_request
 from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size, off_loop
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
 from probserve.api.run import Plan, Run
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.engine import LogprobsSpec, SamplingParams
 
 router = APIRouter()
@@ -43,8 +43,8 @@ def _positions(body: DistributionsRequest, n: int, cap: int) -> list[int]:
 
 @router.post("/v1/distributions", response_model=DistributionsResponse, responses=ERRORS)
 async def distributions(body: DistributionsRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.probserve
-    model = state.check_model(body.model)
+    state: Serving = request.app.state.probserve.serving(body.model)
+    model = state.name
     limits = state.config.limits
     if isinstance(body.prompt, str):
         check_text_size(limits, [body.prompt])

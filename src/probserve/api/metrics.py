@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from probserve.api.run import Run
-    from probserve.engine import EngineClient
+    from probserve.api.state import ServedModel
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -35,39 +35,38 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class _EngineCollector(Collector):
-    """Gauges and counters the engine keeps, read at scrape time."""
+GAUGES = (
+    ("vllm:num_requests_running", "Sequences in the running batch.", "running"),
+    ("vllm:num_requests_waiting", "Sequences waiting to run.", "waiting"),
+    ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", "kv_cache_usage"),
+)
+COUNTERS = (
+    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "Sequences preempted (recomputed later).", "preemptions"),
+)  # fmt: skip
 
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
+
+class _EngineCollector(Collector):
+    """Gauges and counters each model's engine keeps, read at scrape time (an engine replaced
+    by a restart is read as it is now)."""
+
+    def __init__(self, models: list[ServedModel]) -> None:
+        self.models = models
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats()
-        labels = ["model_name"]
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Sequences in the running batch.", s["running"]),
-            ("vllm:num_requests_waiting", "Sequences waiting to run.", s["waiting"]),
-            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", s["kv_cache_usage"]),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric([self.model_name], float(value))
-            yield g
-        for name, doc, value in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             s["prefix_cache_queries"]),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             s["prefix_cache_hits"]),
-            ("vllm:num_preemptions", "Sequences preempted (recomputed later).", s["preemptions"]),
-        ):  # fmt: skip
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric([self.model_name], float(value))
-            yield c
+        stats = [(m.name, m.engine.stats()) for m in self.models]
+        for kinds, family in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
+            for name, doc, key in kinds:
+                metric = family(name, doc, labels=["model_name"])
+                for model, s in stats:
+                    metric.add_metric([model], float(s[key]))
+                yield metric
 
 
 class Metrics:
-    def __init__(self, engine: EngineClient, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, models: list[ServedModel]) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", m, registry=r)
@@ -97,10 +96,10 @@ class Metrics:
             "probserve:http_requests", "HTTP requests by route and status.",
             ["route", "status"], registry=r,
         )  # fmt: skip
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(models))
 
     def observe_run(self, run: Run) -> None:
-        name = self.model_name
+        name = run.state.model.name
         usage = run.usage
         self.prompt_tokens.labels(name).inc(usage.prompt_tokens)
         self.generation_tokens.labels(name).inc(usage.completion_tokens)

@@ -293,7 +293,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "probserve"
+    root: str | None = None  # the model this name serves (its first name)
     max_model_len: int | None = None
+    status: str = "ok"  # the model's engine: ok, stuck, dead or restarting (see /health)
 
 
 class ModelList(BaseModel):
@@ -302,6 +304,7 @@ class ModelList(BaseModel):
 
 
 class TokenizeRequest(_Request):
+    model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
@@ -315,6 +318,7 @@ class TokenizeResponse(BaseModel):
 
 
 class DetokenizeRequest(_Request):
+    model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
 
 

@@ -34,7 +34,7 @@ from probserve.api.protocol import (
 )
 from probserve.api.run import Run
 from probserve.api.sse import sse_response
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
 
 router = APIRouter()
@@ -56,7 +56,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
-def _check(state: ServerState, body: ResponsesRequest) -> int | None:
+def _check(state: Serving, body: ResponsesRequest) -> int | None:
     """Refuse what is not served; returns the alternatives per token (None: no logprobs)."""
     if body.previous_response_id is not None:
         raise bad_request(
@@ -150,8 +150,8 @@ class _Reply:
 
 @router.post("/v1/responses", response_model=ResponseObject, responses=ERRORS)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state: ServerState = request.app.state.probserve
-    model = state.check_model(body.model)
+    state: Serving = request.app.state.probserve.serving(body.model)
+    model = state.name
     k = _check(state, body)
     plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, top_k=k)
     run = await Run(state, request, plan, "resp").start()

@@ -3,7 +3,7 @@ probes at the server root: GET /tokenizer_info, POST /tokenize, POST /detokenize
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from probserve.api.errors import ERRORS, bad_request
@@ -18,7 +18,7 @@ from probserve.api.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from probserve.api.state import ServerState
+from probserve.api.state import ServedModel, ServerState
 
 router = APIRouter()
 
@@ -27,12 +27,10 @@ def _state(request: Request) -> ServerState:
     return request.app.state.probserve
 
 
-@router.get("/health")
-async def health(request: Request) -> JSONResponse:
-    """200 with the engine's counts while it serves; 503 when its thread has died or one step
-    has been running past --engine-stall-timeout (a load balancer must stop sending traffic)."""
-    engine = _state(request).engine
-    status, reason = engine.health()
+def model_health(model: ServedModel) -> dict[str, object]:
+    """One model's engine, read now: its status (and why, when not ok), counts and settings."""
+    engine = model.engine
+    status, reason = model.health()
     body: dict[str, object] = {"status": status, **engine.stats()}
     info = getattr(engine, "info", None)  # absent when a worker died before saying hello
     if info is not None:
@@ -40,7 +38,26 @@ async def health(request: Request) -> JSONResponse:
         body["weights"] = info.weights
     if reason is not None:
         body["reason"] = reason
-    return JSONResponse(body, 200 if status == "ok" else 503)
+    return body
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """200 while every model serves ("ok") or some do ("degraded"); 503 when none does (its
+    engine has died, or one step has been running past --engine-stall-timeout): a load balancer
+    must stop sending traffic. The first model's figures are also at the top level."""
+    st = _state(request)
+    models = {m.name: model_health(m) for m in st.models}
+    statuses = [str(h["status"]) for h in models.values()]
+    first = models[st.default.name]
+    if all(s == "ok" for s in statuses):
+        status = "ok"
+    elif "ok" in statuses:
+        status = "degraded"
+    else:
+        status = str(first["status"])
+    body = {**first, "status": status, "models": models}
+    return JSONResponse(body, 200 if "ok" in statuses else 503)
 
 
 @router.get("/metrics", responses=ERRORS)
@@ -49,26 +66,29 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+def _card(model: ServedModel, name: str) -> ModelCard:
+    return ModelCard(
+        id=name,
+        root=model.root,
+        max_model_len=model.loaded.context_length,
+        status=model.health()[0],
+    )
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
-    st = _state(request)
-    return ModelList(
-        data=[
-            ModelCard(id=name, max_model_len=st.loaded.context_length)
-            for name in st.config.served_model_names
-        ]
-    )
+    """Every name of every model (an alias's `root` is its model's own name)."""
+    return ModelList(data=[_card(m, n) for m in _state(request).models for n in m.names])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    st = _state(request)
-    return ModelCard(id=st.check_model(model_id), max_model_len=st.loaded.context_length)
+    return _card(*_state(request).model(model_id))
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
-async def tokenizer_info(request: Request) -> TokenizerInfo:
-    st = _state(request)
+async def tokenizer_info(request: Request, model: str | None = Query(None)) -> TokenizerInfo:
+    st = _state(request).serving(model)
     tok = st.loaded.tokenizer
     return TokenizerInfo(
         tokenizer_class=type(tok).__name__,
@@ -86,7 +106,7 @@ async def tokenizer_info(request: Request) -> TokenizerInfo:
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    st = _state(request)
+    st = _state(request).serving(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -105,7 +125,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    st = _state(request)
+    st = _state(request).serving(body.model)
     bad = next((t for t in body.tokens if t >= st.loaded.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary", "tokens")

@@ -27,7 +27,7 @@ from probserve.api.generation import (
 )
 from probserve.api.prompts import Prompt
 from probserve.api.protocol import Usage
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.api.text_stream import TextStream
 from probserve.engine import EngineClient, EngineRequest, LogprobsSpec, SamplingParams
 
@@ -49,7 +49,7 @@ class Plan:
 
 
 class Run:
-    def __init__(self, state: ServerState, request: Request, plan: Plan, prefix: str) -> None:
+    def __init__(self, state: Serving, request: Request, plan: Plan, prefix: str) -> None:
         self.state = state
         self.request = request
         self.plan = plan

@@ -17,7 +17,7 @@ from probserve.api.errors import ERRORS, bad_request
 from probserve.api.prompts import build_completion_prompts, check_text_size, off_loop
 from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
 from probserve.api.run import Plan, Run
-from probserve.api.state import ServerState
+from probserve.api.state import Serving
 from probserve.engine import LogprobsSpec, SamplingParams
 
 router = APIRouter()
@@ -37,8 +37,8 @@ def _inputs(body: ScoreRequest) -> list[str] | list[list[int]]:
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
 async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
-    state: ServerState = request.app.state.probserve
-    model = state.check_model(body.model)
+    state: Serving = request.app.state.probserve.serving(body.model)
+    model = state.name
     limits = state.config.limits
     labels = tuple(body.label_token_ids)
     if not labels or len(labels) > limits.max_logprob_token_ids:

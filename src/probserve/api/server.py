@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -17,7 +18,8 @@ from fastapi import FastAPI
 from probserve.api.app import create_app
 from probserve.api.connections import guarded_protocol
 from probserve.api.limits import Limits
-from probserve.api.state import ServerConfig, ServerState
+from probserve.api.state import ServedModel, ServerConfig, ServerState
+from probserve.api.supervisor import Supervisor
 from probserve.engine import (
     AsyncEngine,
     EngineClient,
@@ -28,7 +30,14 @@ from probserve.engine import (
 )
 from probserve.engine.runner import weights_for
 from probserve.flags import from_args
-from probserve.models import LoadedModel, load_model, load_tokenizer, resolve_model
+from probserve.models import (
+    DEFAULT_MODEL,
+    LoadedModel,
+    ModelLoadError,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,75 +55,121 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
     return tuple(keys)
 
 
-def start_engine(
-    args: argparse.Namespace, loaded: LoadedModel | None = None
-) -> tuple[EngineClient, LoadedModel]:
-    """The engine the flags ask for, started, and the model as the API process holds it.
+def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(model spec, served name or None) for each `--model` (the embedded model when none is
+    given), paired in order with the `--served-model-name` flags."""
+    specs = args.model if isinstance(args.model, list) else [args.model]
+    specs = specs or [DEFAULT_MODEL]
+    names = args.served_model_name or []
+    names = names if isinstance(names, list) else [names]
+    if len(names) > len(specs):
+        raise ModelLoadError(f"{len(names)} --served-model-name flags for {len(specs)} models")
+    return [(spec, names[i] if i < len(names) else None) for i, spec in enumerate(specs)]
 
-    `--worker process` (the default): the engine runs in a worker process that loads the
-    weights (converting a GGUF file once: models/cache.py); this process then loads the
-    tokenizer alone (or reuses `loaded`'s) and learns the model's figures from the Hello.
-    `--worker inline`: the engine runs on a thread here, over `loaded` (loaded now if not
-    given)."""
+
+def engine_factory(
+    args: argparse.Namespace, spec: str, loaded: LoadedModel | None
+) -> Callable[[], EngineClient]:
+    """What builds (unstarted) engines for the model `spec` as the flags ask: a worker process
+    (the default), or an engine on a thread of this process over `loaded` (`--worker inline`)."""
     config = from_args(EngineConfig, args)
     limits = from_args(Limits, args)
-    if config.worker == "inline":
-        loaded = loaded or load_model(args.model, weights_for(config))
-        inline = AsyncEngine(
-            EngineCore(loaded, config),
+
+    def make() -> EngineClient:
+        if config.worker == "inline":
+            assert loaded is not None
+            return AsyncEngine(
+                EngineCore(loaded, config),
+                max_pending=limits.max_queued,
+                stall_timeout=limits.engine_stall_timeout,
+            )
+        return WorkerEngine(
+            spec,
+            config,
             max_pending=limits.max_queued,
             stall_timeout=limits.engine_stall_timeout,
+            log_level=args.log_level,
         )
-        inline.start()
-        return inline, loaded
-    source = loaded.source if loaded and loaded.source else resolve_model(args.model)
-    engine = WorkerEngine(
-        source.spec,
-        config,
-        max_pending=limits.max_queued,
-        stall_timeout=limits.engine_stall_timeout,
-        log_level=args.log_level,
-    )
+
+    return make
+
+
+def start_model(
+    args: argparse.Namespace, spec: str, served_name: str | None, loaded: LoadedModel | None
+) -> tuple[ServedModel, Callable[[], EngineClient]]:
+    """One model started as the flags ask, with the factory its restarts use.
+
+    A worker engine loads the weights in its own process (converting a GGUF file once:
+    models/cache.py); this process then loads the tokenizer alone (or reuses `loaded`'s) and
+    learns the model's figures from the worker's Hello. An inline engine runs over `loaded`
+    (loaded here if not given)."""
+    inline = from_args(EngineConfig, args).worker == "inline"
+    if inline and loaded is None:
+        loaded = load_model(spec, weights_for(from_args(EngineConfig, args)))
+    source = loaded.source if loaded and loaded.source else resolve_model(spec)
+    make = engine_factory(args, source.spec, loaded)
+    engine = make()
     try:
         engine.start()
         if loaded is None:  # the worker converted a GGUF file: its directory loads fastest
-            source = dataclasses.replace(
-                resolve_model(engine.loaded_spec), served_name=source.served_name
-            )
-        tokenizer = loaded.tokenizer if loaded else load_tokenizer(source)
+            assert isinstance(engine, WorkerEngine) and engine.loaded_spec is not None
+            converted = resolve_model(engine.loaded_spec)
+            source = dataclasses.replace(converted, served_name=source.served_name)
+            tokenizer, name = load_tokenizer(source), source.served_name or source.name_or_path
+        else:
+            tokenizer, name = loaded.tokenizer, loaded.name
     except BaseException:
         engine.stop()
         raise
-    info = engine.info
+    if inline:
+        assert loaded is not None
+        return ServedModel(_names(served_name, loaded.name), loaded, engine), make
+    info = engine.info  # the model as this process holds it: tokenizer and the worker's figures
     served = LoadedModel(
         model=None,
         tokenizer=tokenizer,
-        name=loaded.name if loaded else source.served_name or source.name_or_path,
+        name=name,
         eos_token_ids=frozenset(info.eos_token_ids),
         context_length=info.context_length,
         vocab_size=info.vocab_size,
         chat_template=getattr(tokenizer, "chat_template", None),
         source=source,
     )
-    return engine, served
+    return ServedModel(_names(served_name, name), served, engine), make
 
 
-def build_state(args: argparse.Namespace, loaded: LoadedModel | None = None) -> ServerState:
-    """The engine started (start_engine) and the server's state around it."""
-    engine, loaded = start_engine(args, loaded)
-    names = (args.served_model_name or loaded.name,)
-    if loaded.name not in names:
-        names = (*names, loaded.name)
-    config = ServerConfig(
-        served_model_names=names,
-        max_logprobs=args.max_logprobs,
-        max_top_logprobs=args.max_top_logprobs,
-        logprobs_mode=LogprobsMode(args.logprobs_mode),
-        api_keys=api_keys(args.api_key, args.api_key_file),
-        open_metrics=args.open_metrics,
-        limits=from_args(Limits, args),
-    )
-    return ServerState(loaded, engine, config)
+def _names(served_name: str | None, own: str) -> tuple[str, ...]:
+    """A model answers to its served name (if given) and to its own."""
+    return (served_name, own) if served_name and served_name != own else (own,)
+
+
+def build_state(
+    args: argparse.Namespace, loaded: LoadedModel | None = None
+) -> tuple[ServerState, Supervisor]:
+    """Every model started (`loaded`, if given, is the first one), the server's state around
+    them and the supervisor that restarts their engines."""
+    models: list[ServedModel] = []
+    factories: dict[str, Callable[[], EngineClient]] = {}
+    try:
+        for i, (spec, name) in enumerate(model_flags(args)):
+            model, make = start_model(args, spec, name, loaded if i == 0 else None)
+            models.append(model)
+            factories[model.name] = make
+        config = ServerConfig(
+            max_logprobs=args.max_logprobs,
+            max_top_logprobs=args.max_top_logprobs,
+            logprobs_mode=LogprobsMode(args.logprobs_mode),
+            api_keys=api_keys(args.api_key, args.api_key_file),
+            open_metrics=args.open_metrics,
+            limits=from_args(Limits, args),
+        )
+        state = ServerState(models, config)
+    except BaseException:
+        for m in models:
+            m.engine.stop()
+        raise
+    supervisor = Supervisor(state, lambda m: factories[m.name](), args.worker_restarts)
+    return state, supervisor
 
 
 def uvicorn_config(app: FastAPI, limits: Limits, host: str, port: int) -> uvicorn.Config:
@@ -169,23 +224,27 @@ class DrainingServer(uvicorn.Server):
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
     the server: never a live socket in front of a dead engine)."""
-    state = build_state(args)
-    if isinstance(state.engine, WorkerEngine):
+    state, supervisor = build_state(args)
+    if all(isinstance(m.engine, WorkerEngine) for m in state.models):
         # the model runs in the worker: torch here only ever does small work, and a second
         # pool of threads would compete with the worker's for the cores
         import torch
 
         torch.set_num_threads(1)
     app = create_app(state)
-    log.info("serving %s on http://%s:%d/v1", state.loaded.name, args.host, args.port)
+    names = ", ".join(m.name for m in state.models)
+    log.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
     server = DrainingServer(
         uvicorn_config(app, state.config.limits, args.host, args.port), args.drain_timeout
     )
 
-    def engine_died(reason: str) -> None:
-        log.critical("shutting down: %s", reason)
+    def every_engine_died(reason: str) -> None:
+        log.critical("shutting down: no model can serve (%s)", reason)
         server.should_exit = True
 
-    state.engine.on_fatal = engine_died
-    server.run()
-    return 1 if state.engine.health()[0] == "dead" else 0
+    supervisor.on_gone = every_engine_died
+    try:
+        server.run()
+    finally:
+        supervisor.stop()
+    return 1 if all(m.health()[0] == "dead" for m in state.models) else 0

@@ -1,4 +1,9 @@
-"""The server's state: one object, created at start-up and held by the app (no module globals)."""
+"""The server's state: one object, created at start-up and held by the app (no module globals).
+
+A server serves one or more models (`ServedModel`: its names, tokenizer-side tables and engine).
+A route asks `ServerState.serving(name)` for the `Serving` of the model a request names: what
+that request works with (the model's engine and tables, the server's config and budgets).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,6 @@ from probserve.models import LoadedModel
 
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_names: tuple[str, ...]
     max_logprobs: int = 20  # completions `logprobs` cap
     max_top_logprobs: int = 20  # chat `top_logprobs` cap
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
@@ -25,32 +29,97 @@ class ServerConfig:
 
 
 @dataclass
-class ServerState:
+class ServedModel:
+    """One model: the names it answers to (the first is its own), its tokenizer side and its
+    engine. `engine` may be replaced while the server runs (a restarted worker: supervisor.py)."""
+
+    names: tuple[str, ...]
     loaded: LoadedModel
     engine: EngineClient
-    config: ServerConfig
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
-    metrics: Metrics = field(init=False)
-    distribution_rows: RowBudget = field(init=False)
+    restarting: str | None = field(default=None, init=False)  # why, while a restart runs
 
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
-        self.metrics = Metrics(self.engine, self.model_name)
+
+    @property
+    def name(self) -> str:
+        """The name it is served as (the first)."""
+        return self.names[0]
+
+    @property
+    def root(self) -> str:
+        """Its own name (the last): the model's path, or the embedded model's name."""
+        return self.names[-1]
+
+    def health(self) -> tuple[str, str | None]:
+        """("ok" | "stuck" | "dead" | "restarting", why)."""
+        if self.restarting is not None:
+            return "restarting", self.restarting
+        return self.engine.health()
+
+
+@dataclass
+class Serving:
+    """What one request works with: the model it named and the server around it."""
+
+    name: str  # the model name to echo back (the one the request used)
+    model: ServedModel
+    config: ServerConfig
+    metrics: Metrics
+    distribution_rows: RowBudget
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.model.loaded
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.model.engine
+
+    @property
+    def table(self) -> TokenTable:
+        return self.model.table
+
+    @property
+    def fmt(self) -> LogprobsFormatter:
+        return self.model.fmt
+
+
+@dataclass
+class ServerState:
+    models: list[ServedModel]
+    config: ServerConfig
+    metrics: Metrics = field(init=False)
+    distribution_rows: RowBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        names = [n for m in self.models for n in m.names]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"served model names must be given and distinct: {names}")
+        self.metrics = Metrics(self.models)
         self.distribution_rows = RowBudget(self.config.limits.max_distribution_rows_in_flight)
 
     @property
-    def model_name(self) -> str:
-        return self.config.served_model_names[0]
+    def default(self) -> ServedModel:
+        """The model a request that names none gets: the first one."""
+        return self.models[0]
 
-    def check_model(self, name: str | None) -> str:
-        """The name to echo back; 404 for a model this server does not serve."""
+    def model(self, name: str | None) -> tuple[ServedModel, str]:
+        """The model called `name` and the name to echo back (a request that names none gets
+        the first model); 404 for a model this server does not serve."""
         if name is None or name == "":
-            return self.model_name
-        if name in self.config.served_model_names:
-            return name
+            return self.default, self.default.name
+        for m in self.models:
+            if name in m.names:
+                return m, name
         raise APIError(404, f"The model `{name}` does not exist.", "model", code="model_not_found")
+
+    def serving(self, name: str | None) -> Serving:
+        model, echo = self.model(name)
+        return Serving(echo, model, self.config, self.metrics, self.distribution_rows)
 
 
 class RowBudget:

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
         hello = wire.Hello(
-            info=core.info, model=source.spec, pid=os.getpid(), startup_seconds=elapsed
+            info=core.info, model=source.directory, pid=os.getpid(), startup_seconds=elapsed
         )
         worker.send(hello)
         worker.serve()

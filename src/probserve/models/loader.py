@@ -50,7 +50,16 @@ class ModelSource:
 
     @property
     def spec(self) -> str:
-        """A `--model` argument that resolves to this source."""
+        """A `--model` argument that resolves to this source (a converted directory: the GGUF
+        file it came from, which resolves to it with the blocks native weights read)."""
+        if self.blocks_file:
+            return self.blocks_file
+        return self.directory
+
+    @property
+    def directory(self) -> str:
+        """A `--model` argument for the quickest load of the tokenizer and configuration: the
+        directory itself (a converted one too), or the GGUF file where there is no directory."""
         if self.gguf_file:
             return str(Path(self.name_or_path) / self.gguf_file)
         return self.name_or_path

@@ -1,0 +1,79 @@
+"""EngineReplica: one replica of a model's Ray Serve deployment, holding one engine.
+
+The replica loads the model, runs the engine on a thread of its own process (AsyncEngine) and
+serves three calls through deployment handles: `info()` (the EngineInfo), `generate(request)`
+(a stream of ReplicaEvents: first an acknowledgement, then the request's EngineOutputs, the last
+one with this replica's figures) and `stats()`. Ray Serve calls `check_health()`: a dead or stuck
+engine fails it, and Serve replaces the replica. Everything that crosses the handle is the
+engine's own token-level types: text and OpenAI shapes stay in the ingress.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from probserve.engine import AsyncEngine, EngineConfig, EngineCore, EngineOutput, EngineRequest
+from probserve.engine.info import EngineInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaEvent:
+    """One item of a `generate` stream. The first has no output (the request was accepted);
+    the last output's event carries the replica's engine figures (`EngineClient.stats`)."""
+
+    replica: str  # which replica answered (its process id and host)
+    output: EngineOutput | None = None
+    stats: dict[str, float] | None = None
+
+
+class EngineReplica:
+    def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
+        import torch
+
+        from probserve.engine.runner import weights_for
+        from probserve.models.loader import load_source, prepared_source
+
+        started = time.monotonic()
+        torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
+        source = prepared_source(spec)
+        loaded = load_source(source, weights_for(config))
+        core = EngineCore(loaded, config)
+        self.engine = AsyncEngine(core, max_pending=max_pending)
+        self.engine.start()  # warms up
+        core.runner.release_source_weights()
+        loaded.model = loaded.weights = None
+        self.name = f"{os.uname().nodename}:{os.getpid()}"
+        log.info("replica %s of %s ready in %.1f s", self.name, spec, time.monotonic() - started)
+
+    async def info(self) -> EngineInfo:
+        return self.engine.info
+
+    async def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[ReplicaEvent]:
+        """The request's outputs; leaving early (the caller cancelled) aborts it here."""
+        stream = await self.engine.submit(request)
+        try:
+            yield ReplicaEvent(self.name)
+            async for out in stream:
+                stats = self.engine.stats() if out.finished else None
+                yield ReplicaEvent(self.name, out, stats)
+        finally:
+            stream.close()
+
+    def check_health(self) -> None:
+        status, why = self.engine.health()
+        if status != "ok":
+            raise RuntimeError(f"engine {status}: {why}")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.stop()
