@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,11 @@ import torch
 
 from probserve.engine import AsyncEngine, EngineConfig, EngineCore
 from probserve.models import LoadedModel, load_model
+
+# Ray (tests/ray_util.py) reads its authentication settings once, when first imported: the test
+# clusters use token authentication with a token made for this run
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 # the scripts of bench/ (hostile clients, load test) are importable from the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -89,9 +96,23 @@ def run_core(core: EngineCore, reqs: list) -> dict[str, list]:
     return outs
 
 
+# PROBSERVE_TEST_SERVER=ray: the session's server is the Ray Serve deployment (two replicas of
+# the embedded model on a local two-node cluster), so the API suites run against it unchanged
+RAY_SESSION_CONFIG = {
+    "models": [{"num_replicas": 2, "num_cpus": 0.5, "resources": {"engine": 1}}],
+    "ingress": {"num_cpus": 0.1},
+}
+
+
 @pytest.fixture(scope="session")
 def base_url(smol: LoadedModel) -> Iterator[str]:
     """A probserve server over the embedded model, for the whole session."""
+    if os.environ.get("PROBSERVE_TEST_SERVER") == "ray":
+        from ray_util import ray_cluster, running_app
+
+        with ray_cluster(), running_app(RAY_SESSION_CONFIG, "--kv-cache-gib", "0.25") as url:
+            yield url
+        return
     from server_util import running_server
 
     with running_server(smol) as url:

@@ -159,7 +159,9 @@ def test_worker_answers_as_the_inline_engine(smol: LoadedModel):
     for mode in ("process", "inline"):
         # deterministic (the default): the same kernels in both, so the same bits
         with running_state(smol, "--worker", mode) as (url, state):
-            assert (state.default.engine.__class__.__name__ == "WorkerEngine") == (mode == "process")
+            assert (state.default.engine.__class__.__name__ == "WorkerEngine") == (
+                mode == "process"
+            )
             answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60).json())
     a, b = (x["choices"][0] for x in answers)
     assert a["text"] == b["text"]
@@ -261,7 +263,15 @@ def served(
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [*PROBSERVE, "serve", "--port", str(port), "--kv-cache-gib", "0.25", *getattr(request, "param", ())],
+        [
+            *PROBSERVE,
+            "serve",
+            "--port",
+            str(port),
+            "--kv-cache-gib",
+            "0.25",
+            *getattr(request, "param", ()),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

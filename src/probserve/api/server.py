@@ -58,7 +58,7 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
 def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(model spec, served name or None) for each `--model` (the embedded model when none is
     given), paired in order with the `--served-model-name` flags."""
-    specs = args.model if isinstance(args.model, list) else [args.model]
+    specs = args.model if isinstance(args.model, list) else [args.model] if args.model else []
     specs = specs or [DEFAULT_MODEL]
     names = args.served_model_name or []
     names = names if isinstance(names, list) else [names]

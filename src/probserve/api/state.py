@@ -51,8 +51,8 @@ class ServedModel:
 
     @property
     def root(self) -> str:
-        """Its own name (the last): the model's path, or the embedded model's name."""
-        return self.names[-1]
+        """Its own name: the model's path, or the embedded model's name."""
+        return str(self.loaded.name)
 
     def health(self) -> tuple[str, str | None]:
         """("ok" | "stuck" | "dead" | "restarting", why)."""
@@ -96,9 +96,14 @@ class ServerState:
     distribution_rows: RowBudget = field(init=False)
 
     def __post_init__(self) -> None:
-        names = [n for m in self.models for n in m.names]
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"served model names must be given and distinct: {names}")
+        first = [m.name for m in self.models]
+        if not first or len(set(first)) != len(first):
+            raise ValueError(f"served model names must be given and distinct: {first}")
+        taken = set(first)
+        for m in self.models:  # an alias (a model's own name) only where no other model has it
+            aliases = [n for n in m.names[1:] if n not in taken]
+            taken.update(aliases)
+            m.names = (m.name, *aliases)
         self.metrics = Metrics(self.models)
         self.distribution_rows = RowBudget(self.config.limits.max_distribution_rows_in_flight)
 

@@ -35,6 +35,7 @@ class ModelEntry:
     """What the ingress needs of one model: its names, its spec and its deployment's handle."""
 
     names: tuple[str, ...]
+    own_name: str
     spec: str
     handle: Any  # a DeploymentHandle of EngineReplica (a bound deployment until deployed)
 
@@ -54,7 +55,7 @@ class Ingress:
             loaded = LoadedModel(
                 model=None,
                 tokenizer=tokenizer,
-                name=entry.names[-1],
+                name=entry.own_name,
                 eos_token_ids=frozenset(info.eos_token_ids),
                 context_length=info.context_length,
                 vocab_size=info.vocab_size,
@@ -78,6 +79,7 @@ def deployment_name(index: int, name: str) -> str:
 
 
 def _names(m: ModelDeployment) -> tuple[str, ...]:
+    """The model's served name (if given), then its own."""
     own = resolve_model(m.model).served_name or m.model
     return (m.served_model_name, own) if m.served_model_name not in (None, own) else (own,)
 
@@ -115,7 +117,8 @@ def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig
             options["num_replicas"] = m.num_replicas
         replica = serve.deployment(EngineReplica).options(**options)
         bound = replica.bind(m.model, config, max(m.max_ongoing_requests, server.limits.max_queued))
-        entries.append(ModelEntry(_names(m), m.model, bound))
+        names = _names(m)
+        entries.append(ModelEntry(names, names[-1], m.model, bound))
     ingress = serve.deployment(serve.ingress()(Ingress)).options(
         name="ingress",
         num_replicas=cluster.ingress.num_replicas,

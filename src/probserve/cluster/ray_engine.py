@@ -222,7 +222,7 @@ class RayEngine(EngineClient):
         total["kv_cache_usage"] = total["kv_cache_usage"] / len(replicas) if replicas else 0.0
         with self._lock:
             streams = len(self._streams)
-        return {**total, "streams": streams, "replicas": len(replicas)}
+        return {**total, "streams": streams, "replicas": len(replicas), "failovers": self.failovers}
 
     def _host_alive(self) -> str | None:
         if self._polled is not None and not self.replicas:

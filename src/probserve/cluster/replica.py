@@ -57,6 +57,16 @@ class EngineReplica:
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
 
+    async def describe(self) -> dict[str, object]:
+        """Which replica this is: its name, process id and node (for operators and tests)."""
+        import ray
+
+        return {
+            "replica": self.name,
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+        }
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[ReplicaEvent]:
         """The request's outputs; leaving early (the caller cancelled) aborts it here."""
         stream = await self.engine.submit(request)

@@ -59,22 +59,30 @@ class PrefixAffinityRouter(RequestRouter):
             return []
         ranked = sorted(candidate_replicas, key=self._load)
         by_id = {r.replica_id: r for r in candidate_replicas}
-        for h in reversed(self.prefix_hashes(pending_request)):  # the longest prefix held
+        hashes = self.prefix_hashes(pending_request)
+        choice = ranked[0]
+        for h in reversed(hashes):  # the longest prefix held
             owner = by_id.get(self.owners.get(h))  # type: ignore[arg-type]
             if owner is not None:
-                if self._load(owner) <= self._load(ranked[0]) + self.imbalance:
-                    return [[owner], [r for r in ranked if r is not owner]]
+                if self._load(owner) <= self._load(choice) + self.imbalance:
+                    choice = owner
                 break
-        return [[r] for r in ranked]
+        # claimed now, not once routed: the siblings of this prompt that are being routed at
+        # the same moment (lm-eval's continuations arrive together) follow it
+        self._claim(hashes, choice.replica_id)
+        return [[choice], [r for r in ranked if r is not choice]]
 
-    def on_request_routed(
-        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
-    ) -> None:
-        for h in self.prefix_hashes(pending_request):
+    def _claim(self, hashes: list[BlockHash], replica_id: ReplicaID) -> None:
+        for h in hashes:
             self.owners[h] = replica_id
             self.owners.move_to_end(h)
         while len(self.owners) > self.capacity:
             self.owners.popitem(last=False)
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        self._claim(self.prefix_hashes(pending_request), replica_id)  # where it really went
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -1,0 +1,230 @@
+"""probserve on Ray Serve: a local two-node cluster, the same API through the Serve ingress,
+several models, prefix-aware routing, backpressure and failover when a replica is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from probserve.cluster.app import deployment_name
+from probserve.models import LoadedModel
+
+pytestmark = pytest.mark.slow
+ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'probserve[ray]'")
+
+APP = "probserve"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(78)
+    config = LlamaConfig(
+        vocab_size=smol.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    smol.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def app(tiny_dir: Path) -> Iterator[str]:
+    """One application: the embedded model twice (two replicas pinned one per node, and one
+    replica alone, to compare prefix-cache hit rates) and a tiny model with a queue of one."""
+    from ray_util import ray_cluster, running_app
+
+    if os.environ.get("PROBSERVE_TEST_SERVER") == "ray":
+        pytest.skip("the session's own cluster is up: this module starts its own")
+    config = {
+        "models": [
+            {"served_model_name": "smol", "num_replicas": 2, "num_cpus": 0.5,
+             "resources": {"engine": 1}},
+            {"served_model_name": "smol-single", "num_cpus": 0.3},
+            {"model": str(tiny_dir), "served_model_name": "tiny", "num_cpus": 0.2,
+             "max_ongoing_requests": 1, "max_queued_requests": 1},
+        ],
+        "ingress": {"num_cpus": 0.1},
+    }  # fmt: skip
+    with ray_cluster(), running_app(config, "--kv-cache-gib", "0.1") as url:
+        yield url
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=timeout)
+
+
+def test_the_api_answers_as_a_local_server(app: str, base_url: str):
+    names = {c["id"]: c["root"] for c in httpx.get(f"{app}/v1/models").json()["data"]}
+    assert names["smol"] == names["smol-single"] == "smollm2-135m-instruct"
+    assert "tiny" in names
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "logprobs": 3, "echo": True, "return_entropy": True}  # fmt: skip
+    local = _post(base_url, "/v1/completions", body).json()
+    for model in ("smol", "smol-single"):
+        r = _post(app, "/v1/completions", {**body, "model": model})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"] == local["choices"]  # the same bits on every replica
+    chat = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 5,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
+    assert (
+        _post(app, "/v1/chat/completions", {**chat, "model": "smol"}).json()["choices"]
+        == _post(base_url, "/v1/chat/completions", chat).json()["choices"]
+    )
+    with httpx.stream("POST", f"{app}/v1/completions", json={**body, "model": "smol",
+                      "stream": True, "echo": False}, timeout=120) as s:  # fmt: skip
+        lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    streamed = [json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]]
+    assert lines[-1] == "data: [DONE]"
+    whole = _post(app, "/v1/completions", {**body, "model": "smol", "echo": False}).json()
+    assert "".join(streamed) == whole["choices"][0]["text"]
+    r = _post(app, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def _hit_rate(app: str, model: str, bodies: list[dict]) -> float:
+    def stats() -> dict:
+        time.sleep(2.5)  # the ingress polls each replica's figures every second
+        return httpx.get(f"{app}/health").json()["models"][model]
+
+    before = stats()
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(
+            pool.map(lambda b: _post(app, "/v1/completions", {**b, "model": model}), bodies)
+        )
+    assert all(a.status_code == 200 for a in answers)
+    after = stats()
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    return hits / (after["prefix_cache_queries"] - before["prefix_cache_queries"])
+
+
+def test_prefix_aware_routing_keeps_the_hit_rate(app: str):
+    """lm-eval multiple choice: 4 continuations scored per context (echo, max_tokens 0)."""
+    intro = "Answer the question with the best choice. "
+    bodies = []
+    for i in range(16):
+        context = f"{intro}Question {i}: " + " ".join(f"w{i}x{j}" for j in range(30)) + "\nAnswer:"
+        for choice in ("alpha", "beta", "gamma", "delta"):
+            bodies.append({"prompt": f"{context} {choice}{i}", "max_tokens": 0, "echo": True,
+                           "logprobs": 1})  # fmt: skip
+    single = _hit_rate(app, "smol-single", bodies)
+    two = _hit_rate(app, "smol", [{**b, "prompt": "Again. " + b["prompt"]} for b in bodies])
+    print(f"prefix-cache hit rate: one replica {single:.3f}, two replicas {two:.3f}")
+    assert single > 0.5
+    assert two >= 0.9 * single, (single, two)
+
+
+def test_a_full_queue_is_a_429_in_openai_shape(app: str):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 150, "ignore_eos": True}
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: _post(app, "/v1/completions", body), range(6)))
+    codes = sorted(a.status_code for a in answers)
+    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+    busy = next(a for a in answers if a.status_code == 429)
+    assert busy.headers.get("Retry-After")
+    err = busy.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "overloaded"
+    assert _post(app, "/v1/completions", {**body, "max_tokens": 2}).status_code == 200
+
+
+def _stream(app: str, body: dict) -> dict:
+    """A streamed completion read whole: its text, and how it ended."""
+    text, events, last = [], [], ""
+    with httpx.stream("POST", f"{app}/v1/completions", json=body, timeout=180) as s:
+        status = s.status_code
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                last = line
+                if line != "data: [DONE]":
+                    event = json.loads(line[6:])
+                    events.append(event)
+                    if "choices" in event:
+                        text.append(event["choices"][0]["text"])
+    errors = [e for e in events if "error" in e]
+    finished = any(e.get("choices", [{}])[0].get("finish_reason") for e in events if "choices" in e)
+    return {"status": status, "text": "".join(text), "done": last == "data: [DONE]",
+            "error": bool(errors), "finished": finished}  # fmt: skip
+
+
+def test_a_killed_replica_loses_no_request(app: str):
+    deployment = deployment_name(0, "smol")
+    from ray_util import replicas
+
+    before = replicas(APP, deployment)
+    assert len(before) == 2 and len({r["node"] for r in before}) == 2  # one on each node
+    prompts = [f"Story {i}: once upon a time" for i in range(24)]
+    base = {"model": "smol", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    expected = {
+        p: _post(app, "/v1/completions", {**base, "prompt": p}).json()["choices"][0]["text"]
+        for p in prompts[:4]
+    }
+
+    def one(i: int) -> dict:
+        body = {**base, "prompt": prompts[i]}
+        if i % 2:
+            return {"i": i, "stream": True, **_stream(app, {**body, "stream": True})}
+        r = _post(app, "/v1/completions", body, timeout=180)
+        text = r.json()["choices"][0]["text"] if r.status_code == 200 else None
+        return {"i": i, "stream": False, "status": r.status_code, "text": text}
+
+    killed: list[float] = []
+
+    def kill_soon() -> None:
+        time.sleep(2.0)
+        os.kill(before[0]["pid"], signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_soon)
+    with ThreadPoolExecutor(8) as pool:
+        killer.start()
+        results = list(pool.map(one, range(len(prompts))))
+    killer.join()
+    # a clean answer for every request: non-streamed ones whole, streams whole or ended with
+    # an error event and [DONE]
+    unclean = [
+        r for r in results
+        if r["status"] != 200
+        or (not r["stream"] and r["text"] is None)
+        or (r["stream"] and not (r["done"] and (r["finished"] or r["error"])))
+    ]  # fmt: skip
+    assert unclean == [], unclean
+    assert all(len(r["text"]) > 0 for r in results if not r["stream"])
+    # answers replayed on the other replica are the same text as undisturbed ones
+    for r in results:
+        if r["i"] < 4 and not r.get("error"):
+            assert r["text"] == expected[prompts[r["i"]]]
+    health = httpx.get(f"{app}/health").json()["models"]["smol"]
+    # the replacement serves within 15 s of the kill
+    deadline = killed[0] + 15
+    while time.monotonic() < deadline:
+        now = replicas(APP, deployment)
+        if len(now) == 2 and before[0]["pid"] not in {r["pid"] for r in now}:
+            break
+        time.sleep(0.5)
+    back = time.monotonic() - killed[0]
+    assert len(now) == 2 and back <= 15, (now, back)
+    errors = sum(r.get("error", False) for r in results)
+    moved = health["failovers"]
+    print(
+        f"failover: {len(results)} requests, {errors} streams ended with an error event, "
+        f"{moved} moved to the other replica, replacement in {back:.1f} s"
+    )
