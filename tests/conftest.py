@@ -110,7 +110,7 @@ def base_url(smol: LoadedModel) -> Iterator[str]:
     if os.environ.get("PROBSERVE_TEST_SERVER") == "ray":
         from ray_util import ray_cluster, running_app
 
-        with ray_cluster(), running_app(RAY_SESSION_CONFIG, "--kv-cache-gib", "0.25") as url:
+        with ray_cluster(), running_app(RAY_SESSION_CONFIG, "--kv-cache-gib", "0.5") as url:
             yield url
         return
     from server_util import running_server

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -73,6 +75,47 @@ def _post(url: str, path: str, body: dict, timeout: float = 120) -> httpx.Respon
     return httpx.post(f"{url}{path}", json=body, timeout=timeout)
 
 
+def test_probserve_serve_ray_runs_and_stops(tmp_path: Path):
+    """The command as a user runs it: it starts a Ray instance of its own, serves, and takes
+    everything down on SIGTERM (first in this module: before the module's cluster is up)."""
+    import subprocess
+    import sys
+
+    from server_util import free_port
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "models:\n  - model: smollm2-135m-instruct\n    served_model_name: smol\n"
+        "    num_replicas: 1\n    num_cpus: 0.5\n    engine: {kv_cache_gib: 0.1}\n"
+    )
+    port = free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths have a limit
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp}
+    log = (tmp_path / "serve.log").open("wb")
+    cmd = [sys.executable, "-m", "probserve.cli", "serve", "--ray", "--config", str(config)]
+    proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+        r = _post(url, "/v1/completions", {"model": "smol", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "smol", r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 def test_the_api_answers_as_a_local_server(app: str, base_url: str):
     names = {c["id"]: c["root"] for c in httpx.get(f"{app}/v1/models").json()["data"]}
     assert names["smol"] == names["smol-single"] == "smollm2-135m-instruct"
@@ -101,12 +144,20 @@ def test_the_api_answers_as_a_local_server(app: str, base_url: str):
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
-def _hit_rate(app: str, model: str, bodies: list[dict]) -> float:
+def _hit_rate(app: str, model: str, bodies: list[dict]) -> tuple[float, list[float]]:
+    """The prefix-cache hit rate of the model's replicas over `bodies`, and each replica's
+    share of the prompt tokens."""
+    from ray_util import replicas
+
     def stats() -> dict:
         time.sleep(2.5)  # the ingress polls each replica's figures every second
         return httpx.get(f"{app}/health").json()["models"][model]
 
-    before = stats()
+    def per_replica() -> dict[str, float]:
+        found = replicas(APP, deployment_name(0 if model == "smol" else 1, model))
+        return {r["replica"]: r["stats"]["prefix_cache_queries"] for r in found}
+
+    before, shares = stats(), per_replica()
     with ThreadPoolExecutor(8) as pool:
         answers = list(
             pool.map(lambda b: _post(app, "/v1/completions", {**b, "model": model}), bodies)
@@ -114,7 +165,9 @@ def _hit_rate(app: str, model: str, bodies: list[dict]) -> float:
     assert all(a.status_code == 200 for a in answers)
     after = stats()
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
-    return hits / (after["prefix_cache_queries"] - before["prefix_cache_queries"])
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    spread = [(q - shares.get(r, 0.0)) / queries for r, q in per_replica().items()]
+    return hits / queries, spread
 
 
 def test_prefix_aware_routing_keeps_the_hit_rate(app: str):
@@ -126,11 +179,17 @@ def test_prefix_aware_routing_keeps_the_hit_rate(app: str):
         for choice in ("alpha", "beta", "gamma", "delta"):
             bodies.append({"prompt": f"{context} {choice}{i}", "max_tokens": 0, "echo": True,
                            "logprobs": 1})  # fmt: skip
-    single = _hit_rate(app, "smol-single", bodies)
-    two = _hit_rate(app, "smol", [{**b, "prompt": "Again. " + b["prompt"]} for b in bodies])
-    print(f"prefix-cache hit rate: one replica {single:.3f}, two replicas {two:.3f}")
+    single, _ = _hit_rate(app, "smol-single", bodies)
+    again = [{**b, "prompt": "Again. " + b["prompt"]} for b in bodies]
+    two, spread = _hit_rate(app, "smol", again)
+    print(
+        f"prefix-cache hit rate: one replica {single:.3f}, two replicas {two:.3f} "
+        f"({two / single:.3f} of one); the two replicas' shares of the prompt tokens: "
+        + ", ".join(f"{s:.2f}" for s in spread)
+    )
     assert single > 0.5
     assert two >= 0.9 * single, (single, two)
+    assert len(spread) == 2 and min(spread) > 0.2, spread  # the load is spread, not piled up
 
 
 def test_a_full_queue_is_a_429_in_openai_shape(app: str):
@@ -221,6 +280,7 @@ def test_a_killed_replica_loses_no_request(app: str):
             break
         time.sleep(0.5)
     back = time.monotonic() - killed[0]
+    print(f"replacement: {len(now)} replicas {back:.1f} s after the kill")
     assert len(now) == 2 and back <= 15, (now, back)
     errors = sum(r.get("error", False) for r in results)
     moved = health["failovers"]

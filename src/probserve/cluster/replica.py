@@ -58,13 +58,15 @@ class EngineReplica:
         return self.engine.stats()
 
     async def describe(self) -> dict[str, object]:
-        """Which replica this is: its name, process id and node (for operators and tests)."""
+        """Which replica this is (its name, process id and node) and its engine's figures, for
+        operators and tests."""
         import ray
 
         return {
             "replica": self.name,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
+            "stats": self.engine.stats(),
         }
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[ReplicaEvent]:
