@@ -60,6 +60,15 @@ def tiny(smol: LoadedModel) -> LoadedModel:
     )
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama saved as a plain Hugging Face directory (weights and tokenizer)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny.model.save_pretrained(path)
+    tiny.tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(params=["smol", "tiny"])
 def any_model(request: pytest.FixtureRequest) -> LoadedModel:
     return request.getfixturevalue(request.param)

@@ -70,7 +70,8 @@ def running_app(config: dict[str, Any], *flags: str) -> Iterator[str]:
     from ray import serve
     from server_util import free_port, serve_args
 
-    from probserve.cluster.app import build_app, server_config
+    from probserve.api.server import server_config
+    from probserve.cluster.app import build_app
     from probserve.cluster.config import ClusterConfig
     from probserve.engine import EngineConfig
     from probserve.flags import from_args

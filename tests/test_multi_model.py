@@ -19,29 +19,6 @@ from probserve.models import LoadedModel
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, saved as a plain Hugging Face directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(77)
-    config = LlamaConfig(
-        vocab_size=smol.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    smol.tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def two(smol: LoadedModel, tiny_dir: Path) -> Iterator[tuple[str, ServerState]]:
     flags = ("--model", "smollm2-135m-instruct", "--served-model-name", "smol")
     flags += ("--model", str(tiny_dir), "--served-model-name", "tiny")

@@ -143,6 +143,18 @@ def _names(served_name: str | None, own: str) -> tuple[str, ...]:
     return (served_name, own) if served_name and served_name != own else (own,)
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The API's settings from the serve flags (every model's server, Ray's ingress too)."""
+    return ServerConfig(
+        max_logprobs=args.max_logprobs,
+        max_top_logprobs=args.max_top_logprobs,
+        logprobs_mode=LogprobsMode(args.logprobs_mode),
+        api_keys=api_keys(args.api_key, args.api_key_file),
+        open_metrics=args.open_metrics,
+        limits=from_args(Limits, args),
+    )
+
+
 def build_state(
     args: argparse.Namespace, loaded: LoadedModel | None = None
 ) -> tuple[ServerState, Supervisor]:
@@ -155,14 +167,7 @@ def build_state(
             model, make = start_model(args, spec, name, loaded if i == 0 else None)
             models.append(model)
             factories[model.name] = make
-        config = ServerConfig(
-            max_logprobs=args.max_logprobs,
-            max_top_logprobs=args.max_top_logprobs,
-            logprobs_mode=LogprobsMode(args.logprobs_mode),
-            api_keys=api_keys(args.api_key, args.api_key_file),
-            open_metrics=args.open_metrics,
-            limits=from_args(Limits, args),
-        )
+        config = server_config(args)
         state = ServerState(models, config)
     except BaseException:
         for m in models:

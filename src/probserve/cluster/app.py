@@ -17,7 +17,6 @@ import signal
 import threading
 from typing import Any
 
-from probserve.api.limits import Limits
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.cluster.config import ClusterConfig, ModelDeployment, load_cluster_config
 from probserve.cluster.ray_engine import RayEngine
@@ -131,26 +130,14 @@ def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig
     return ingress.bind(entries, server, cluster.retries)
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    from probserve.api.server import api_keys
-    from probserve.engine import LogprobsMode
-
-    return ServerConfig(
-        max_logprobs=args.max_logprobs,
-        max_top_logprobs=args.max_top_logprobs,
-        logprobs_mode=LogprobsMode(args.logprobs_mode),
-        api_keys=api_keys(args.api_key, args.api_key_file),
-        open_metrics=args.open_metrics,
-        limits=from_args(Limits, args),
-    )
-
-
 def run_cluster(args: argparse.Namespace) -> int:
     """`probserve serve --ray`: deploy the application on a Ray cluster (joined, or started
     here), serve HTTP on --host/--port through Serve's proxy until SIGTERM or Ctrl-C, then take
     the application down."""
     import ray
     from ray import serve
+
+    from probserve.api.server import server_config
 
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
