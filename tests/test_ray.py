@@ -267,3 +267,53 @@ def test_a_killed_replica_loses_no_request(app: str):
         f"failover: {len(results)} requests, {errors} streams ended with an error event, "
         f"{moved} moved to the other replica, replacement in {back:.1f} s"
     )
+
+
+def test_the_cluster_file_becomes_deployments(tmp_path: Path):
+    """Replicas, autoscaling, placement, queue bounds, the router and per-model engine settings
+    reach Serve's deployments as the file says (no cluster needed)."""
+    from server_util import serve_args
+
+    from probserve.api.server import server_config
+    from probserve.cluster.app import build_app
+    from probserve.cluster.config import load_cluster_config
+    from probserve.engine import EngineConfig
+    from probserve.flags import from_args
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "retries: 2\n"
+        "models:\n"
+        "  - served_model_name: a\n"
+        "    autoscaling: {min_replicas: 1, max_replicas: 3, target_ongoing_requests: 4}\n"
+        "    max_queued_requests: 7\n"
+        "    num_cpus: 2\n"
+        "    resources: {engine: 1}\n"
+        "    engine: {kv_cache_gib: 0.3}\n"
+        "  - model: smollm2-135m-instruct\n"
+        "    served_model_name: b\n"
+        "    num_replicas: 2\n"
+    )
+    args = serve_args("--ray", "--config", str(path), "--max-num-seqs", "8")
+    app = build_app(load_cluster_config(args), from_args(EngineConfig, args), server_config(args))
+    ingress = app._bound_deployment
+    entries, _, retries = ingress.init_args
+    assert retries == 2 and [e.names for e in entries] == [
+        ("a", "smollm2-135m-instruct"),
+        ("b", "smollm2-135m-instruct"),
+    ]
+    a, b = (e.handle._bound_deployment for e in entries)
+    auto = a._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 4)
+    assert a._deployment_config.max_queued_requests == 7
+    assert a.ray_actor_options == {"num_cpus": 2.0, "resources": {"engine": 1.0}}
+    router = a._deployment_config.request_router_config
+    assert router.request_router_class.endswith("PrefixAffinityRouter")
+    engine_a, engine_b = a.init_args[1], b.init_args[1]
+    assert (engine_a.kv_cache_gib, engine_a.threads, engine_a.max_num_seqs) == (0.3, 2, 8)
+    assert (engine_b.kv_cache_gib, engine_b.threads) == (2.0, 1)
+    assert b._deployment_config.num_replicas == 2
+
+    path.write_text("models:\n  - served_model_name: a\n    replicas: 2\n")  # a typo
+    with pytest.raises(ValueError, match="replicas"):
+        load_cluster_config(args)
