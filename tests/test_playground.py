@@ -185,26 +185,27 @@ def test_narrow_window_and_api_key(browser, smol):  # type: ignore[no-untyped-de
         pg.close()
 
 
-def test_two_models_side_by_side(browser, smol):  # type: ignore[no-untyped-def]
+def test_two_models_side_by_side(browser, smol, tiny_dir):  # type: ignore[no-untyped-def]
     from server_util import running_server
 
-    with running_server(smol, "--served-model-name", "alias") as url:  # serves two names
+    two = ("--model", "smollm2-135m-instruct", "--served-model-name", "smol")
+    two += ("--model", str(tiny_dir), "--served-model-name", "tiny", "--kv-cache-gib", "0.1")
+    with running_server(smol, *two) as url:  # each model also answers to its own name
         pg = browser.new_page(viewport={"width": 1100, "height": 800})
         pg.goto(f"{url}/playground")
         pg.wait_for_selector("#side-label:not([hidden])")
+        options = [o.get_attribute("value") for o in pg.query_selector_all("#model option")]
+        assert options == ["smol", "tiny"]  # one entry per model, not per name
         pg.check("#side")
         pg.fill("#prompt", PROMPT)
         _settings(pg, max_tokens=4, k=2)
         _run(pg)
         columns = pg.query_selector_all("#outputs .column")
-        assert [c.query_selector("h3").inner_text() for c in columns] == [
-            "alias",
-            "smollm2-135m-instruct",
-        ]
+        assert [c.query_selector("h3").inner_text() for c in columns] == ["smol", "tiny"]
         texts = [
             [s.get_attribute("data-token") for s in c.query_selector_all(".tok")] for c in columns
         ]
-        assert texts[0] == texts[1] and len(texts[0]) == 4  # the same weights under two names
+        assert len(texts[0]) == len(texts[1]) == 4 and texts[0] != texts[1]  # two models
         _shot(pg, "side-by-side")
         pg.close()
 

@@ -260,8 +260,9 @@ function hidePopover() { $("popover").hidden = true; }
 
 function models() {
   const first = $("model").value;
-  if ($("side").checked) {
-    return Array.from($("model").options).map((o) => o.value).slice(0, 2);
+  if ($("side").checked) {  // the chosen model beside the next one
+    const others = Array.from($("model").options).map((o) => o.value).filter((v) => v !== first);
+    return [first, ...others.slice(0, 1)];
   }
   return [first];
 }
@@ -428,7 +429,12 @@ function setMode(mode) {
 async function loadModels() {
   try {
     const r = await api("/v1/models");
-    const list = (await r.json()).data.map((m) => m.id);
+    // one entry per model: an alias (a model's own name beside its served name) shares its root
+    const roots = new Set();
+    const list = [];
+    for (const m of (await r.json()).data) {
+      if (!roots.has(m.root || m.id)) { roots.add(m.root || m.id); list.push(m.id); }
+    }
     $("model").innerHTML = "";
     for (const id of list) {
       const o = document.createElement("option"); o.value = id; o.textContent = id;
