@@ -198,31 +198,34 @@ def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str,
     """(skeleton, tensors by name, format) for a quantized GGUF source the quantized forward
     serves; None (float32 is loaded instead) for any other, with a warning where it is a GGUF
     file that cannot run natively."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from probserve.kernels.build import KernelBuildError, build
     from probserve.models import llama
     from probserve.models.gguf_blocks import block_formats, load_weights
+    from probserve.models.skeleton import Skeleton
 
     path = source.quantized_file
     if not path:
         return None
     config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    why = llama.deterministic_blocker(model)
+    generation = None
+    with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
+        generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
+    model = None
+    if config.model_type in llama.SUPPORTED_TYPES:
+        model = Skeleton(config, generation)  # transformers' modeling code is never imported
+        why = llama.deterministic_blocker(model)
+    else:
+        why = f"{config.model_type} does not run on the paged Llama-family forward"
     if why is None:
         try:
             build()
         except KernelBuildError as exc:
             why = str(exc)
-    if why:
+    if why or model is None:
         log.warning("native weights are off for this model (%s): loading float32", why)
         return None
-    rotary = model.model.rotary_emb  # its tables, built for real (meta holds no values)
-    model.model.rotary_emb = type(rotary)(config=model.config)
-    with contextlib.suppress(OSError):  # none saved: the config's own stays
-        model.generation_config = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
     weights = load_weights(path, model)
     formats = "+".join(block_formats(weights))
     if not formats:
