@@ -303,12 +303,16 @@ def test_lone_surrogates_are_a_400(c: httpx.Client, after_check: None):
 def test_a_tiny_temperature_samples_the_most_likely_token(c: httpx.Client, after_check: None):
     body = {"prompt": "The capital of France is", "max_tokens": 4, "logprobs": 1}
     greedy = c.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]
-    for t in (1e-40, 1e-30, 1e-8):
+    for t in (5e-324, 1e-46, 1e-40, 1e-30, 1e-8):  # 5e-324 and 1e-46 are 0 in float32
         got = c.post(
             "/v1/completions", json={**body, "temperature": t, "logprobs_mode": "processed"}
         ).json()["choices"][0]
         assert got["text"] == greedy["text"] and got["text"].startswith(" Paris."), (t, got)
         assert all(v == 0.0 for v in got["logprobs"]["token_logprobs"])  # one-hot, no NaN
+    # with a penalty that float32 also rounds to 0 (found by schemathesis: it was a 500)
+    extreme = {**body, "temperature": 5e-324, "repetition_penalty": 5e-324, "seed": 1}
+    r = c.post("/v1/completions", json=extreme)
+    assert r.status_code == 200, r.text
 
 
 # ---- 7. a failing candidate cancels its siblings ------------------------------------------------

@@ -225,17 +225,25 @@ def test_a_killed_replica_loses_no_request(app: str):
         return {"i": i, "stream": False, "status": r.status_code, "text": text}
 
     killed: list[float] = []
+    replaced: list[float] = []
 
-    def kill_soon() -> None:
+    def kill_and_watch() -> None:
+        """Kill one replica 2 s into the load, then time its replacement's first answer."""
         time.sleep(2.0)
         os.kill(before[0]["pid"], signal.SIGKILL)
         killed.append(time.monotonic())
+        while time.monotonic() < killed[0] + 120:
+            now = replicas(APP, deployment)
+            if len(now) == 2 and before[0]["pid"] not in {r["pid"] for r in now}:
+                replaced.append(time.monotonic())
+                return
+            time.sleep(0.25)
 
-    killer = threading.Thread(target=kill_soon)
+    watcher = threading.Thread(target=kill_and_watch)
     with ThreadPoolExecutor(8) as pool:
-        killer.start()
+        watcher.start()
         results = list(pool.map(one, range(len(prompts))))
-    killer.join()
+    watcher.join()
     # a clean answer for every request: non-streamed ones whole, streams whole or ended with
     # an error event and [DONE]
     unclean = [
@@ -251,16 +259,10 @@ def test_a_killed_replica_loses_no_request(app: str):
         if r["i"] < 4 and not r.get("error"):
             assert r["text"] == expected[prompts[r["i"]]]
     health = httpx.get(f"{app}/health").json()["models"]["smol"]
-    # the replacement serves within 15 s of the kill
-    deadline = killed[0] + 15
-    while time.monotonic() < deadline:
-        now = replicas(APP, deployment)
-        if len(now) == 2 and before[0]["pid"] not in {r["pid"] for r in now}:
-            break
-        time.sleep(0.5)
-    back = time.monotonic() - killed[0]
-    print(f"replacement: {len(now)} replicas {back:.1f} s after the kill")
-    assert len(now) == 2 and back <= REPLACEMENT_S, (now, back)
+    assert replaced, "no replacement replica answered within 120 s"
+    back = replaced[0] - killed[0]
+    print(f"replacement: answering {back:.1f} s after the kill")
+    assert back <= REPLACEMENT_S, back
     errors = sum(r.get("error", False) for r in results)
     moved = health["failovers"]
     print(

@@ -104,6 +104,9 @@ def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
         # -inf for the others instead of overflowing to inf - inf = NaN (softmax is unchanged)
         out -= out.max()
         out /= p.temperature
+        # a temperature below float32's range (5e-324) divides by 0: the largest logits, 0 after
+        # the shift, give 0/0; their limit as the temperature goes to 0 is 0 (the others' -inf)
+        out.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     apply_filters(out, p)
     return out
 
