@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'probserve[ray]'")
 
 APP = "probserve"
-# a killed replica's replacement serves within this many seconds (a new process importing torch
-# and transformers and loading the model, on 2 busy cores: 12.5-15.3 s measured here)
-REPLACEMENT_S = 20
+# a killed replica's replacement answers within this many seconds (the figure: a new
+# process importing torch and loading the model's blocks on 2 busy cores, 9.9 s measured here)
+REPLACEMENT_S = 15
 
 
 @pytest.fixture(scope="module")
