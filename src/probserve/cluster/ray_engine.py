@@ -35,7 +35,7 @@ from probserve.engine import (
     RequestError,
     TokenLogprobs,
 )
-from probserve.engine.client import STAT_NAMES
+from probserve.engine.client import STAT_NAMES, RequestStream
 from probserve.engine.info import EngineInfo
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,9 @@ class RayEngine(EngineClient):
             task.cancel()
 
     # ---- requests -------------------------------------------------------------------------
-    async def submit(self, request: EngineRequest):  # type: ignore[no-untyped-def]
+    async def submit(self, request: EngineRequest) -> RequestStream:
+        """As EngineClient's, returning once a replica has accepted the request (a full queue:
+        EngineOverloaded)."""
         sp = request.sampling
         if not sp.greedy and sp.seed is None:  # a replay on another replica draws the same
             seeded = dataclasses.replace(sp, seed=secrets.randbits(63))
@@ -174,8 +176,10 @@ class RayEngine(EngineClient):
                     if event.output.finished or (out is not None and out.finished):
                         return
                 raise RuntimeError("the replica's stream ended without a finish reason")
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # aborted (or the ingress stops): so is the call
                 call.cancel()
+                if not accepted.done():
+                    accepted.cancel()
                 raise
             except BackPressureError as exc:
                 if not accepted.done():
