@@ -141,17 +141,22 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
-    serve.run(app, name=cluster.app_name, route_prefix="/")
-    names = ", ".join(n for m in cluster.models for n in _names(m)[:1])
-    log.info("serving %s on http://%s:%d/v1 (Ray Serve)", names, args.host, args.port)
+    # after ray.init (its own SIGTERM handler dies at once) and before the deployment (a signal
+    # while the replicas load still takes everything down)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    log.info("taking the application down")
-    serve.delete(cluster.app_name)
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
+        serve.run(app, name=cluster.app_name, route_prefix="/")
+        names = ", ".join(n for m in cluster.models for n in _names(m)[:1])
+        log.info("serving %s on http://%s:%d/v1 (Ray Serve)", names, args.host, args.port)
+        stop.wait()
+    finally:
+        log.info("taking the application down")
+        serve.delete(cluster.app_name)
+        if cluster.address is None:  # the Ray instance is this process's own: it goes too
+            serve.shutdown()
+        ray.shutdown()
     return 0
