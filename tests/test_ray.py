@@ -319,3 +319,45 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
     path.write_text("models:\n  - served_model_name: a\n    replicas: 2\n")  # a typo
     with pytest.raises(ValueError, match="replicas"):
         load_cluster_config(args)
+
+
+def test_a_replay_gives_only_what_is_new_and_checks_the_rest():
+    """Failover's bookkeeping (cluster/ray_engine.py): a replayed request's outputs, less what
+    the client already has; a replay that differs is an error."""
+    import numpy as np
+
+    from probserve.cluster.ray_engine import _Progress
+    from probserve.engine import EngineOutput, FinishReason, TokenLogprobs
+
+    def lp(ids: list[int]) -> TokenLogprobs:
+        n = len(ids)
+        return TokenLogprobs(
+            token_ids=np.array(ids),
+            logprobs=-np.arange(1, n + 1, dtype=np.float32),
+            ranks=np.ones(n, dtype=np.int64),
+            top_ids=np.array([[i] for i in ids]),
+            top_logprobs=np.zeros((n, 1), dtype=np.float32),
+        )
+
+    def out(ids: list[int], prompt: bool = False, done: bool = False) -> EngineOutput:
+        return EngineOutput(
+            "r", tuple(ids), lp(ids), lp([0, 1]) if prompt else None,
+            FinishReason.LENGTH if done else None,
+        )  # fmt: skip
+
+    given = _Progress()
+    assert given.fresh(out([5], prompt=True)).new_token_ids == (5,)
+    assert given.fresh(out([6])).new_token_ids == (6,)
+    # the replica dies; the replay on another starts over
+    given.replayed = 0
+    assert given.fresh(out([5], prompt=True)) is None  # nothing new: the prompt is not resent
+    both = given.fresh(out([6, 7]))  # crosses what was given: only 7 goes on, with its row
+    assert both.new_token_ids == (7,) and both.prompt_logprobs is None
+    assert both.logprobs.token_ids.tolist() == [7] and both.logprobs.logprobs.tolist() == [-2.0]
+    last = given.fresh(out([8], done=True))
+    assert last.new_token_ids == (8,) and last.finished
+    assert given.token_ids == [5, 6, 7, 8]
+
+    differs = _Progress(token_ids=[5, 6])
+    bad = differs.fresh(out([5, 9]))
+    assert bad.finished and bad.error and "differs" in bad.error

@@ -173,7 +173,10 @@ class RayEngine(EngineClient):
                     out = progress.fresh(event.output)
                     if out is not None:
                         self._deliver([out], None)
-                    if event.output.finished or (out is not None and out.finished):
+                    if event.output.finished:
+                        return
+                    if out is not None and out.finished:  # the replay differed: stop it
+                        call.cancel()
                         return
                 raise RuntimeError("the replica's stream ended without a finish reason")
             except asyncio.CancelledError:  # aborted (or the ingress stops): so is the call
