@@ -96,8 +96,12 @@ def test_probserve_serve_ray_runs_and_stops(tmp_path: Path):
 
 
 def test_the_api_answers_as_a_local_server(app: str, base_url: str):
-    names = {c["id"]: c["root"] for c in httpx.get(f"{app}/v1/models").json()["data"]}
+    time.sleep(1.5)  # the ingress polls the replicas each second
+    cards = {c["id"]: c for c in httpx.get(f"{app}/v1/models").json()["data"]}
+    names = {n: c["root"] for n, c in cards.items()}
     assert names["smol"] == names["smol-single"] == "smollm2-135m-instruct"
+    assert (cards["smol"]["replicas"], cards["smol-single"]["replicas"]) == (2, 1)
+    assert all(c["status"] == "ok" for c in cards.values())
     assert "tiny" in names
     body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
             "logprobs": 3, "echo": True, "return_entropy": True}  # fmt: skip

@@ -296,6 +296,7 @@ class ModelCard(BaseModel):
     root: str | None = None  # the model this name serves (its first name)
     max_model_len: int | None = None
     status: str = "ok"  # the model's engine: ok, stuck, dead or restarting (see /health)
+    replicas: int | None = None  # on Ray Serve: the model's replicas answering (see /health)
 
 
 class ModelList(BaseModel):

@@ -67,11 +67,13 @@ async def metrics(request: Request) -> Response:
 
 
 def _card(model: ServedModel, name: str) -> ModelCard:
+    replicas = model.engine.stats().get("replicas")
     return ModelCard(
         id=name,
         root=model.root,
         max_model_len=model.loaded.context_length,
         status=model.health()[0],
+        replicas=None if replicas is None else int(replicas),
     )
 
 
