@@ -265,6 +265,72 @@ def test_block_pool_refcounts_and_eviction():
     assert pool.num_available() == 1
 
 
+def _serve_unrelated(pool: BlockPool, rounds: int, in_flight: int, blocks_each: int) -> None:
+    """`rounds` of `in_flight` requests at once, each filling `blocks_each` blocks of tokens
+    no other request has (so all cacheable, none shared), then finishing."""
+    for r in range(rounds):
+        held = []
+        for i in range(in_flight):
+            parent = None
+            for b in range(blocks_each):
+                block = pool.allocate()
+                assert block is not None
+                tokens = [r, i, b]
+                parent = block_hash(parent, tokens)
+                pool.register(block, parent, tokens)
+                held.append(block)
+        for block in held:
+            pool.release(block)
+
+
+def test_block_pool_keeps_resident_memory_to_the_peak_in_flight_plus_retention():
+    """Pages of the KV pool are resident once written: blocks go out lowest first, and cached
+    blocks of finished requests are reused, least recent first, before an untouched block once
+    `retain_blocks` of them are held. Without a bound the cache keeps every block: the whole
+    pool ends resident."""
+    pool = BlockPool(1000, 4, retain_blocks=20)
+    _serve_unrelated(pool, rounds=50, in_flight=8, blocks_each=3)
+    # 24 blocks in flight at most, 20 retained, and the null block
+    assert pool.num_touched() <= 24 + 20 + 1
+    assert pool.num_cached() >= 20  # the retention is used, not thrown away
+    last = block_hash(None, [49, 7, 0])  # the latest request's blocks are still cached
+    assert pool.lookup(last, [49, 7, 0]) is not None
+    first = block_hash(None, [0, 0, 0])  # the oldest were reused
+    assert pool.lookup(first, [0, 0, 0]) is None
+
+    unbounded = BlockPool(1000, 4)
+    _serve_unrelated(unbounded, rounds=50, in_flight=8, blocks_each=3)
+    assert unbounded.num_touched() == 1000 and unbounded.num_cached() == 999
+
+    uncached = BlockPool(1000, 4, prefix_caching=False)  # freed blocks come back lowest first
+    _serve_unrelated(uncached, rounds=50, in_flight=8, blocks_each=3)
+    assert uncached.num_touched() == 25 and uncached.num_cached() == 0
+
+
+def test_the_engine_keeps_its_kv_memory_bounded(tiny: LoadedModel):
+    """Many unrelated prompts through a large KV pool: the engine reports the part written,
+    bounded by what one round in flight needs plus `prefix_cache_gib`; a prompt seen again
+    within the retention still hits the cache."""
+    config = EngineConfig(block_size=4, kv_cache_gib=0.5, prefix_cache_gib=0.001)
+    core = EngineCore(tiny, config)
+    retain = core.pool.retain_blocks
+    assert 0 < retain < core.pool.num_blocks // 10
+    rng = np.random.default_rng(0)
+    for r in range(12):
+        reqs = [
+            _req(f"r{r}-{i}", tuple(int(t) for t in rng.integers(5, 200, 37)), n=3)
+            for i in range(4)
+        ]
+        run_core(core, reqs)
+    per_round = 4 * -(-(37 + 3) // 4)
+    assert core.pool.num_touched() <= per_round + retain + 1
+    stats = core.stats()
+    assert stats["kv_cache_resident"] == (core.pool.num_touched() - 1) / (core.pool.num_blocks - 1)
+    hits = core.scheduler.prefix_hit_tokens
+    run_core(core, [_req("again", reqs[-1].prompt_token_ids, n=3)])
+    assert core.scheduler.prefix_hit_tokens - hits == 36
+
+
 def test_continuations_sent_together_share_their_context(smol: LoadedModel):
     """lm-eval sends a context's continuations in one request: the later ones wait for the
     context's blocks instead of computing them again, and results stay exact."""

@@ -39,6 +39,11 @@ GAUGES = (
     ("vllm:num_requests_running", "Sequences in the running batch.", "running"),
     ("vllm:num_requests_waiting", "Sequences waiting to run.", "waiting"),
     ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", "kv_cache_usage"),
+    (
+        "probserve:kv_cache_resident_perc",
+        "Part of the KV cache's reserved memory ever written, so resident (1 = all of it).",
+        "kv_cache_resident",
+    ),
 )
 COUNTERS = (
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

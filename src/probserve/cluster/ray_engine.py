@@ -226,7 +226,8 @@ class RayEngine(EngineClient):
     def stats(self) -> dict[str, float]:
         replicas = list(self.replicas.values())
         total = {k: float(sum(r.get(k, 0.0) for r in replicas)) for k in STAT_NAMES}
-        total["kv_cache_usage"] = total["kv_cache_usage"] / len(replicas) if replicas else 0.0
+        for part in ("kv_cache_usage", "kv_cache_resident"):  # fractions: the replicas' mean
+            total[part] = total[part] / len(replicas) if replicas else 0.0
         with self._lock:
             streams = len(self._streams)
         return {**total, "streams": streams, "replicas": len(replicas), "failovers": self.failovers}

@@ -4,12 +4,21 @@ A block of a sequence becomes shareable once it is full: it is registered under 
 tokens chained with the hash of the block before it, so a later request whose prompt starts with
 the same tokens finds the same blocks and skips computing them. Released blocks that carry a hash
 stay cached (least recently released evicted first) until their space is needed.
+
+The pool's memory is reserved, not touched: a block's pages become resident the first time it is
+written. So blocks are handed out lowest number first, and the cache keeps at most
+`retain_blocks` released blocks in memory that no request in flight needed: past that, the
+least recently released cached block is reused before an untouched one. Resident KV memory is
+then the most that requests in flight ever held plus that retention, not the whole pool (a
+first-in first-out free list, or a cache that keeps every released block until the pool is
+full, ends by touching all of it).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,12 +35,22 @@ def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = True,
+        retain_blocks: int | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        # block 0 is the null block: never handed out (masked attention positions read it)
-        self._free: deque[int] = deque(range(1, num_blocks))
+        # released cached blocks kept beyond what requests in flight touched (None: all)
+        self.retain_blocks = num_blocks if retain_blocks is None else max(0, retain_blocks)
+        # block 0 is the null block: never handed out (masked attention positions read it).
+        # Free blocks (no cached content) in a heap: the lowest is handed out first.
+        self._free: list[int] = list(range(1, num_blocks))
+        self._touched = 1  # blocks below this number have been handed out (are resident)
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, BlockHash] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
@@ -47,15 +66,27 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._by_hash)
 
+    def num_touched(self) -> int:
+        """Blocks ever handed out: the resident part of the pool (the null block counted)."""
+        return self._touched
+
     def allocate(self) -> int | None:
-        if self._free:
-            block = self._free.popleft()
+        fresh = not self._free or self._free[0] >= self._touched  # the next free one untouched
+        if self._evictable and (fresh and len(self._evictable) >= self.retain_blocks):
+            block = self._evict()
+        elif self._free:
+            block = heapq.heappop(self._free)
+            self._touched = max(self._touched, block + 1)
         elif self._evictable:
-            block, _ = self._evictable.popitem(last=False)
-            self._forget(block)
+            block = self._evict()
         else:
             return None
         self._ref[block] = 1
+        return block
+
+    def _evict(self) -> int:
+        block, _ = self._evictable.popitem(last=False)
+        self._forget(block)
         return block
 
     def release(self, block: int) -> None:
@@ -64,7 +95,7 @@ class BlockPool:
             if block in self._hash_of:
                 self._evictable[block] = None
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
 
     def lookup(self, h: BlockHash, tokens: Sequence[int]) -> int | None:
         """A cached block holding exactly `tokens` after the chain `h`, now referenced."""
@@ -92,5 +123,5 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in list(self._evictable):
             self._forget(block)
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         self._evictable.clear()

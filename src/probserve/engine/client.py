@@ -37,6 +37,7 @@ STAT_NAMES = (
     "running",
     "held_caches",
     "kv_cache_usage",
+    "kv_cache_resident",
     "prefix_cache_queries",
     "prefix_cache_hits",
     "preemptions",
@@ -169,8 +170,8 @@ class EngineClient(abc.ABC):
 
     def stats(self) -> dict[str, float]:
         """As of the end of the engine's last step: waiting, running, held_caches and streams
-        (counts), kv_cache_usage (0..1), prefix_cache_queries, prefix_cache_hits, preemptions
-        (totals)."""
+        (counts), kv_cache_usage and kv_cache_resident (0..1), prefix_cache_queries,
+        prefix_cache_hits, preemptions (totals)."""
         with self._lock:
             return {**self._snapshot, "streams": len(self._streams)}
 

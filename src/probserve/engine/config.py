@@ -15,8 +15,17 @@ class EngineConfig:
         512, "tokens per engine step (prefill chunks + decode tokens)"
     )
     block_size: int = setting(16, "tokens per KV block")
-    kv_cache_gib: float = setting(2.0, "memory for the KV cache, in GiB")
+    kv_cache_gib: float = setting(
+        2.0,
+        "the most memory the KV cache may take, in GiB (reserved; pages become resident as "
+        "requests first need them)",
+    )
     prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    prefix_cache_gib: float = setting(
+        0.25,
+        "memory the prefix cache may keep resident for finished requests' blocks beyond what "
+        "requests in flight use, in GiB (within --kv-cache-gib; more keeps more prefixes)",
+    )
     runner: Literal["auto", "paged", "hf"] = setting(
         "auto", "auto: the paged Llama-family runner where it applies, else transformers'"
     )
@@ -43,3 +52,10 @@ class EngineConfig:
         "is batched (the paged runner's row-invariant kernels, --linear then ignored; off where "
         "they cannot run)",
     )
+
+    def weights_to_load(self) -> Literal["native", "float32"]:
+        """The weights to load: native blocks run on the paged runner's deterministic kernels
+        only (models/loader.py falls back to float32 where the model or machine can't)."""
+        if self.runner == "hf" or not self.deterministic:
+            return "float32"
+        return self.weights

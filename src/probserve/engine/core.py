@@ -20,6 +20,7 @@ from probserve.engine.runner import (
     Runner,
     build_runner,
     effective_config,
+    kv_blocks_in,
     num_kv_blocks,
     runner_class,
 )
@@ -56,7 +57,10 @@ class EngineCore:
         self._runner_name = type(runner).__name__ if runner else cls.__name__
         paged = runner.prefix_caching if runner else cls.prefix_caching
         self.pool = BlockPool(
-            num_blocks, self.config.block_size, self.config.prefix_caching and paged
+            num_blocks,
+            self.config.block_size,
+            self.config.prefix_caching and paged,
+            retain_blocks=kv_blocks_in(self.config.prefix_cache_gib, loaded, self.config),
         )
         self.scheduler = Scheduler(
             self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens
@@ -127,7 +131,8 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def stats(self) -> dict[str, float]:
-        """waiting, running and held_caches (counts), kv_cache_usage (0..1), and the prefix
+        """waiting, running and held_caches (counts), kv_cache_usage and kv_cache_resident (the
+        part of the pool ever written: 0..1), and the prefix
         cache queries and hits and the preemptions since start (totals)."""
         sched = self.scheduler
         usable = max(1, self.pool.num_blocks - 1)
@@ -138,6 +143,7 @@ class EngineCore:
             # sequences holding KV blocks or runner state (0 when idle: nothing leaks)
             "held_caches": sum(1 for s in seqs if s.block_table or s.runner_state is not None),
             "kv_cache_usage": self.pool.num_in_use() / usable,
+            "kv_cache_resident": (self.pool.num_touched() - 1) / usable,
             "prefix_cache_queries": sched.prefix_query_tokens,
             "prefix_cache_hits": sched.prefix_hit_tokens,
             "preemptions": sched.num_preemptions,

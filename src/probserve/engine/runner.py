@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -84,14 +84,6 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     return HFRunner  # type: ignore[return-value]
 
 
-def weights_for(config: EngineConfig) -> Literal["native", "float32"]:
-    """The weights to load for `config`: native blocks run on the paged runner's deterministic
-    kernels only (models/loader.py falls back to float32 where the model or machine can't)."""
-    if config.runner == "hf" or not config.deterministic:
-        return "float32"
-    return config.weights
-
-
 def effective_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
     """`config`, with `deterministic` kept only where it can run: the paged runner, a model
     with a static RoPE, and kernels that build on this machine (a warning says why not)."""
@@ -120,11 +112,15 @@ def effective_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, deterministic=False)
 
 
-def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
-    """Blocks of `config.block_size` tokens that fit in `config.kv_cache_gib` for this runner
-    (block 0 is the null block: at least 2)."""
+def kv_blocks_in(gib: float, loaded: LoadedModel, config: EngineConfig) -> int:
+    """Blocks of `config.block_size` tokens of this runner's KV cache that fit in `gib` GiB."""
     per_block = runner_class(loaded, config).kv_bytes_per_token(loaded.model.config)
-    return max(2, int(config.kv_cache_gib * 2**30) // (per_block * config.block_size))
+    return int(gib * 2**30) // (per_block * config.block_size)
+
+
+def num_kv_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
+    """Blocks that fit in `config.kv_cache_gib` (block 0 is the null block: at least 2)."""
+    return max(2, kv_blocks_in(config.kv_cache_gib, loaded, config))
 
 
 def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:
