@@ -16,7 +16,6 @@ from gguf import GGMLQuantizationType as Q
 from test_deterministic import _bits, _canary
 
 from probserve.engine import EngineConfig, EngineCore
-from probserve.engine.runner import weights_for
 from probserve.kernels.invariant import InvariantKernels
 from probserve.models import LoadedModel, load_model
 from probserve.models.gguf_blocks import QuantizedTensor, load_weights, read_weights
@@ -222,10 +221,10 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
 
 # ---- choosing the weights ---------------------------------------------------------------------
 def test_native_needs_the_deterministic_paged_runner():
-    assert weights_for(EngineConfig()) == "native"
-    assert weights_for(EngineConfig(weights="float32")) == "float32"
-    assert weights_for(EngineConfig(deterministic=False)) == "float32"
-    assert weights_for(EngineConfig(runner="hf")) == "float32"
+    assert EngineConfig().weights_to_load() == "native"
+    assert EngineConfig(weights="float32").weights_to_load() == "float32"
+    assert EngineConfig(deterministic=False).weights_to_load() == "float32"
+    assert EngineConfig(runner="hf").weights_to_load() == "float32"
 
 
 def test_native_falls_back_to_float32_without_kernels(monkeypatch, caplog):

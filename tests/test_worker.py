@@ -325,6 +325,30 @@ def test_a_dead_worker_is_restarted_and_answers_as_before(served):
     assert after == before
 
 
+def test_the_server_process_never_loads_torch(served, smol: LoadedModel):
+    """The API process parses, tokenizes and formats; torch (~200 MB) lives in the worker
+    alone. Its tokenizer, loaded by the class the worker's AutoTokenizer chose, tokenizes as
+    that one does, chat template included."""
+    proc, url = served
+    (worker,) = _children(proc.pid)
+    messages = [{"role": "user", "content": "Name a colour. Ünïcödé, 中文, emoji 🙂"}]
+    chat = {"messages": messages, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200, r.text
+    template = smol.tokenizer.apply_chat_template
+    expected = template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    text = "Ünïcödé   spaces\n\ttabs, 中文 and 🙂"
+    tok = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=60).json()
+    assert tok["tokens"] == smol.tokenizer(text)["input_ids"]
+
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    assert "libtorch" not in maps(proc.pid)
+    assert "libtorch" in maps(worker)
+
+
 @pytest.mark.slow
 def test_the_worker_goes_when_its_server_is_killed(served):
     proc, _ = served

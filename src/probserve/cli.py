@@ -9,9 +9,7 @@ import math
 import sys
 
 from probserve.engine import (
-    AsyncEngine,
     EngineConfig,
-    EngineCore,
     EngineDead,
     EngineRequest,
     LogprobsMode,
@@ -38,6 +36,7 @@ def _fmt(lp: float) -> str:
 async def _generate(args: argparse.Namespace) -> int:
     from probserve.api.prompts import build_completion_prompts
     from probserve.api.tokens import TokenTable, token_text
+    from probserve.engine import AsyncEngine, EngineCore
 
     loaded = load_model(args.model)
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from types import FrameType
 
@@ -20,15 +21,7 @@ from probserve.api.connections import guarded_protocol
 from probserve.api.limits import Limits
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.api.supervisor import Supervisor
-from probserve.engine import (
-    AsyncEngine,
-    EngineClient,
-    EngineConfig,
-    EngineCore,
-    LogprobsMode,
-    WorkerEngine,
-)
-from probserve.engine.runner import weights_for
+from probserve.engine import EngineClient, EngineConfig, LogprobsMode, WorkerEngine
 from probserve.flags import from_args
 from probserve.models import (
     DEFAULT_MODEL,
@@ -77,6 +70,8 @@ def engine_factory(
 
     def make() -> EngineClient:
         if config.worker == "inline":
+            from probserve.engine import AsyncEngine, EngineCore
+
             assert loaded is not None
             return AsyncEngine(
                 EngineCore(loaded, config),
@@ -105,7 +100,7 @@ def start_model(
     (loaded here if not given)."""
     inline = from_args(EngineConfig, args).worker == "inline"
     if inline and loaded is None:
-        loaded = load_model(spec, weights_for(from_args(EngineConfig, args)))
+        loaded = load_model(spec, from_args(EngineConfig, args).weights_to_load())
     source = loaded.source if loaded and loaded.source else resolve_model(spec)
     make = engine_factory(args, source.spec, loaded)
     engine = make()
@@ -115,7 +110,8 @@ def start_model(
             assert isinstance(engine, WorkerEngine) and engine.loaded_spec is not None
             converted = resolve_model(engine.loaded_spec)
             source = dataclasses.replace(converted, served_name=source.served_name)
-            tokenizer, name = load_tokenizer(source), source.served_name or source.name_or_path
+            tokenizer = load_tokenizer(source, engine.tokenizer_class)
+            name = source.served_name or source.name_or_path
         else:
             tokenizer, name = loaded.tokenizer, loaded.name
     except BaseException:
@@ -230,9 +226,9 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
     the server: never a live socket in front of a dead engine)."""
     state, supervisor = build_state(args)
-    if all(isinstance(m.engine, WorkerEngine) for m in state.models):
-        # the model runs in the worker: torch here only ever does small work, and a second
-        # pool of threads would compete with the worker's for the cores
+    if "torch" in sys.modules and all(isinstance(m.engine, WorkerEngine) for m in state.models):
+        # the models run in workers, so this process should not have loaded torch (see
+        # probserve.engine); where a library did, its threads must not compete with theirs
         import torch
 
         torch.set_num_threads(1)

@@ -36,13 +36,12 @@ class EngineReplica:
     def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
         import torch
 
-        from probserve.engine.runner import weights_for
         from probserve.models.loader import load_source, prepared_source
 
         started = time.monotonic()
         torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
         source = prepared_source(spec)
-        loaded = load_source(source, weights_for(config))
+        loaded = load_source(source, config.weights_to_load())
         core = EngineCore(loaded, config)
         self.engine = AsyncEngine(core, max_pending=max_pending)
         self.engine.start()  # warms up

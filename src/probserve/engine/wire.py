@@ -51,6 +51,9 @@ class Hello(Message, tag="hello"):
     model: str  # what the worker loaded, as a --model spec (a GGUF's converted directory)
     pid: int
     startup_seconds: float  # from process start to ready (load, runner build, warm-up)
+    # the tokenizer's class as AutoTokenizer chose it ("module:qualname"), so the server loads
+    # the same one without AutoTokenizer, which loads torch (models/loader.py: load_tokenizer)
+    tokenizer: str = ""
 
 
 class StepOutputs(Message, tag="step"):

@@ -126,11 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     events.connect(args.events)
     codec = wire.Codec(wire.Command)
     try:
-        from probserve.engine.runner import weights_for
-        from probserve.models.loader import load_source, prepared_source
+        from probserve.models.loader import load_source, prepared_source, tokenizer_class
 
         source = prepared_source(args.model)
-        loaded = load_source(source, weights_for(config))
+        loaded = load_source(source, config.weights_to_load())
         core = EngineCore(loaded, config)
         core.warmup()
         core.runner.release_source_weights()
@@ -140,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
         hello = wire.Hello(
-            info=core.info, model=source.directory, pid=os.getpid(), startup_seconds=elapsed
+            info=core.info,
+            model=source.directory,
+            pid=os.getpid(),
+            startup_seconds=elapsed,
+            tokenizer=tokenizer_class(loaded.tokenizer),
         )
         worker.send(hello)
         worker.serve()

@@ -50,6 +50,7 @@ class WorkerEngine(EngineClient):
         self.log_level = log_level
         self.startup_seconds: float | None = None  # the worker's own figure, from its Hello
         self.loaded_spec: str | None = None  # what the worker loaded (a GGUF's converted dir)
+        self.tokenizer_class = ""  # the class of the worker's tokenizer (wire.Hello.tokenizer)
         self.pid: int | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
@@ -165,6 +166,7 @@ class WorkerEngine(EngineClient):
                     self.info = message.info
                     self.startup_seconds = message.startup_seconds
                     self.loaded_spec = message.model
+                    self.tokenizer_class = message.tokenizer
                     log.info(
                         "engine worker %d ready: %s, %d KV tokens, started in %.1f s",
                         message.pid,

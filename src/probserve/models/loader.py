@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -159,6 +157,7 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
     with `weights="native"` a GGUF file's quantized blocks as the file holds them (where the
     file has blocks the kernels multiply, the model runs on the paged forward and the kernels
     build here; otherwise float32, with a warning saying why)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {}
@@ -248,12 +247,30 @@ def load_model(spec: str | None = None, weights: Weights = "float32") -> LoadedM
     return load_source(source, weights)
 
 
-def load_tokenizer(source: ModelSource) -> Any:
-    """The tokenizer alone (what an API server process needs beside an engine worker)."""
-    from transformers import AutoTokenizer
+def tokenizer_class(tokenizer: Any) -> str:
+    """`tokenizer`'s class as "module:qualname" where `load_tokenizer` can load it by name (one
+    of transformers' own), else ""."""
+    cls = type(tokenizer)
+    own = cls.__module__.startswith("transformers.")
+    return f"{cls.__module__}:{cls.__qualname__}" if own else ""
+
+
+def load_tokenizer(source: ModelSource, cls: str = "") -> Any:
+    """The tokenizer alone (what an API server process needs beside an engine worker): of the
+    class `cls` ("module:qualname", from `tokenizer_class`) where given, as AutoTokenizer chose
+    it for the same files elsewhere. AutoTokenizer itself imports transformers' configuration
+    code, which loads torch (~200 MB) into a process that never runs a model."""
+    import importlib
 
     kwargs = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
+        if cls and not source.gguf_file:
+            module, _, name = cls.partition(":")
+            if module.startswith("transformers."):
+                chosen = getattr(importlib.import_module(module), name)
+                return chosen.from_pretrained(source.name_or_path, **kwargs)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
     except _LOAD_ERRORS as exc:
         raise ModelLoadError(
@@ -267,6 +284,7 @@ def save_hf_directory(loaded: LoadedModel, path: str | Path) -> Path:
     source's quantization marker is dropped: the weights are already dequantised."""
     import copy
 
+    import torch
     from transformers import AutoModelForCausalLM
 
     out = Path(path)
