@@ -119,6 +119,40 @@ def test_row_kernels_do_not_depend_on_the_batch(kernels: InvariantKernels):
         assert torch.equal(kernels.topk(lp[sl], 20)[1], ids[sl])
 
 
+def test_fused_scores_equal_the_log_softmax_path(kernels: InvariantKernels):
+    """`score` reads logits and never writes their log-softmax; its logprob, rank and top-k
+    are the very bits that log_softmax, gather, counting and topk give: on ties (coarse
+    values), masked rows (-inf), a row with one finite entry, widths that are not a multiple
+    of the vector width, every k up to the most it keeps, and any subset of rows."""
+    from probserve.engine.row_math import score_from_log_softmax
+    from probserve.kernels.invariant import SCORE_MAX_K
+
+    g = torch.Generator().manual_seed(11)
+    for v in (49152, 1003, 70, 16, 5):
+        logits = (torch.randn(24, v, generator=g) * 8).round() / 4  # many ties
+        logits[3, : v // 2] = float("-inf")
+        logits[4, 1:] = float("-inf")
+        logits[5] = logits[5] * 1e-3 + 1e4  # large values: the subtractions round
+        targets = torch.randint(0, v, (24,), generator=g)
+        targets[4] = 0
+        targets[6] = int(logits[6].argmax())  # the best: rank 1
+        targets[3] = 1  # a masked entry: -inf, ranked after every finite one
+        for k in sorted({0, 1, 2, 5, 20, min(v, SCORE_MAX_K)}):
+            if k > v:
+                continue
+            got = kernels.score(logits, targets, k)
+            want = score_from_log_softmax(kernels, logits, targets, k)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (v, k)
+            assert int(got[1][6]) == 1
+            for start, rows in _subsets(24, random.Random(k)):
+                sl = slice(start, start + rows)
+                part = kernels.score(logits[sl], targets[sl], k)
+                assert all(torch.equal(a, b[sl]) for a, b in zip(part, got, strict=True))
+    with pytest.raises(IndexError):
+        kernels.score(torch.zeros(2, 8), torch.tensor([0, 8]), 1)
+
+
 def test_topk_orders_ties_by_id_and_is_a_prefix(kernels: InvariantKernels):
     row = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0, 1.0, 2.0, float("-inf"), 1.0, 0.5]])
     vals, ids = kernels.topk(row, 10)

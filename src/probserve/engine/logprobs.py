@@ -1,7 +1,8 @@
-"""Logprobs of chosen tokens: value, rank and top-k, from rows of log-probabilities.
+"""Logprobs of chosen tokens: value, rank and top-k, from rows of logits.
 
-One `topk` per call over all rows (never a full sort), ranks by counting, and the results leave
-torch as compact numpy arrays.
+`RowMath.score` gives them for all rows at once (never a full sort, ranks by counting; the
+row-invariant kernels in one fused pass per row without writing the log-softmax), and the
+results leave torch as compact numpy arrays.
 """
 
 from __future__ import annotations
@@ -22,33 +23,30 @@ if TYPE_CHECKING:
 SCORE_CHUNK_ROWS = 256
 
 
-def gather_logprobs(
+def token_logprobs(
     math: RowMath,
-    logprobs: torch.Tensor,
+    logits: torch.Tensor,
     token_ids: torch.Tensor,
     k: int,
     targets: tuple[int, ...] = (),
     entropy: bool = False,
 ) -> TokenLogprobs:
-    """`logprobs` [n, V] (already log-softmaxed), `token_ids` [n] -> TokenLogprobs with k alts,
-    the logprobs of the `targets` ids, and each row's exact entropy when asked."""
+    """Rows of logits [n, V] and the token each row scores [n] -> TokenLogprobs with k alts
+    (`RowMath.score`: no log-softmax written out), plus the logprobs of the `targets` ids and
+    each row's exact entropy where asked (these read the whole log-softmax)."""
     target_lp = ent = None
-    if targets:
-        ids = torch.tensor(targets, dtype=torch.long)
-        target_lp = logprobs.index_select(1, ids).numpy().astype(np.float32, copy=True)
-    if entropy:
-        # H = -sum p log p over the whole vocabulary; masked tokens (p = 0) add nothing
-        ent = math.entropy(logprobs).numpy().astype(np.float32, copy=True)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1))  # [n, 1]
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    if k > 0:
-        top_vals, top_ids = math.topk(logprobs, k)
-    else:
-        top_vals = logprobs.new_empty((logprobs.shape[0], 0))
-        top_ids = token_ids.new_empty((logprobs.shape[0], 0))
+    if targets or entropy:
+        lp = math.log_softmax(logits)
+        if targets:
+            ids = torch.tensor(targets, dtype=torch.long)
+            target_lp = lp.index_select(1, ids).numpy().astype(np.float32, copy=True)
+        if entropy:
+            # H = -sum p log p over the whole vocabulary; masked tokens (p = 0) add nothing
+            ent = math.entropy(lp).numpy().astype(np.float32, copy=True)
+    chosen, ranks, top_vals, top_ids = math.score(logits, token_ids, k)
     return TokenLogprobs(
         token_ids=token_ids.numpy().astype(np.int64, copy=True),
-        logprobs=chosen.view(-1).numpy().astype(np.float32, copy=True),
+        logprobs=chosen.numpy().astype(np.float32, copy=True),
         ranks=ranks.numpy().astype(np.int64, copy=True),
         top_ids=top_ids.numpy().astype(np.int64, copy=True),
         top_logprobs=top_vals.numpy().astype(np.float32, copy=True),
@@ -73,10 +71,10 @@ def score_positions(
     full = sorted(set(spec.full_positions)) if spec else []
     parts = []
     for start in range(0, n, SCORE_CHUNK_ROWS):
-        lp = math.log_softmax(rows.logits(start, start + SCORE_CHUNK_ROWS).float())
-        part = gather_logprobs(
+        logits = rows.logits(start, start + SCORE_CHUNK_ROWS).float()
+        part = token_logprobs(
             math,
-            lp,
+            logits,
             targets[start : start + SCORE_CHUNK_ROWS],
             k,
             spec.target_ids if spec else (),
@@ -84,8 +82,11 @@ def score_positions(
         )
         if full:
             lo = first_position + start
-            local = [p - lo for p in full if lo <= p < lo + lp.shape[0]]
-            picked = lp[torch.tensor(local, dtype=torch.long)] if local else lp[:0]
+            local = [p - lo for p in full if lo <= p < lo + logits.shape[0]]
+            # a row's log-softmax does not depend on the rows beside it
+            picked = math.log_softmax(
+                logits[torch.tensor(local, dtype=torch.long)] if local else logits[:0]
+            )
             part = dataclasses.replace(part, full=picked.numpy().astype(np.float32, copy=True))
         parts.append(part)
     if not parts:

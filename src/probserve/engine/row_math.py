@@ -14,11 +14,19 @@ from typing import Protocol
 
 import torch
 
-from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.invariant import SCORE_MAX_K, InvariantKernels
+
+Scores = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class RowMath(Protocol):
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, k: int) -> Scores:
+        """From rows of logits: each target's logprob [n], its rank (1 + the entries above it)
+        [n] and the k best (logprobs, ids) [n, k], as `log_softmax` then gather, count and
+        `topk` give them."""
+        ...
 
     def topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k best (values, ids) of each row, best first."""
@@ -29,9 +37,22 @@ class RowMath(Protocol):
         ...
 
 
+def score_from_log_softmax(
+    math: RowMath, logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> Scores:
+    lp = math.log_softmax(logits)
+    chosen = lp.gather(1, targets.view(-1, 1))  # [n, 1]
+    ranks = (lp > chosen).sum(dim=1) + 1
+    vals, ids = math.topk(lp, k) if k > 0 else (lp[:, :0], targets.new_empty((len(lp), 0)))
+    return chosen.view(-1), ranks, vals, ids
+
+
 class TorchRowMath:
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x, dim=-1)
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, k: int) -> Scores:
+        return score_from_log_softmax(self, logits, targets, k)
 
     def topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         top = torch.topk(logprobs, min(k, logprobs.shape[1]), dim=1)
@@ -47,6 +68,12 @@ class InvariantRowMath:
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.log_softmax(x)
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, k: int) -> Scores:
+        # one fused pass over each row (kernels/invariant.cpp: ps_score), the same bits
+        if k <= min(SCORE_MAX_K, logits.shape[1]):
+            return self.kernels.score(logits, targets, k)
+        return score_from_log_softmax(self, logits, targets, k)
 
     def topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kernels.topk(logprobs, k)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from probserve.engine.logprobs import gather_logprobs
+from probserve.engine.logprobs import token_logprobs
 from probserve.engine.row_math import RowMath
 from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams, TokenLogprobs
 
@@ -191,21 +191,20 @@ def _logprobs_rows(
     chosen: torch.Tensor,
     specs: dict[int, LogprobsSpec | None],
 ) -> dict[int, TokenLogprobs]:
-    """The logprobs of rows `idx` (whose logits are `sources`), one log_softmax and one top-k
-    for all of them; each row then takes its own k, target ids and entropy."""
+    """The logprobs of rows `idx` (whose logits are `sources`), scored together with the largest
+    k any of them asks; each row then takes its own k, target ids and entropy."""
     if not idx or sources is None:
         return {}
-    lp = math.log_softmax(sources)
     k_max = max(specs[i].top_k for i in idx)  # type: ignore[union-attr]
-    block = gather_logprobs(math, lp, chosen[idx], k_max)
+    block = token_logprobs(math, sources, chosen[idx], k_max)
     out: dict[int, TokenLogprobs] = {}
     for j, i in enumerate(idx):
         spec = specs[i]
         assert spec is not None
         row = block.row(j, spec.top_k)
         if spec.target_ids or spec.entropy:
-            extra = gather_logprobs(math, lp[j : j + 1], chosen[i : i + 1], 0, spec.target_ids,
-                                    spec.entropy)  # fmt: skip
+            extra = token_logprobs(math, sources[j : j + 1], chosen[i : i + 1], 0,
+                                   spec.target_ids, spec.entropy)  # fmt: skip
             row = dataclasses.replace(
                 row,
                 target_logprobs=extra.target_logprobs,

@@ -128,23 +128,79 @@ void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
     }
 }
 
+// a row's max and log(sum exp(x - max)): log_softmax(x)_i = (x_i - max) - lse
+inline void row_normalizer(const float* xr, int64_t V, float& max, float& lse) {
+    vf mx = vset1(NEG_INF);
+    for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF));
+    max = hmax(mx);
+    const vf vm = vset1(max);
+    vf acc = vzero();
+    for (int64_t i = 0; i < V; i += W)
+        acc = vadd(acc, vexp(vsub(vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF), vm)));
+    lse = std::log(hsum(acc));
+}
+
 // log_softmax of each row of V: (x - max) - log(sum exp(x - max))
 void ps_log_softmax(const float* x, int64_t M, int64_t V, float* out) {
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * V;
         float* o = out + m * V;
-        vf mx = vset1(NEG_INF);
-        for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF));
-        const vf vm = vset1(hmax(mx));
-        vf acc = vzero();
-        for (int64_t i = 0; i < V; i += W)
-            acc = vadd(acc, vexp(vsub(vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF), vm)));
-        const vf lse = vset1(std::log(hsum(acc)));
+        float max, lse;
+        row_normalizer(xr, V, max, lse);
+        const vf vm = vset1(max), vl = vset1(lse);
         for (int64_t i = 0; i < V; i += W) {
             const int64_t n = std::min<int64_t>(W, V - i);
-            vstore_n(o + i, vsub(vsub(vload_n(xr + i, n, 0.0f), vm), lse), n);
+            vstore_n(o + i, vsub(vsub(vload_n(xr + i, n, 0.0f), vm), vl), n);
         }
+    }
+}
+
+// One token's scores straight from its row of logits, the log-softmax never written out: the
+// logprob of target[m], its rank (1 + how many entries exceed it) and the k <= 64 best entries
+// by value then id. Every log-probability is computed as ps_log_softmax computes it (the same
+// max, lse and two subtractions), and the rank and top-k are those gather-and-compare and
+// ps_topk give on ps_log_softmax's output: the same bits, from one read of the row after the
+// normalizer's two instead of a write and three more.
+void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64_t k,
+              float* lp, int64_t* rank, float* vals, int64_t* ids) {
+#pragma omp parallel for schedule(static) if (M > 1)
+    for (int64_t m = 0; m < M; ++m) {
+        const float* xr = x + m * V;
+        float max, lse;
+        row_normalizer(xr, V, max, lse);
+        const vf vm = vset1(max), vl = vset1(lse);
+        const float chosen = (xr[target[m]] - max) - lse;
+        const vf vc = vset1(chosen);
+        float* bv = vals + m * k;
+        int64_t* bi = ids + m * k;
+        int64_t above = 0, n = 0;
+        alignas(64) float row[W];
+        for (int64_t i = 0; i < V; i += W) {
+            const int64_t c = std::min<int64_t>(W, V - i);
+            const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
+            const vf v = vsub(vsub(vload_n(xr + i, c, 0.0f), vm), vl);
+            above += __builtin_popcount(vmask_gt(v, vc) & valid);
+            if (k == 0) continue;
+            uint32_t candidates = n < k ? valid : vmask_gt(v, vset1(bv[k - 1])) & valid;
+            if (!candidates) continue;
+            vstore(row, v);
+            for (; candidates; candidates &= candidates - 1) {  // in id order, as ps_topk scans
+                const int64_t j = __builtin_ctz(candidates);
+                const float e = row[j];
+                if (n == k && !(e > bv[k - 1])) continue;  // ties keep the lower id
+                int64_t p = n < k ? n++ : k - 1;
+                while (p > 0 && e > bv[p - 1]) {
+                    bv[p] = bv[p - 1];
+                    bi[p] = bi[p - 1];
+                    --p;
+                }
+                bv[p] = e;
+                bi[p] = i + j;
+            }
+        }
+        lp[m] = chosen;
+        rank[m] = above + 1;
     }
 }
 

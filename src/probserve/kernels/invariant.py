@@ -43,6 +43,7 @@ class QuantizedWeight:
 # GGML quantization type id -> (quantized.cpp's format id, GGUF bytes per block of 32)
 QFORMATS: dict[int, tuple[int, int]] = {2: (0, 18), 3: (1, 20), 8: (2, 34)}  # Q4_0, Q4_1, Q8_0
 QBLOCK = 32
+SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -179,6 +180,29 @@ class InvariantKernels:
         out = torch.empty(lp.shape[0], dtype=torch.float32)
         self.lib.ps_entropy(lp.data_ptr(), lp.shape[0], lp.shape[1], out.data_ptr())
         return out
+
+    def score(
+        self, logits: torch.Tensor, targets: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """From rows of logits, without writing their log-softmax: each target's logprob [m],
+        its rank [m] and the k <= SCORE_MAX_K best (logprobs, ids) [m, k], the same bits as
+        `log_softmax`, then gather, count and `topk` on its output."""
+        x = _f32(logits)
+        m, v = x.shape
+        assert 0 <= k <= min(SCORE_MAX_K, v)
+        t = targets.to(torch.int64).contiguous()
+        if m and not bool(((t >= 0) & (t < v)).all()):
+            raise IndexError("a target id is outside the row")
+        lp = torch.empty(m, dtype=torch.float32)
+        rank = torch.empty(m, dtype=torch.int64)
+        vals = torch.empty((m, k), dtype=torch.float32)
+        ids = torch.empty((m, k), dtype=torch.int64)
+        if m:
+            self.lib.ps_score(
+                x.data_ptr(), m, v, t.data_ptr(), k,
+                lp.data_ptr(), rank.data_ptr(), vals.data_ptr(), ids.data_ptr(),
+            )  # fmt: skip
+        return lp, rank, vals, ids
 
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k largest of each row, by value descending then id ascending (one total order:

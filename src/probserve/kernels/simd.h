@@ -66,6 +66,7 @@ inline vf vselect_gt(vf a, vf b, vf then, vf other) {
 inline vf vselect_nan(vf a, vf then, vf other) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), other, then);
 }
+inline uint32_t vmask_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }  // lane i: bit i
 // W vectors in, one out whose lanes are the W vectors' sums, in a fixed but permuted order
 inline vf sum_lanes_raw(const vf* a) {
     vf b[8], c[4], d[2];
@@ -157,6 +158,9 @@ inline vf vselect_gt(vf a, vf b, vf then, vf other) {
 }
 inline vf vselect_nan(vf a, vf then, vf other) {
     return _mm256_blendv_ps(other, then, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+inline uint32_t vmask_gt(vf a, vf b) {  // lane i: bit i
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)));
 }
 inline vf sum_lanes_raw(const vf* a) {
     vf b[4], d[2];
