@@ -153,6 +153,34 @@ def test_fused_scores_equal_the_log_softmax_path(kernels: InvariantKernels):
         kernels.score(torch.zeros(2, 8), torch.tensor([0, 8]), 1)
 
 
+def test_fused_rope_and_cache_write_equal_torch(kernels: InvariantKernels):
+    """One call rotates q and k and writes k and v into their cache slots: the same bits as
+    torch's x * cos + rotate_half(x) * sin and index_copy_, which the model runs without the
+    kernels; slots and positions outside their tables are refused before any write."""
+    from probserve.models.llama import _rotate_half
+
+    g = torch.Generator().manual_seed(5)
+    nq, nkv, d, t = 9, 3, 64, 37
+    qkv = torch.randn(t, (nq + 2 * nkv) * d, generator=g) * 3
+    cos, sin = torch.randn(300, d, generator=g), torch.randn(300, d, generator=g)
+    positions = torch.randint(0, 300, (t,), generator=g)
+    slots = torch.randperm(128, generator=g)[:t]
+    kc, vc = torch.zeros(128, nkv, d), torch.zeros(128, nkv, d)
+    q = kernels.rope_cache(qkv, (nq, nkv, d), cos, sin, positions, slots, kc, vc)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    q_ref = qkv[:, : nq * d].view(t, nq, d)
+    k_ref = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+    kc_ref, vc_ref = torch.zeros_like(kc), torch.zeros_like(vc)
+    kc_ref.index_copy_(0, slots, k_ref * c + _rotate_half(k_ref) * s)
+    vc_ref.index_copy_(0, slots, qkv[:, (nq + nkv) * d :].view(t, nkv, d))
+    assert torch.equal(q, q_ref * c + _rotate_half(q_ref) * s)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    with pytest.raises(IndexError):
+        kernels.rope_cache(qkv, (nq, nkv, d), cos, sin, positions, slots + 128, kc, vc)
+    with pytest.raises(IndexError):
+        kernels.rope_cache(qkv, (nq, nkv, d), cos, sin, positions + 300, slots, kc, vc)
+
+
 def test_topk_orders_ties_by_id_and_is_a_prefix(kernels: InvariantKernels):
     row = torch.tensor([[0.5, 2.0, 1.0, 2.0, -1.0, 1.0, 2.0, float("-inf"), 1.0, 0.5]])
     vals, ids = kernels.topk(row, 10)

@@ -128,6 +128,31 @@ void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
     }
 }
 
+// One layer's RoPE and KV cache write, fused. qkv [T, (nq + 2 nkv) d] holds each token's q, k
+// and v heads; token t is at position pos[t] (its rows of the cos and sin tables [P, d]) and
+// goes to cache slot slots[t] (kc, vc [slots, nkv, d]). q_out[t, h] = rope(q[t, h]),
+// kc[slots[t], h] = rope(k[t, h]), vc[slots[t], h] = v[t, h], with rope(x)_i = x_i cos_i +
+// r_i sin_i and r = (-x[d/2:], x[:d/2]): two products and a sum, each rounded (no fused
+// multiply-add: -ffp-contract=off), as torch's x * cos + rotate_half(x) * sin computes them.
+void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
+                   const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
+                   float* q_out, float* kc, float* vc) {
+    const int64_t row = (nq + 2 * nkv) * d, half = d / 2;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; ++t) {
+        const float* x = qkv + t * row;
+        const float* c = cos + pos[t] * d;
+        const float* s = sin + pos[t] * d;
+        for (int64_t h = 0; h < nq + nkv; ++h) {
+            const float* src = x + h * d;
+            float* dst = h < nq ? q_out + (t * nq + h) * d : kc + (slots[t] * nkv + h - nq) * d;
+            for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + (-src[i + half]) * s[i];
+            for (int64_t i = half; i < d; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+        }
+        std::copy(x + (nq + nkv) * d, x + row, vc + slots[t] * nkv * d);
+    }
+}
+
 // a row's max and log(sum exp(x - max)): log_softmax(x)_i = (x_i - max) - lse
 inline void row_normalizer(const float* xr, int64_t V, float& max, float& lse) {
     vf mx = vset1(NEG_INF);

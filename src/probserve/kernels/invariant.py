@@ -51,11 +51,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 ids, checked against the table's n rows: the engine validates ids first, but the
-    kernels read memory, so they are checked again."""
+    """int64 row ids (token ids, positions, cache slots), checked against the table's n rows:
+    the engine computes them first, but the kernels read and write memory, so they are checked
+    again."""
     ids = ids.to(torch.int64).contiguous()
     if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < n):
-        raise IndexError(f"token id outside the embedding's {n} rows")
+        raise IndexError(f"row id outside the table's {n} rows")
     return ids
 
 
@@ -215,6 +216,45 @@ class InvariantKernels:
         if k > 0 and m > 0:
             self.lib.ps_topk(x.data_ptr(), m, v, k, vals.data_ptr(), ids.data_ptr())
         return vals, ids
+
+    def rope_cache(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer's RoPE and cache write: qkv [T, (nq + 2 nkv) d] (`heads` = nq, nkv, d),
+        tokens at `positions` (rows of the cos and sin tables [P, d]) into cache `slots`
+        (k_cache, v_cache [slots, nkv, d], written in place). Returns the rotated q [T, nq, d];
+        the same bits as torch's x * cos + rotate_half(x) * sin and index_copy_."""
+        nq, nkv, d = heads
+        qkv = _f32(qkv)
+        t = qkv.shape[0]
+        if qkv.shape[1] != (nq + 2 * nkv) * d or cos.shape != sin.shape or cos.shape[1] != d:
+            raise ValueError("rope_cache: shapes do not agree")
+        for cache in (k_cache, v_cache):
+            if (
+                cache.dtype != torch.float32
+                or not cache.is_contiguous()
+                or cache.shape[1:] != (nkv, d)
+            ):
+                raise ValueError("rope_cache: the cache must be contiguous float32 [slots, nkv, d]")
+        positions = _row_ids(positions, cos.shape[0])
+        slots = _row_ids(slots, k_cache.shape[0])
+        cos, sin = _f32(cos), _f32(sin)
+        q = torch.empty((t, nq, d), dtype=torch.float32)
+        if t:
+            self.lib.ps_rope_cache(
+                qkv.data_ptr(), t, nq, nkv, d, cos.data_ptr(), sin.data_ptr(),
+                positions.data_ptr(), slots.data_ptr(),
+                q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            )  # fmt: skip
+        return q
 
     def attention(
         self,

@@ -230,19 +230,28 @@ class LlamaForward:
         """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
         returns the final-norm hidden states [T, H]."""
         h = self._embed(input_ids)
-        cos, sin = self._rope(h, positions)  # [T, 1, d]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.kernels is not None:
+            self._rope_table(h, int(positions.max()) + 1 if positions.numel() else 0)
+        else:
+            cos, sin = self._rope(h, positions)  # [T, 1, d]
         t = input_ids.shape[0]
         for li, layer in enumerate(self.layers):
             x = self._norm(h, layer.ln1, layer.eps1)
             qkv = layer.qkv(x)
-            q = qkv[:, : nq * d].view(t, nq, d)
-            k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
-            v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            cache.k[li].index_copy_(0, plan.slots, k)
-            cache.v[li].index_copy_(0, plan.slots, v)
+            if self.kernels is not None:  # RoPE and the cache write in one call
+                q = self.kernels.rope_cache(
+                    qkv, (nq, nkv, d), self._rope_cos, self._rope_sin, positions, plan.slots,
+                    cache.k[li], cache.v[li],
+                )  # fmt: skip
+            else:
+                q = qkv[:, : nq * d].view(t, nq, d)
+                k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
+                v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+                cache.k[li].index_copy_(0, plan.slots, k)
+                cache.v[li].index_copy_(0, plan.slots, v)
             attn = self._attention(q, cache, li, plan, layer.scale)
             h = h + layer.o(attn)
             x = self._norm(h, layer.ln2, layer.eps2)
@@ -273,19 +282,19 @@ class LlamaForward:
         return F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, d] at `positions`: the rotary module's, or in deterministic mode
-        rows of a table it filled in blocks of ROPE_BLOCK positions (each block one call of one
-        shape, so a position's row never depends on what else is in the step)."""
-        if self.kernels is None:
-            cos, sin = self.rotary(h, positions.unsqueeze(0))
-            return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        need = int(positions.max()) + 1 if positions.numel() else 0
+        """cos and sin [T, 1, d] at `positions`, from the rotary module (torch's path)."""
+        cos, sin = self.rotary(h, positions.unsqueeze(0))
+        return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+    def _rope_table(self, h: torch.Tensor, need: int) -> None:
+        """Deterministic mode's cos and sin tables, grown to cover positions 0..need-1 in blocks
+        of ROPE_BLOCK positions (each block one call of one shape, so a position's row never
+        depends on what else is in the step); the kernels read their rows."""
         while self._rope_cos.shape[0] < need:
             start = self._rope_cos.shape[0]
             cos, sin = self.rotary(h[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
             self._rope_cos = torch.cat([self._rope_cos, cos[0].float()])
             self._rope_sin = torch.cat([self._rope_sin, sin[0].float()])
-        return self._rope_cos[positions].unsqueeze(1), self._rope_sin[positions].unsqueeze(1)
 
     def _attention(
         self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, scale: float
