@@ -11,6 +11,7 @@ every figure and probserve's ratio to each peer; it is only meaningful within on
     .venv/bin/python bench/race.py --peers vllm            # ~10 minutes with vLLM's start
     .venv/bin/python bench/race.py --peers vllm llama --concurrency 1 4 16 32
     .venv/bin/python bench/race.py --peers llama --alternate 4   # + one-stream A/B/A/B rounds
+    .venv/bin/python bench/race.py --peers vllm --alternate-scoring 4 --no-sweep  # scoring only
 
 `--variant LABEL=FLAGS` (repeatable) runs probserve once per variant instead of once, for a
 same-run A/B of its own settings; the first variant is the base of every ratio:
@@ -238,6 +239,13 @@ def main() -> None:
     ap.add_argument("--logs", default="/tmp/probserve-race")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="then one-stream rounds, servers alternated")  # fmt: skip
+    ap.add_argument("--alternate-scoring", type=int, default=0, metavar="ROUNDS",
+                    help="then scoring rounds (new prompts each), servers alternated")  # fmt: skip
+    ap.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="only the alternated rounds (each server started once for them)",
+    )
     args = ap.parse_args()
 
     from probserve.models import load_tokenizer, prepared_source
@@ -249,11 +257,15 @@ def main() -> None:
         "stream": make_prompts_local(tokenizer, n, args.prompt_tokens, seed=0),
         "unrelated": make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=1),
         "mc": mc_prompts(make_prompts_local(tokenizer, 16, args.prompt_tokens, seed=2), 4, 5, 1),
+        "rounds": [
+            make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=100 + r)
+            for r in range(args.alternate_scoring)
+        ],
     }
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
-    for server in build_servers(args, source.name_or_path, logs):
+    for server in [] if args.no_sweep else build_servers(args, source.name_or_path, logs):
         print(f"== {server.name}: starting", flush=True)
         server.start()
         try:
@@ -261,50 +273,64 @@ def main() -> None:
         finally:
             server.stop()
         print(server.name, "result", json.dumps(results[server.name]), flush=True)
-    rounds = alternate(args, pools, logs) if args.alternate else None
+    kinds = ((False, args.alternate), (True, args.alternate_scoring))
+    rounds = [alternate(args, pools, logs, source.name_or_path, sc) for sc, n in kinds if n]
     print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
     print("command: .venv/bin/python bench/race.py " + " ".join(sys.argv[1:]))
-    print(json.dumps(results))
-    print(table(results, args))
-    if rounds:
-        print(rounds)
+    if results:
+        print(json.dumps(results))
+        print(table(results, args))
+    for text in rounds:
+        print(text)
 
 
 PAUSE = 3.0  # seconds between alternated rounds
 
 
-def alternate(args: argparse.Namespace, pools: dict, logs: Path) -> str:
-    """One stream, server after server, `--alternate` rounds, with every server up at once
-    (idle while another is measured): a one-stream ratio that the machine's drift over the
-    sweep (minutes apart) cannot move. vLLM sits out: it holds ~7 GB and takes minutes to start,
-    and the sweep has its one-stream figure."""
-    servers = [s for s in build_servers(args, "", logs) if s.name != "vllm-cpu"]
-    tok: dict[str, list[float]] = {s.name: [] for s in servers}
+def alternate(args: argparse.Namespace, pools: dict, logs: Path, hf_dir: str, scoring: bool) -> str:
+    """Rounds of one workload, server after server, with every server up at once (idle while
+    another is measured): a ratio that the machine's drift over the sweep (minutes apart)
+    cannot move. One stream (`--alternate`): vLLM sits out (it takes minutes to start, and the
+    sweep has its one-stream figure). Scoring (`--alternate-scoring`): llama-server sits out (no
+    prompt logprobs); each round's 64 prompts are new to every server, so no prefix cache
+    helps, and every server scores the same ones."""
+    rounds = args.alternate_scoring if scoring else args.alternate
+    skip = "llama-server" if scoring else "vllm-cpu"
+    servers = [s for s in build_servers(args, hf_dir, logs) if s.name != skip]
+    figures: dict[str, list[float]] = {s.name: [] for s in servers}
+    label = "scoring (prompt tok/s)" if scoring else "1 stream"
     try:
         for server in servers:
             server.start()
-        prompts = pools["stream"][: args.requests_per_stream]
-        for _ in range(args.alternate):
+        for r in range(rounds):
             for server in servers:
                 time.sleep(PAUSE)  # the last server's threads stop spinning (llama's --poll)
                 before = {s.name: sum(tree_cpu_seconds(s.proc.pid).values()) for s in servers}  # type: ignore[union-attr]
-                row = asyncio.run(run_level(server.url, server.model, prompts, 1,
-                                            args.output_tokens, None, args.timeout))  # fmt: skip
+                if scoring:
+                    row = asyncio.run(run_scoring(server.url, server.model, pools["rounds"][r], 8,
+                                                  args.timeout))  # fmt: skip
+                    figure = row["prompt_tok_per_s"]
+                else:
+                    one = pools["stream"][: args.requests_per_stream]
+                    n = args.output_tokens
+                    row = asyncio.run(run_level(server.url, server.model, one, 1, n, None,
+                                                args.timeout))  # fmt: skip
+                    figure = row["tok_per_s"]
                 idle = {s.name: round((sum(tree_cpu_seconds(s.proc.pid).values())  # type: ignore[union-attr]
                                        - before[s.name]) / row["seconds"], 2)
                         for s in servers if s is not server}  # fmt: skip
-                tok[server.name].append(row["tok_per_s"])
-                print(server.name, "alternated, 1 stream:", row["tok_per_s"],
+                figures[server.name].append(figure)
+                print(server.name, f"alternated, {label}:", figure,
                       "| cores the idle servers used meanwhile:", idle, flush=True)  # fmt: skip
     finally:
         for server in servers:
             server.stop()
-    means = {name: sum(v) / len(v) for name, v in tok.items()}
+    means = {name: sum(v) / len(v) for name, v in figures.items()}
     base = next(iter(means))
-    lines = [f"\n| 1 stream, {args.alternate} alternated rounds | mean tok/s | rounds | "
-             f"{base} / this |", "|---|---:|---|---:|"]  # fmt: skip
+    lines = [f"\n| {label}, {rounds} alternated rounds | mean | rounds | {base} / this |",
+             "|---|---:|---|---:|"]  # fmt: skip
     for name, mean in means.items():
-        shown = ", ".join(f"{v:g}" for v in tok[name])
+        shown = ", ".join(f"{v:g}" for v in figures[name])
         lines.append(f"| {name} | {mean:.1f} | {shown} | {means[base] / mean:.2f}x |")
     return "\n".join(lines)
 
