@@ -59,6 +59,20 @@ inline void pv_fast(vf* acc, const float* vc, const int64_t* offs, int64_t j0, i
     for (int i = 0; i < PG * NV; ++i) acc[i] = a[i];
 }
 
+// the k best so far (n of them, best first, ordered by value then id) meet entry `id` of value
+// v, offered in id order: it goes in where it beats the k-th (ties keep the lower id)
+inline void offer(float* bv, int64_t* bi, int64_t k, int64_t& n, float v, int64_t id) {
+    if (n == k && !(v > bv[k - 1])) return;
+    int64_t p = n < k ? n++ : k - 1;
+    while (p > 0 && v > bv[p - 1]) {
+        bv[p] = bv[p - 1];
+        bi[p] = bi[p - 1];
+        --p;
+    }
+    bv[p] = v;
+    bi[p] = id;
+}
+
 }  // namespace
 
 extern "C" {
@@ -212,16 +226,7 @@ void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64
             vstore(row, v);
             for (; candidates; candidates &= candidates - 1) {  // in id order, as ps_topk scans
                 const int64_t j = __builtin_ctz(candidates);
-                const float e = row[j];
-                if (n == k && !(e > bv[k - 1])) continue;  // ties keep the lower id
-                int64_t p = n < k ? n++ : k - 1;
-                while (p > 0 && e > bv[p - 1]) {
-                    bv[p] = bv[p - 1];
-                    bi[p] = bi[p - 1];
-                    --p;
-                }
-                bv[p] = e;
-                bi[p] = i + j;
+                offer(bv, bi, k, n, row[j], i + j);
             }
         }
         lp[m] = chosen;
@@ -254,18 +259,7 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
         int64_t* bi = ids + m * k;
         if (k <= 64) {
             int64_t n = 0;
-            for (int64_t i = 0; i < V; ++i) {
-                const float v = r[i];
-                if (n == k && !(v > bv[k - 1])) continue;  // ties keep the lower id
-                int64_t j = n < k ? n++ : k - 1;
-                while (j > 0 && v > bv[j - 1]) {
-                    bv[j] = bv[j - 1];
-                    bi[j] = bi[j - 1];
-                    --j;
-                }
-                bv[j] = v;
-                bi[j] = i;
-            }
+            for (int64_t i = 0; i < V; ++i) offer(bv, bi, k, n, r[i], i);
         } else {
             std::vector<int64_t> order(V);
             std::iota(order.begin(), order.end(), 0);
