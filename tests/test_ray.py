@@ -125,6 +125,29 @@ def test_the_api_answers_as_a_local_server(app: str, base_url: str):
     assert "".join(streamed) == whole["choices"][0]["text"]
     r = _post(app, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    # the ingress tokenizes and formats: torch (~200 MB) lives in the replicas alone
+    ingress, engines = (
+        _actor_pids(f"ServeReplica:{APP}:ingress"),
+        _actor_pids(f"ServeReplica:{APP}:model-"),
+    )
+    assert ingress and engines
+    assert all("libtorch" not in Path(f"/proc/{pid}/maps").read_text() for pid in ingress)
+    assert all("libtorch" in Path(f"/proc/{pid}/maps").read_text() for pid in engines)
+
+
+def _actor_pids(title: str) -> list[int]:
+    """This machine's processes of the Ray actors whose process title starts with
+    `ray::title` (Ray names each actor's process so)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
+                f"ray::{title}".encode()
+            ):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
 
 
 def _hit_rate(app: str, model: str, bodies: list[dict]) -> tuple[float, list[float]]:

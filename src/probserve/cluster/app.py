@@ -50,7 +50,7 @@ class Ingress:
         for entry in models:
             info = await entry.handle.info.remote()
             source = prepared_source(entry.spec)  # a GGUF file: its converted directory
-            tokenizer = load_tokenizer(source)
+            tokenizer = load_tokenizer(source, await entry.handle.tokenizer.remote())
             loaded = LoadedModel(
                 model=None,
                 tokenizer=tokenizer,

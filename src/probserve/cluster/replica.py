@@ -1,7 +1,8 @@
 """EngineReplica: one replica of a model's Ray Serve deployment, holding one engine.
 
 The replica loads the model, runs the engine on a thread of its own process (AsyncEngine) and
-serves three calls through deployment handles: `info()` (the EngineInfo), `generate(request)`
+serves these calls through deployment handles: `info()` (the EngineInfo), `tokenizer()` (the
+class of its tokenizer, for the ingress), `generate(request)`
 (a stream of ReplicaEvents: first an acknowledgement, then the request's EngineOutputs, the last
 one with this replica's figures) and `stats()`. Ray Serve calls `check_health()`: a dead or stuck
 engine fails it, and Serve replaces the replica. Everything that crosses the handle is the
@@ -15,9 +16,14 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from probserve.engine import AsyncEngine, EngineConfig, EngineCore, EngineOutput, EngineRequest
+from probserve.engine import EngineConfig, EngineOutput, EngineRequest
 from probserve.engine.info import EngineInfo
+
+if TYPE_CHECKING:  # the engine loads torch: imported where a replica starts, never in the
+    # ingress, which imports this module to bind the deployment
+    from probserve.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +42,16 @@ class EngineReplica:
     def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
         import torch
 
-        from probserve.models.loader import load_source, prepared_source
+        from probserve.engine import AsyncEngine, EngineCore
+        from probserve.models.loader import load_source, prepared_source, tokenizer_class
 
         started = time.monotonic()
         torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
         source = prepared_source(spec)
         loaded = load_source(source, config.weights_to_load())
         core = EngineCore(loaded, config)
-        self.engine = AsyncEngine(core, max_pending=max_pending)
+        self.tokenizer_class = tokenizer_class(loaded.tokenizer)
+        self.engine: AsyncEngine = AsyncEngine(core, max_pending=max_pending)
         self.engine.start()  # warms up
         core.runner.release_source_weights()
         loaded.model = loaded.weights = None
@@ -52,6 +60,11 @@ class EngineReplica:
 
     async def info(self) -> EngineInfo:
         return self.engine.info
+
+    async def tokenizer(self) -> str:
+        """The tokenizer's class as AutoTokenizer chose it (models/loader.py: tokenizer_class),
+        so the ingress loads the same one without torch."""
+        return self.tokenizer_class
 
     async def stats(self) -> dict[str, float]:
         return self.engine.stats()
