@@ -40,6 +40,8 @@ class RowMath(Protocol):
 def score_from_log_softmax(
     math: RowMath, logits: torch.Tensor, targets: torch.Tensor, k: int
 ) -> Scores:
+    """`RowMath.score` the long way: the log-softmax written out, then gather, count, top-k
+    (torch's path, top-k past the fused kernel's limit, and the kernel's test reference)."""
     lp = math.log_softmax(logits)
     chosen = lp.gather(1, targets.view(-1, 1))  # [n, 1]
     ranks = (lp > chosen).sum(dim=1) + 1
