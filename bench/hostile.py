@@ -203,7 +203,9 @@ def hog_the_batch(ctx: Ctx) -> str | None:
 
     thread = threading.Thread(target=hog)
     thread.start()
-    time.sleep(2.0)  # the hog is running
+    deadline = time.monotonic() + 60
+    while ctx.client.get("/health").json()["running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the hog is running
     quick = ctx.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     hog_done_first = done.is_set()
     thread.join()

@@ -52,6 +52,7 @@ def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, Serve
         supervisor.stop()
         server.should_exit = True
         thread.join(timeout=30)
+        supervisor.close()
 
 
 @contextmanager
@@ -59,3 +60,49 @@ def running_server(loaded: LoadedModel, *extra: str) -> Iterator[str]:
     """Yields the base URL (http://127.0.0.1:PORT) of a server over `loaded`."""
     with running_state(loaded, *extra) as (url, _):
         yield url
+
+
+class InFlight:
+    """A streamed completion read on a thread of its own: `started` is set at its first event,
+    so a test can act while the request is certainly in flight; `join()` gives (status, events,
+    ended with [DONE])."""
+
+    def __init__(self, url: str, body: dict[str, object]) -> None:
+        self.started = threading.Event()
+        self.status = 0
+        self.events: list[str] = []
+        self.done = False
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+
+    def _read(self, url: str, body: dict[str, object]) -> None:
+        import httpx
+
+        try:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.started.set()
+                        self.done = line == "data: [DONE]"
+                        self.events.append(line)
+        finally:
+            self.started.set()
+
+    def join(self, timeout: float = 120) -> tuple[int, list[str], bool]:
+        self._thread.join(timeout)
+        return self.status, self.events, self.done
+
+
+def finish_reason(events: list[str]) -> str | None:
+    """The finish reason of the last streamed completion event that has one."""
+    import json
+
+    for line in reversed(events):
+        if line != "data: [DONE]":
+            for choice in json.loads(line[6:]).get("choices", []):
+                if choice.get("finish_reason"):
+                    return str(choice["finish_reason"])
+    return None

@@ -85,13 +85,15 @@ def test_auth(smol: LoadedModel):
         assert r.choices[0].text
 
 
-def _wait_idle(http) -> dict:  # type: ignore[no-untyped-def]
-    for _ in range(200):
+def _wait_idle(http, timeout: float = 60) -> dict:  # type: ignore[no-untyped-def]
+    """/health once nothing is queued, running or held (or after `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
         h = http.get("/health").json()
-        if h["running"] == h["waiting"] == h["held_caches"] == h["streams"] == 0:
+        idle = h["running"] == h["waiting"] == h["held_caches"] == h["streams"] == 0
+        if idle or time.monotonic() > deadline:
             return h
         time.sleep(0.05)
-    return http.get("/health").json()
 
 
 def test_stream_disconnect_aborts(base_url: str, http):
@@ -102,6 +104,7 @@ def test_stream_disconnect_aborts(base_url: str, http):
         "ignore_eos": True,
         "stream": True,
     }
+    assert _wait_idle(http)["running"] == 0  # nothing of an earlier test's left running
     with (
         httpx.Client(base_url=base_url, timeout=60) as c,
         c.stream("POST", "/v1/completions", json=body) as r,

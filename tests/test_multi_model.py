@@ -85,19 +85,31 @@ def test_each_model_scores_exactly(two, tiny_dir: Path, smol: LoadedModel):
 
 
 def test_one_models_overload_leaves_the_other_alone(two):
-    url, _ = two
+    import os
+    import signal
+
+    url, state = two
+    tiny = next(m for m in state.models if m.name == "tiny")
+    pid = tiny.engine.pid  # type: ignore[attr-defined]
     body = {"model": "tiny", "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=url, timeout=120) as c:
+        # the tiny worker holds still, so its 4 streams stay queued however fast it would run
+        os.kill(pid, signal.SIGSTOP)
         streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(4)]
-        opened = [s.__enter__() for s in streams]
         try:
+            opened = [s.__enter__() for s in streams]
             assert all(r.status_code == 200 for r in opened)
             busy = c.post("/v1/completions", json={**body, "stream": False, "max_tokens": 1})
             assert busy.status_code == 429 and "Retry-After" in busy.headers, busy.text
             assert _complete(url, "smol")["choices"][0]["finish_reason"] == "length"
         finally:
+            os.kill(pid, signal.SIGCONT)
             for s in streams:
                 s.__exit__(None, None, None)
+        deadline = time.monotonic() + 30
+        while c.get("/health").json()["models"]["tiny"]["streams"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.get("/health").json()["models"]["tiny"]["streams"] == 0
 
 
 def test_one_models_crash_leaves_the_other_alone(two):

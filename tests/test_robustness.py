@@ -38,13 +38,15 @@ def _err(r: httpx.Response, status: int, param: str | None = None) -> dict:
     return err
 
 
-def _idle(url: str) -> dict:
-    for _ in range(300):
+def _idle(url: str, timeout: float = 60) -> dict:
+    """/health once nothing is queued, running or held (asserted within `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
         h = httpx.get(f"{url}/health").json()
         if h["running"] == h["waiting"] == h["held_caches"] == h["streams"] == 0:
             return h
+        assert time.monotonic() < deadline, f"not idle after {timeout:g} s: {h}"
         time.sleep(0.05)
-    return httpx.get(f"{url}/health").json()
 
 
 def test_limits(smol: LoadedModel):
@@ -260,12 +262,15 @@ def test_sigterm_drains_in_flight_stream():
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(240):
+        deadline = time.monotonic() + 300
+        while True:
             try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.25)
         body = {
             "prompt": "Once upon a time",
             "max_tokens": 60,
@@ -329,7 +334,7 @@ def test_hostile_script_runs_clean():
     """bench/hostile.py with its own server: every hostile case, each followed by the canary."""
     script = Path(__file__).resolve().parent.parent / "bench" / "hostile.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--start", "--port", str(free_port())],
+        [sys.executable, str(script), "--start", "--port", str(free_port()), "--health-bound", "2"],
         capture_output=True,
         text=True,
         timeout=900,

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from server_util import free_port, running_state
+from server_util import InFlight, finish_reason, free_port, running_state
 
 from probserve.engine import (
     EngineOutput,
@@ -238,8 +237,12 @@ def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
             assert next(lines).startswith("data: ")  # tokens are flowing
             os.kill(eng.pid, signal.SIGSTOP)
             try:
-                assert _wait(lambda: c.get("/health").json()["status"] == "stuck", 10)
-                assert c.get("/health").status_code == 503
+
+                def stuck() -> bool:  # one answer says both
+                    h = c.get("/health")
+                    return h.status_code == 503 and h.json()["status"] == "stuck"
+
+                assert _wait(stuck, 10)
             finally:
                 os.kill(eng.pid, signal.SIGCONT)
             assert _wait(lambda: c.get("/health").json()["status"] == "ok", 10)
@@ -249,7 +252,7 @@ def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
         assert rest[-1] == "data: [DONE]"
         h = httpx.get(f"{url}/health")
         assert h.status_code == 503 and h.json()["status"] == "dead", h.text
-        assert fatal and "exited" in fatal[0]
+        assert _wait(lambda: fatal, 10) and "exited" in fatal[0]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
@@ -305,20 +308,28 @@ def test_the_server_exits_non_zero_when_its_worker_dies(served):
 
 @pytest.mark.slow
 def test_a_dead_worker_is_restarted_and_answers_as_before(served):
+    """/health tells the truth at its first poll after the worker has died (not once the
+    supervisor has noticed), then the restarted worker answers exactly as the first did."""
     proc, url = served
     (worker,) = _children(proc.pid)
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2}
     before = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
     os.kill(worker, signal.SIGKILL)
-    seen: set[str] = set()
+    assert _wait(lambda: _gone(worker), 15)  # dead as the kernel sees it (a zombie or reaped)
+    seen: list[str] = []
 
     def back() -> bool:
         h = httpx.get(f"{url}/health", timeout=5)
-        seen.add(h.json()["status"])
+        status = h.json()["status"]
+        assert (h.status_code == 200) == (status == "ok"), h.text
+        if not seen or seen[-1] != status:
+            seen.append(status)
         return h.status_code == 200
 
+    assert not back(), seen  # the first poll after the death already says so
+    assert seen[0] in ("dead", "restarting"), seen
     assert _wait(back, 120), seen
-    assert seen & {"restarting", "dead"}, seen  # /health said so while the worker was away
+    assert seen[-1] == "ok" and "ok" not in seen[:-1], seen  # down, then back, in that order
     (fresh,) = _children(proc.pid)
     assert fresh != worker and proc.poll() is None
     after = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
@@ -363,18 +374,11 @@ def test_the_worker_goes_when_its_server_is_killed(served):
 def test_sigterm_drains_and_stops_the_worker(served):
     proc, url = served
     (worker,) = _children(proc.pid)
-    results: list[int] = []
-    body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True}
-    t = threading.Thread(
-        target=lambda: results.append(
-            httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code
-        )
-    )
-    t.start()
-    assert _wait(lambda: httpx.get(f"{url}/health").json()["running"] >= 1, 30)
+    flight = InFlight(url, {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True})
+    assert flight.started.wait(60)  # its first token is out: the request is in flight
     proc.send_signal(signal.SIGTERM)
-    t.join()
-    assert results == [200]  # the request in flight finished
+    status, events, done = flight.join()
+    assert status == 200 and done and finish_reason(events) == "length"  # it finished
     assert proc.wait(timeout=60) == 0
     assert _wait(lambda: _gone(worker), 15)
 

@@ -97,6 +97,7 @@ class EngineClient(abc.ABC):
         self.max_pending = max_pending  # requests queued or running; past it: EngineOverloaded
         self.stall_timeout = stall_timeout  # seconds of silence with work owed before "stuck"
         self.on_fatal: Callable[[str], None] | None = None  # called when the engine dies
+        self.shutting_down = False  # set when the server begins to stop: an exit is no crash
         self._dead: str | None = None  # why the engine stopped, once it has
         self._owed_since: float | None = None  # monotonic time since which news is owed
         # re-entrant: a RequestStream dropped while the lock is held (its __del__ aborts, and

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -90,6 +92,8 @@ class WorkerEngine(EngineClient):
             events,
             "--log-level",
             self.log_level,
+            "--parent-pid",
+            str(os.getpid()),
         ]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.pid = self._proc.pid
@@ -143,8 +147,15 @@ class WorkerEngine(EngineClient):
             self._post(wire.Abort(request_ids=aborts))
 
     def _host_alive(self) -> str | None:
-        if self._proc is not None and self._proc.poll() is not None and not self._stopping:
-            return f"the engine worker has exited (status {self._proc.returncode})"
+        """Read from the process itself at every call, so a probe right after a crash is told
+        so before the reader thread has noticed."""
+        proc = self._proc
+        if proc is None or self._stopping:
+            return None
+        if proc.poll() is not None:
+            return f"the engine worker has exited (status {proc.returncode})"
+        if exiting(proc.pid):
+            return "the engine worker has exited"
         return None
 
     # ---- the sockets ------------------------------------------------------------------------
@@ -203,11 +214,31 @@ class WorkerEngine(EngineClient):
                 return
             code = self._proc.poll()
             if code is not None:
-                if not self._stopping:
+                if self._stopping:
+                    return
+                if self.shutting_down:  # not a crash: the server is going too
+                    reason = failed or f"the engine worker exited (status {code})"
+                    log.warning("%s while the server shuts down", reason)
+                else:
                     reason = failed or f"the engine worker exited unexpectedly (status {code})"
                     log.critical("%s", reason)
-                    self._die(reason)
+                self._die(reason)
                 return
+
+
+def exiting(pid: int) -> bool:
+    """Whether the process `pid` (a child of ours not yet reaped) has ended or is ending, as
+    Linux's /proc tells it: a killed process's main thread is a zombie while its other threads
+    still unwind, and `waitpid` (Popen.poll) reports the exit only once they all have, tens of
+    milliseconds later; `poll` also answers None while another thread is reaping. False where
+    there is no /proc."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:  # reaped meanwhile by our reader thread
+        return Path("/proc/self/stat").exists()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2 :][:1] in ("Z", "X", "x")
 
 
 def wire_safe(req: EngineRequest, info: EngineInfo) -> EngineRequest:
