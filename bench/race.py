@@ -112,6 +112,8 @@ class Server:
         raise SystemExit(f"{self.name} did not start in {timeout:g} s; see {self.log}")
 
     def stop(self) -> None:
+        """SIGTERM to the server's process group, as an operator stops it; then every process
+        of its session must be gone within 10 s (any left is named, and killed)."""
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -119,6 +121,40 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        if self.proc is not None:
+            deadline = time.monotonic() + 10
+            while session_members(self.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for pid in session_members(self.proc.pid):
+                print(f"!! {self.name} left process {pid} behind: killing it", flush=True)
+                os.kill(pid, signal.SIGKILL)
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of the session `sid`, from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            text = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split() if text else []
+        if fields and fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def probserve_processes() -> set[int]:
+    """Every live process running probserve (a server or an engine worker)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if b"probserve" in cmd and int(entry.name) != os.getpid() and b"race.py" not in cmd:
+            found.add(int(entry.name))
+    return found
 
 
 def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
@@ -247,6 +283,7 @@ def main() -> None:
         help="only the alternated rounds (each server started once for them)",
     )
     args = ap.parse_args()
+    already = probserve_processes()
 
     from probserve.models import load_tokenizer, prepared_source
 
@@ -282,6 +319,10 @@ def main() -> None:
         print(table(results, args))
     for text in rounds:
         print(text)
+    left = probserve_processes() - already
+    print(f"processes left behind: {sorted(left) or 'none'}")
+    if left:
+        raise SystemExit(1)
 
 
 PAUSE = 3.0  # seconds between alternated rounds

@@ -193,11 +193,19 @@ class DrainingServer(uvicorn.Server):
     app's lifespan stops the engine). uvicorn's own shutdown tells open connections to close,
     which cuts streams short; draining first keeps them whole."""
 
-    def __init__(self, config: uvicorn.Config, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain_timeout: float,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(config)
         self.drain_timeout = drain_timeout
+        self.on_exit = on_exit  # told at the first shutdown signal (no more engine restarts)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
         super().handle_exit(sig, frame)
         # uvicorn re-raises a captured signal once it has shut down; a drained SIGTERM is a
         # clean, intended exit, so the process ends with status 0 instead
@@ -236,7 +244,9 @@ def run_server(args: argparse.Namespace) -> int:
     names = ", ".join(m.name for m in state.models)
     log.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
     server = DrainingServer(
-        uvicorn_config(app, state.config.limits, args.host, args.port), args.drain_timeout
+        uvicorn_config(app, state.config.limits, args.host, args.port),
+        args.drain_timeout,
+        on_exit=supervisor.stop,
     )
 
     def every_engine_died(reason: str) -> None:
@@ -247,5 +257,5 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        supervisor.stop()
+        supervisor.close()
     return 1 if all(m.health()[0] == "dead" for m in state.models) else 0

@@ -7,6 +7,11 @@ loads for seconds) and swaps it in; meanwhile the model's requests get 503 and /
 "restarting". At most `restarts` restarts in any `window` seconds: past that the model stays
 dead, and once every model is dead `on_gone` runs (the server exits non-zero, for its own
 supervisor to act).
+
+Once the server begins to shut down (`stop()`, from its signal handler), an engine's exit is no
+crash: nothing is restarted. The supervisor's thread lives until `close()`, at the very end: a
+worker process is killed by the kernel when the thread that started it ends (PR_SET_PDEATHSIG),
+so a restarted worker must outlive the drain.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class Supervisor:
 
     def _restart(self, model: ServedModel, old: EngineClient) -> None:
         old.stop()
+        if self._stopping:
+            return
         fresh = self.factory(model)
         failed: str | None = None
         try:
@@ -98,7 +105,14 @@ class Supervisor:
             self.on_gone(reason)
 
     def stop(self) -> None:
-        """No more restarts (the server is shutting down)."""
-        with self._lock:
-            self._stopping = True
+        """No more restarts: the server is shutting down, so an engine that exits now has not
+        crashed. Safe in a signal handler (takes no lock)."""
+        self._stopping = True
+        for model in self.state.models:
+            model.engine.shutting_down = True
+
+    def close(self) -> None:
+        """Stop, and end the supervisor's thread (once the engines have stopped)."""
+        self.stop()
         self._jobs.put(None)
+        self._thread.join(timeout=5)

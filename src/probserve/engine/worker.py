@@ -2,8 +2,14 @@
 
 It loads the model, builds the engine, warms it up, says Hello and then loops: read every command
 waiting (blocking only while it has no work), apply them, run one step, send the step's outputs
-and figures. It exits on Shutdown, when the server process that started it has gone, or after an
-unexpected error (sending Failed first, exit status 1). The protocol is in wire.py.
+and figures. It exits on Shutdown, when the server process that started it (`--parent-pid`) has
+gone, or after an unexpected error (sending Failed first, exit status 1). The protocol is in
+wire.py.
+
+Its life is its server's: the kernel kills it when the server's starting thread ends
+(PR_SET_PDEATHSIG), a worker whose server was gone before that was set exits at once, and a
+SIGTERM (an operator stopping the whole process group, as `systemctl stop` does) is left to the
+server, which drains the requests in flight and then sends Shutdown.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
 from probserve.engine import wire
 from probserve.engine.config import EngineConfig
-from probserve.engine.core import EngineCore
 from probserve.engine.types import EngineRequest
+
+if TYPE_CHECKING:  # the engine (and torch) load in main, once the worker follows its server
+    from probserve.engine.core import EngineCore
 
 log = logging.getLogger("probserve.worker")
 
@@ -32,7 +41,7 @@ IDLE_POLL_MS = 1000  # how often an idle worker checks that its server is still 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="probserve-worker")
     p.add_argument("--model", required=True, help="a model directory (or any --model spec)")
-    p.add_argument("--served-name", default="")
+    p.add_argument("--parent-pid", type=int, default=0, help="the server's pid (default: ours)")
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     p.add_argument("--commands", required=True, help="ZeroMQ address to read commands from")
     p.add_argument("--events", required=True, help="ZeroMQ address to send events to")
@@ -40,15 +49,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def follow_parent() -> None:
-    """Die with the server: Ctrl-C is the server's to handle (it sends Shutdown), and on Linux
-    the kernel sends SIGTERM when the server process ends however it ends."""
+def follow_parent(parent: int) -> bool:
+    """Live exactly as long as the server `parent`: on Linux the kernel kills this process when
+    the server's thread that started it ends, however it ends (PR_SET_PDEATHSIG). Ctrl-C and
+    SIGTERM are the server's to handle while it lives (it drains, then sends Shutdown); a
+    SIGTERM that finds the server gone ends the worker. False when the server is already gone
+    (it died before the death signal was set, so the kernel will never send it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None if os.getppid() == parent else os._exit(0))
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the idle loop's parent check still ends the worker
+    return os.getppid() == parent
 
 
 def configure_threads(threads: int) -> int:
@@ -61,11 +75,13 @@ def configure_threads(threads: int) -> int:
 
 
 class Worker:
-    def __init__(self, core: EngineCore, commands: zmq.Socket, events: zmq.Socket) -> None:
+    def __init__(
+        self, core: EngineCore, commands: zmq.Socket, events: zmq.Socket, parent: int
+    ) -> None:
         self.core = core
         self.commands = commands
         self.events = events
-        self.parent = os.getppid()
+        self.parent = parent  # the server's pid, as it told us (not whoever is our parent now)
         self.codec = wire.Codec(wire.Command)
 
     def send(self, message: wire.Message) -> None:
@@ -109,12 +125,15 @@ class Worker:
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
-    follow_parent()
     args = parse_args(argv)
+    parent = args.parent_pid or os.getppid()
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s",
     )
+    if not follow_parent(parent):
+        log.warning("the server (pid %d) was gone before this worker started: exiting", parent)
+        return 0
     config = EngineConfig(**json.loads(args.config))
     threads = configure_threads(config.threads)
     ctx = zmq.Context()
@@ -126,16 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     events.connect(args.events)
     codec = wire.Codec(wire.Command)
     try:
+        from probserve.engine.core import EngineCore
         from probserve.models.loader import load_source, prepared_source, tokenizer_class
 
+        log.info("loading %s", args.model)
         source = prepared_source(args.model)
         loaded = load_source(source, config.weights_to_load())
         core = EngineCore(loaded, config)
+        log.info("warming up")
         core.warmup()
         core.runner.release_source_weights()
         # the runner holds what it needs; nothing else keeps the weights (or the file's blocks)
         loaded.model = loaded.weights = None
-        worker = Worker(core, commands, events)
+        worker = Worker(core, commands, events, parent)
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
         hello = wire.Hello(
