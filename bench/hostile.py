@@ -277,6 +277,83 @@ def forged_log_lines(ctx: Ctx) -> str | None:
     return expect(ctx.client.get("/v1/models/%0A2026-01-01 INFO forged"), 404)
 
 
+def wrong_typed_lists(ctx: Ctx) -> str | None:
+    """400k wrong-typed entries in a list of each newer route: one 400 at parse time, naming it."""
+    many = b"[" + b",".join([b"{}"] * 400_000) + b"]"
+    bodies = [
+        ("/v1/score", b'{"query": "q", "label_token_ids": [1], "items": %s}' % many, "items"),
+        ("/v1/distributions", b'{"prompt": "x", "positions": %s}' % many, "positions"),
+        ("/v1/responses", b'{"input": "x", "include": %s}' % many, "include"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "logprob_token_ids": %s}' % many,
+            "logprob_token_ids",
+        ),
+    ]
+    problems = []
+    for path, raw, param in bodies:
+        r = post_raw(ctx, path, raw)
+        got = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+        if not (got or "").startswith(param):
+            problems.append(f"{path}: {r.status_code} param {got!r} (wanted {param})")
+    return first_problem(*problems)
+
+
+def score_counts_first(ctx: Ctx) -> str | None:
+    """4000 items after a 6000-id query: refused by count before any query+item is built."""
+    body = {"query": [504] * 6000, "items": [[504]] * 4000, "label_token_ids": [1]}
+    return expect(ctx.client.post("/v1/score", json=body), 400, "items")
+
+
+def big_distributions(ctx: Ctx) -> str | None:
+    """Four 512-row JSON distribution answers at once (133 MB of base64 each: the whole row
+    budget)."""
+    body = {"prompt": " w" * 600, "positions": list(range(512))}
+
+    codes: list[int] = []
+
+    def one() -> None:
+        codes.append(ctx.client.post("/v1/distributions", json=body, timeout=600).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return None if codes == [200] * 4 else f"statuses {codes}"
+
+
+def slow_distribution_readers(ctx: Ctx) -> str | None:
+    """Four clients that ask for 512 rows each and never read: the row budget (2048) stays
+    held, so a fifth request is a 429 until they leave."""
+    host, port = urlparse(ctx.url).hostname or "127.0.0.1", urlparse(ctx.url).port or 80
+    body = json.dumps({"prompt": " w" * 600, "positions": list(range(512))}).encode()
+    request = (b"POST /v1/distributions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+               b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection((host, port), timeout=120)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            s.sendall(request)
+            if not s.recv(12).startswith(b"HTTP/1.1 200"):
+                return "a slow reader's request was not answered 200"
+            socks.append(s)
+        time.sleep(1.0)
+        r = ctx.client.post("/v1/distributions", json={"prompt": "x y z", "positions": [0]})
+        return expect(r, 429)
+    finally:
+        for s in socks:
+            s.close()
+
+
+def big_logprobs_answers(ctx: Ctx) -> str | None:
+    """A ~2300-token chat prompt with prompt_logprobs and 256 target ids: 590k values."""
+    body = {"messages": [{"role": "user", "content": " w" * 2300}], "max_tokens": 1,
+            "prompt_logprobs": 0, "logprob_token_ids": list(range(256))}  # fmt: skip
+    return expect(ctx.client.post("/v1/chat/completions", json=body, timeout=600), 200)
+
+
 CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("huge_seeds", huge_seeds),
     ("long_id_prompts", long_id_prompts),
@@ -292,6 +369,11 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("slow_clients", slow_clients),
     ("logprobs_extensions", logprobs_extensions),
     ("forged_log_lines", forged_log_lines),
+    ("wrong_typed_lists", wrong_typed_lists),
+    ("score_counts_first", score_counts_first),
+    ("big_distributions", big_distributions),
+    ("slow_distribution_readers", slow_distribution_readers),
+    ("big_logprobs_answers", big_logprobs_answers),
 ]
 
 

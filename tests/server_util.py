@@ -6,7 +6,7 @@ import argparse
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import uvicorn
@@ -106,3 +106,13 @@ def finish_reason(events: list[str]) -> str | None:
                 if choice.get("finish_reason"):
                     return str(choice["finish_reason"])
     return None
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Poll `predicate` every 20 ms until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False

@@ -13,13 +13,13 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from conftest import run
-from hostile import CANARY  # the canary of bench/hostile.py
-from server_util import running_server, running_state
+from hostile_util import canary, check_after, error_of, post_raw, watched
+from server_util import running_server, running_state, wait_until
 
 from probserve.api.generation import Candidate, run_all
 from probserve.api.text_stream import TextStream
@@ -39,16 +39,6 @@ pytestmark = pytest.mark.slow
 HEALTH_BOUND_S = 2.0
 
 
-def _until(predicate: Callable[[], object], timeout: float) -> bool:
-    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.fixture(scope="module")
 def url(smol: LoadedModel) -> Iterator[str]:
     with running_server(
@@ -65,59 +55,14 @@ def c(url: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def canary_before(c: httpx.Client) -> object:
-    return c.post("/v1/completions", json=CANARY).json()["choices"]
+    return canary(c)
 
 
 @pytest.fixture
 def after_check(c: httpx.Client, canary_before: object) -> Iterator[None]:
     """After the test: the canary answers exactly as before and the server is ok and idle."""
     yield
-    deadline = time.monotonic() + 60
-    while True:
-        r = c.get("/health")
-        h = r.json()
-        idle = h["running"] == h["waiting"] == h["held_caches"] == h["streams"] == 0
-        if (r.status_code == 200 and idle) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert r.status_code == 200 and h["status"] == "ok" and idle, h
-    assert c.post("/v1/completions", json=CANARY).json()["choices"] == canary_before
-
-
-def _err(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text[:500]
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    if param is not None:
-        assert err["param"] == param, err
-    return err
-
-
-def _raw(c: httpx.Client, path: str, raw: bytes) -> httpx.Response:
-    return c.post(path, content=raw, headers={"content-type": "application/json"})
-
-
-def _while_watching(url: str, work: Callable[[], object]) -> tuple[object, float]:
-    """Run `work` while polling /health; returns its result and the slowest /health answer."""
-    stop = threading.Event()
-    worst = [0.0]
-
-    def poll() -> None:
-        with httpx.Client(base_url=url, timeout=60) as h:
-            while not stop.is_set():
-                t = time.perf_counter()
-                h.get("/health")
-                worst[0] = max(worst[0], time.perf_counter() - t)
-                stop.wait(0.05)
-
-    thread = threading.Thread(target=poll)
-    thread.start()
-    try:
-        result = work()
-    finally:
-        stop.set()
-        thread.join()
-    return result, worst[0]
+    check_after(c, canary_before)
 
 
 # ---- 1. seeds -----------------------------------------------------------------------------------
@@ -126,7 +71,7 @@ def _while_watching(url: str, work: Callable[[], object]) -> tuple[object, float
 def test_huge_seed_is_a_400_and_the_engine_lives(c: httpx.Client, after_check: None):
     for seed in (2**64, 18446744073709551616, -(2**63) - 1, 10**400):
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "seed": seed})
-        _err(r, 400, "seed")
+        error_of(r, 400, "seed")
     # the edges of int64 are fine, with n candidates past them too (seeds wrap modulo 2**64)
     for seed in (2**63 - 1, -(2**63)):
         body = {"prompt": "Hi", "max_tokens": 2, "seed": seed, "n": 2}
@@ -185,13 +130,13 @@ def test_long_id_prompts_are_refused_without_freezing(url: str, c: httpx.Client,
         return [
             c.post("/v1/completions", json={"prompt": [504] * 24_000, "max_tokens": 1}),
             c.post("/v1/completions", json={"prompt": [504] * 80_000, "max_tokens": 1}),
-            _raw(c, "/v1/completions", raw),
+            post_raw(c, "/v1/completions", raw),
             c.post("/v1/completions", json={"prompt": [[504] * 9_000] * 4, "max_tokens": 1}),
         ]
 
-    responses, worst = _while_watching(url, hostile)
+    responses, worst, _ = watched(url, hostile)
     for r in responses:  # type: ignore[attr-defined]
-        err = _err(r, 400, "prompt")
+        err = error_of(r, 400, "prompt")
         assert "maximum context length" in err["message"]
     assert worst < HEALTH_BOUND_S, f"/health took {worst:.2f} s during the hostile requests"
 
@@ -225,7 +170,7 @@ def test_a_client_cannot_run_its_own_template(c: httpx.Client, after_check: None
         ("messages", []),
     ):
         body = {"messages": msgs, "max_tokens": 2, "chat_template_kwargs": {key: value}}
-        _err(c.post("/v1/chat/completions", json=body), 400, f"chat_template_kwargs.{key}")
+        error_of(c.post("/v1/chat/completions", json=body), 400, f"chat_template_kwargs.{key}")
     for path in ("/v1/chat/completions", "/tokenize"):
         body = {"messages": msgs, "chat_template_kwargs": {"chat_template": loop}}
         r = c.post(path, json=body)
@@ -305,7 +250,7 @@ def test_lone_surrogates_are_a_400(c: httpx.Client, after_check: None):
         ),
     ]
     for path, raw, param in cases:
-        err = _err(_raw(c, path, raw), 400, param)
+        err = error_of(post_raw(c, path, raw), 400, param)
         assert "surrogate" in err["message"] or "logit_bias" in err["message"], err
 
 
@@ -404,14 +349,14 @@ def test_one_request_cannot_hold_every_slot(smol: LoadedModel):
         thread = threading.Thread(target=hog)
         thread.start()
         try:  # the hog holds every slot (8000 tokens to go: minutes)
-            assert _until(lambda: c.get("/health").json()["running"] >= 4, 60)
+            assert wait_until(lambda: c.get("/health").json()["running"] >= 4, 60)
             quick = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
             assert quick.status_code == 200
             assert not hog_done.is_set(), "the one-token request waited for the whole hog"
         finally:
             leave.set()
             thread.join(60)
-        assert _until(lambda: c.get("/health").json()["running"] == 0, 60)
+        assert wait_until(lambda: c.get("/health").json()["running"] == 0, 60)
 
 
 def test_scheduler_shares_the_batch_between_groups(tiny: LoadedModel):
@@ -494,7 +439,7 @@ def test_access_log_escapes_control_characters_and_logs_500s(
         r = httpx.get(f"{url}/v1/models/%0A2026-01-01 INFO forged", timeout=30)
         assert r.status_code == 404
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=30)
-        _err(r, 500)
+        error_of(r, 500)
         time.sleep(0.2)
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "probserve.access"]
     forged = [ln for ln in lines if "forged" in ln]
@@ -521,10 +466,10 @@ def test_websockets_are_refused_without_a_key(smol: LoadedModel):
 
 def test_stop_token_ids_are_capped(c: httpx.Client, after_check: None):
     body = {"prompt": "x", "max_tokens": 1, "stop_token_ids": [2] * 1025}
-    _err(c.post("/v1/completions", json=body), 400, "stop_token_ids")
+    error_of(c.post("/v1/completions", json=body), 400, "stop_token_ids")
     msgs = [{"role": "user", "content": "x"}]
     body = {"messages": msgs, "max_tokens": 1, "stop_token_ids": [2] * 1025}
-    _err(c.post("/v1/chat/completions", json=body), 400, "stop_token_ids")
+    error_of(c.post("/v1/chat/completions", json=body), 400, "stop_token_ids")
 
 
 def test_prefix_cache_hash_is_collision_resistant():
@@ -566,12 +511,12 @@ def test_health_tells_the_truth_about_the_engine(tiny: LoadedModel, monkeypatch)
                 h = httpx.get(f"{url}/health", timeout=10)
                 return h.status_code == 503 and h.json()["status"] == "stuck"
 
-            assert _until(stuck, 30)  # past the 0.5 s stall bound, on one and the same answer
+            assert wait_until(stuck, 30)  # past the 0.5 s stall bound, on one and the same answer
         finally:
             release.set()
         t.join(60)
         assert done == [200]
-        assert _until(lambda: httpx.get(f"{url}/health").status_code == 200, 30)
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 30)
 
         fatal: list[str] = []
         eng.on_fatal = fatal.append
@@ -581,9 +526,9 @@ def test_health_tells_the_truth_about_the_engine(tiny: LoadedModel, monkeypatch)
 
         monkeypatch.setattr(eng.core, "step", dying_step)
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        _err(r, 500)  # the request in flight ends with an error, not a hang
+        error_of(r, 500)  # the request in flight ends with an error, not a hang
         h = httpx.get(f"{url}/health")
         assert h.status_code == 503 and h.json()["status"] == "dead", h.text
-        assert _until(lambda: fatal, 10) and "SystemExit" in fatal[0]
-        err = _err(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 503)
+        assert wait_until(lambda: fatal, 10) and "SystemExit" in fatal[0]
+        err = error_of(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 503)
         assert err["code"] == "engine_dead"

@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from server_util import InFlight, finish_reason, free_port
+from server_util import InFlight, finish_reason, free_port, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,15 +51,6 @@ def children(pid: int) -> list[int]:
     return sorted(int(x) for t in tasks.iterdir() for x in (t / "children").read_text().split())
 
 
-def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @contextmanager
 def server_session(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """`probserve serve` in a session of its own (its pid is the session's and the group's);
@@ -91,7 +81,7 @@ def healthy(url: str) -> bool:
 
 def test_sigterm_to_the_process_group_drains_restarts_nothing_and_leaves_nothing(tmp_path):
     with server_session(tmp_path) as (proc, url, log):
-        assert wait_for(lambda: healthy(url) or proc.poll() is not None, 300), log.read_text()
+        assert wait_until(lambda: healthy(url) or proc.poll() is not None, 300), log.read_text()
         flight = InFlight(url, {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True})
         assert flight.started.wait(60)  # its first token is out: the request is in flight
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its worker alike
@@ -99,7 +89,7 @@ def test_sigterm_to_the_process_group_drains_restarts_nothing_and_leaves_nothing
         assert proc.wait(timeout=60) == 0
         # the worker outlived the signal: the request in flight finished
         assert status == 200 and done and finish_reason(events) == "length", events[-2:]
-        assert wait_for(lambda: not session_members(proc.pid), 10), session_members(proc.pid)
+        assert wait_until(lambda: not session_members(proc.pid), 10), session_members(proc.pid)
         text = log.read_text()
         assert "restart" not in text and "died" not in text and "unexpectedly" not in text, text
 
@@ -117,12 +107,12 @@ STAGES = {
 def test_a_server_killed_while_its_worker_starts_leaves_no_worker(tmp_path, stage):
     with server_session(tmp_path) as (proc, url, log):
         reached = STAGES[stage]
-        assert wait_for(lambda: reached(proc, url, log) or proc.poll() is not None, 300)
+        assert wait_until(lambda: reached(proc, url, log) or proc.poll() is not None, 300)
         workers = children(proc.pid)
         assert workers and proc.poll() is None, log.read_text()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        assert wait_for(lambda: not session_members(proc.pid), 15), (
+        assert wait_until(lambda: not session_members(proc.pid), 15), (
             session_members(proc.pid),
             log.read_text(),
         )

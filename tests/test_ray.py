@@ -92,6 +92,89 @@ def test_probserve_serve_ray_runs_and_stops(tmp_path: Path):
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
+def _serve_ray(tmp_path: Path, config_text: str | None, *extra: str):  # type: ignore[no-untyped-def]
+    """`probserve serve --ray` started as a user starts it (a Ray instance of its own)."""
+    import subprocess
+    import sys
+
+    from server_util import free_port
+
+    cmd = [sys.executable, "-m", "probserve.cli", "serve", "--ray", "--port", str(free_port())]
+    if config_text is not None:
+        config = tmp_path / "cluster.yaml"
+        config.write_text(config_text)
+        cmd += ["--config", str(config)]
+    ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, *extra], env={**os.environ, "RAY_TMPDIR": ray_tmp}, stdout=out, stderr=out
+        )
+    return proc, log, ray_tmp
+
+
+def test_deployments_that_cannot_fit_are_refused_in_one_line(tmp_path: Path):
+    """More CPUs asked than the cluster has: Serve would wait forever (the ingress last, so
+    requests hang with no answer); the command says so in one line and exits 2."""
+    proc, log, ray_tmp = _serve_ray(
+        tmp_path,
+        "models:\n  - model: smollm2-135m-instruct\n    num_replicas: 2\n    num_cpus: 512\n",
+    )
+    try:
+        assert proc.wait(timeout=180) == 2, log.read_text()[-3000:]
+        text = log.read_text()
+        assert "ask for 1024.1 CPUs" in text and "the Ray cluster has" in text, text[-3000:]
+        assert "Traceback" not in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_an_application_that_never_runs_ends_the_command(tmp_path: Path):
+    """A replica no node can take (a custom resource nobody has): past start_timeout the
+    command exits 1 with Serve's word on why; a SIGTERM while it waits exits at once."""
+    text = (
+        "start_timeout: 20\nmodels:\n  - model: smollm2-135m-instruct\n    num_cpus: 0.5\n"
+        "    resources: {nowhere: 1}\n"
+    )
+    proc, log, ray_tmp = _serve_ray(tmp_path, text)
+    try:
+        assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
+        assert "was not running after 20 s" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc, log, ray_tmp = _serve_ray(tmp_path, text.replace("start_timeout: 20", "start_timeout: 0"))
+    try:
+        deadline = time.monotonic() + 180
+        while "deploying" not in log.read_text().lower() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) in (0, 1), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_replicas_share_the_cores_when_no_file_says_otherwise():
+    from probserve.cluster.app import fit_to, misfit
+    from probserve.cluster.config import ClusterConfig, ModelDeployment
+
+    cluster = ClusterConfig(models=[ModelDeployment(num_replicas=2)])
+    why = misfit(cluster, 2.0)
+    assert why is not None and "2.1 CPUs" in why and "has 2" in why
+    fitted = fit_to(cluster, 2.0)
+    assert [m.num_cpus for m in fitted.models] == [0.95] and misfit(fitted, 2.0) is None
+    assert fit_to(cluster, 8.0) == cluster  # it fits: as asked
+
+
 def test_the_api_answers_as_a_local_server(app: str, base_url: str):
     def cards_now() -> dict[str, dict]:
         return {c["id"]: c for c in httpx.get(f"{app}/v1/models").json()["data"]}

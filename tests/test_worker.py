@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from server_util import InFlight, finish_reason, free_port, running_state
+from server_util import InFlight, finish_reason, free_port, running_state, wait_until
 
 from probserve.engine import (
     EngineOutput,
@@ -136,15 +135,6 @@ def _children(pid: int) -> list[int]:
     return sorted(int(x) for t in tasks.iterdir() for x in (t / "children").read_text().split())
 
 
-def _wait(predicate, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.slow
 def test_worker_answers_as_the_inline_engine(smol: LoadedModel):
     body = {
@@ -242,17 +232,17 @@ def test_a_stalled_worker_is_stuck_and_a_killed_one_dead(smol: LoadedModel):
                     h = c.get("/health")
                     return h.status_code == 503 and h.json()["status"] == "stuck"
 
-                assert _wait(stuck, 10)
+                assert wait_until(stuck, 10)
             finally:
                 os.kill(eng.pid, signal.SIGCONT)
-            assert _wait(lambda: c.get("/health").json()["status"] == "ok", 10)
+            assert wait_until(lambda: c.get("/health").json()["status"] == "ok", 10)
             os.kill(eng.pid, signal.SIGKILL)
             rest = [ln for ln in lines if ln]
         assert any('"error"' in ln for ln in rest), rest[-3:]  # the stream ends with an error
         assert rest[-1] == "data: [DONE]"
         h = httpx.get(f"{url}/health")
         assert h.status_code == 503 and h.json()["status"] == "dead", h.text
-        assert _wait(lambda: fatal, 10) and "exited" in fatal[0]
+        assert wait_until(lambda: fatal, 10) and "exited" in fatal[0]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi"}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
@@ -287,7 +277,7 @@ def served(
             return proc.poll() is not None
 
     try:
-        assert _wait(up, 300) and proc.poll() is None, (tmp_path / "serve.log").read_text()
+        assert wait_until(up, 300) and proc.poll() is None, (tmp_path / "serve.log").read_text()
         yield proc, url
     finally:
         if proc.poll() is None:
@@ -315,7 +305,7 @@ def test_a_dead_worker_is_restarted_and_answers_as_before(served):
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0, "logprobs": 2}
     before = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"]
     os.kill(worker, signal.SIGKILL)
-    assert _wait(lambda: _gone(worker), 15)  # dead as the kernel sees it (a zombie or reaped)
+    assert wait_until(lambda: _gone(worker), 15)  # dead as the kernel sees it (a zombie or reaped)
     seen: list[str] = []
 
     def back() -> bool:
@@ -328,7 +318,7 @@ def test_a_dead_worker_is_restarted_and_answers_as_before(served):
 
     assert not back(), seen  # the first poll after the death already says so
     assert seen[0] in ("dead", "restarting"), seen
-    assert _wait(back, 120), seen
+    assert wait_until(back, 120), seen
     assert seen[-1] == "ok" and "ok" not in seen[:-1], seen  # down, then back, in that order
     (fresh,) = _children(proc.pid)
     assert fresh != worker and proc.poll() is None
@@ -367,7 +357,7 @@ def test_the_worker_goes_when_its_server_is_killed(served):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
-    assert _wait(lambda: _gone(worker), 15)
+    assert wait_until(lambda: _gone(worker), 15)
 
 
 @pytest.mark.slow
@@ -380,7 +370,7 @@ def test_sigterm_drains_and_stops_the_worker(served):
     status, events, done = flight.join()
     assert status == 200 and done and finish_reason(events) == "length"  # it finished
     assert proc.wait(timeout=60) == 0
-    assert _wait(lambda: _gone(worker), 15)
+    assert wait_until(lambda: _gone(worker), 15)
 
 
 def _gone(pid: int) -> bool:

@@ -10,7 +10,9 @@ from fastapi.responses import Response
 
 from probserve.api.chat_plan import chat_plan
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.prompts import ChatPrompt
+from probserve.api.generation import Delta
+from probserve.api.json_out import dump_json
+from probserve.api.prompts import ChatPrompt, off_loop
 from probserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -128,13 +130,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(_stream(run, body, model, k, include_usage))
+    await run.collect()
+    # formatted off the loop: a long prompt's logprobs x targets are seconds of work
+    return Response(await off_loop(_answer, run, body, model, k), media_type="application/json")
+
+
+def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) -> bytes:
+    """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
     choices = []
-    for i, cand in enumerate(await run.collect()):
+    for i, cand in enumerate(run.candidates):
         choices.append(
             ChatChoice(
                 index=i,
                 message=AssistantMessage(content="".join(p.text for p in cand.pieces)),
-                logprobs=_logprobs(state, cand.pieces, k),
+                logprobs=_logprobs(run.state, cand.pieces, k),
                 finish_reason=cand.finish_reason,  # type: ignore[arg-type]
                 continuation=_continuation(run, cand.prompt_scores, k or 0) if body.echo else None,
                 **_prompt_extras(run, body, cand.prompt_scores),  # type: ignore[arg-type]
@@ -143,34 +152,52 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     resp = ChatCompletionResponse(
         id=run.id, created=run.created, model=model, choices=choices, usage=run.usage
     )
-    return Response(resp.model_dump_json(), media_type="application/json")
+    return dump_json(resp)
+
+
+def _chunk(run: Run, model: str, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+    return event(
+        ChatCompletionChunk(
+            id=run.id, created=run.created, model=model, choices=choices, usage=usage
+        )
+    )
+
+
+def _delta_events(
+    run: Run, body: ChatCompletionRequest, model: str, k: int | None, i: int, delta: Delta
+) -> list[str]:
+    """The events of one delta of candidate i (the first may carry the prompt's scores)."""
+    events = []
+    lp = _logprobs(run.state, delta.pieces, k)
+    extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
+    if delta.text or (lp and lp.content) or extras:
+        content = ChatDelta(content=delta.text)
+        choice = ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)  # type: ignore[arg-type]
+        events.append(_chunk(run, model, [choice]))
+    if delta.finish_reason:
+        done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)  # type: ignore[arg-type]
+        events.append(_chunk(run, model, [done]))
+    return events
 
 
 async def _stream(
     run: Run, body: ChatCompletionRequest, model: str, k: int | None, include_usage: bool
 ) -> AsyncIterator[str]:
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return event(
-            ChatCompletionChunk(
-                id=run.id, created=run.created, model=model, choices=choices, usage=usage
-            )
-        )
-
-    yield chunk(
+    yield _chunk(
+        run,
+        model,
         [
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
             for i in range(len(run.candidates))
-        ]
+        ],
     )
     async for i, delta in run.deltas():
-        lp = _logprobs(run.state, delta.pieces, k)
-        extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
-        if delta.text or (lp and lp.content) or extras:
-            content = ChatDelta(content=delta.text)
-            yield chunk([ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)])  # type: ignore[arg-type]
-        if delta.finish_reason:
-            yield chunk(
-                [ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)]  # type: ignore[arg-type]
-            )
+        if delta.prompt_scores is not None and body.prompt_logprobs is not None:
+            # the prompt's scores: formatted off the loop, as the non-streamed answer is
+            events = await off_loop(_delta_events, run, body, model, k, i, delta)
+        else:
+            events = _delta_events(run, body, model, k, i, delta)
+        for e in events:
+            yield e
     if include_usage:
-        yield chunk([], run.usage)
+        yield _chunk(run, model, [], run.usage)

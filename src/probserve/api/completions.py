@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.generation import Delta
+from probserve.api.json_out import dump_json
 from probserve.api.prompts import (
     Prompt,
     build_completion_prompts,
@@ -113,7 +114,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(_stream(run, shape, model, include_usage))
-    candidates = await run.collect()
+    await run.collect()
+    # formatted off the loop: echoed prompts' logprobs x targets are seconds of work
+    return Response(await off_loop(_answer, run, shape, model), media_type="application/json")
+
+
+def _answer(run: Run, shape: _Shape, model: str) -> bytes:
+    """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
+    state, plan, candidates = run.state, run.plan, run.candidates
     choices: list[CompletionChoice] = []
     for pi, prompt in enumerate(plan.prompts):
         group = candidates[pi * shape.best_of : (pi + 1) * shape.best_of]
@@ -134,7 +142,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     resp = CompletionResponse(
         id=run.id, created=run.created, model=model, choices=choices, usage=run.usage
     )
-    return Response(resp.model_dump_json(), media_type="application/json")
+    return dump_json(resp)
 
 
 async def _stream(run: Run, shape: _Shape, model: str, include_usage: bool) -> AsyncIterator[str]:
@@ -142,13 +150,20 @@ async def _stream(run: Run, shape: _Shape, model: str, include_usage: bool) -> A
     async for i, delta in run.deltas():
         echo_now = shape.echo and not started[i]
         started[i] = True
-        yield event(_chunk(run, shape, model, i, delta, echo_now))
+        if echo_now and delta.prompt_scores is not None:  # the prompt's scores: off the loop
+            yield await off_loop(_event, run, shape, model, i, delta, echo_now)
+        else:
+            yield _event(run, shape, model, i, delta, echo_now)
     if include_usage:
         yield event(
             CompletionResponse(
                 id=run.id, created=run.created, model=model, choices=[], usage=run.usage
             )
         )
+
+
+def _event(run: Run, shape: _Shape, model: str, index: int, delta: Delta, echo_now: bool) -> str:
+    return event(_chunk(run, shape, model, index, delta, echo_now))
 
 
 def _chunk(

@@ -7,22 +7,30 @@ placeholder token appended (causal attention: it changes no row before it), and 
 requested rows whole. The answer is float32 or float16, row-major [positions, vocab]: raw bytes
 (`application/octet-stream`, shape and dtype in headers) when `encoding` is "binary" or the
 client accepts only octet-stream, else base64 inside JSON.
+
+A 512-row answer is 100 MB (133 MB in base64): it is never built whole. `RowsResponse` sends it
+a slice at a time, base64-encoding each slice as it goes and yielding the event loop between
+slices, and the rows stay in the server's row budget until the last slice is handed to the
+connection or the client is gone, so slow readers hold budget (and get others a 429), never
+memory past it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size, off_loop
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
 from probserve.api.run import Plan, Run
-from probserve.api.state import Serving
+from probserve.api.state import RowBudget, Serving
 from probserve.engine import LogprobsSpec, SamplingParams
 
 router = APIRouter()
@@ -65,14 +73,83 @@ async def distributions(body: DistributionsRequest, request: Request) -> Respons
         rows = cand.prompt_scores.full if cand.prompt_scores is not None else None
         if rows is None or rows.shape[0] != len(positions):
             raise bad_request("the prompt produced no distribution", "prompt")
-        array = rows.astype(np.float16 if body.dtype == "float16" else np.float32, copy=False)
-        response = _answer(request, body, model, ids, positions, array)
+        dtype = np.float16 if body.dtype == "float16" else np.float32
+        array = await off_loop(_contiguous, rows, dtype)  # a float16 copy is 25M values
+        return _answer(
+            request, body, model, ids, positions, array, release_once(budget, len(positions))
+        )
     except BaseException:
         budget.give_back(len(positions))
         raise
-    # the rows stay reserved until the answer's bytes have been sent
-    response.background = BackgroundTask(budget.give_back, len(positions))
-    return response
+
+
+def _contiguous(rows: np.ndarray, dtype: type) -> np.ndarray:
+    return np.ascontiguousarray(rows.astype(dtype, copy=False))
+
+
+def release_once(budget: RowBudget, rows: int) -> Callable[[], None]:
+    """What gives `rows` back to `budget`, once however often it is called."""
+    held = [True]
+
+    def release() -> None:
+        if held[0]:
+            held[0] = False
+            budget.give_back(rows)
+
+    return release
+
+
+# bytes of the array per send: a multiple of 3, so the base64 of the slices, joined, is the
+# base64 of the whole (256 KiB of base64 text a slice)
+SLICE_BYTES = 3 * 2**16
+
+
+class RowsResponse(Response):
+    """`head`, the array's bytes (base64 or raw) and `tail`, sent a slice at a time. uvicorn
+    waits before each send while the connection's write buffer is above its high-water mark
+    (64 KiB), so the answer leaves at the client's pace without ever being copied whole; the
+    loop runs other requests between slices; `release` runs once the last slice is handed over,
+    the client is gone, or the send fails."""
+
+    def __init__(
+        self,
+        head: bytes,
+        data: memoryview,
+        tail: bytes,
+        b64: bool,
+        media_type: str,
+        headers: Mapping[str, str],
+        release: Callable[[], None],
+    ) -> None:
+        size = 4 * -(-len(data) // 3) if b64 else len(data)
+        length = str(len(head) + size + len(tail))
+        super().__init__(None, 200, {**headers, "content-length": length}, media_type)
+        self.head, self.data, self.tail, self.b64 = head, data, tail, b64
+        self.release = release
+
+    def _parts(self) -> Iterator[bytes]:
+        if self.head:
+            yield self.head
+        for start in range(0, len(self.data), SLICE_BYTES):
+            piece = self.data[start : start + SLICE_BYTES]
+            yield base64.b64encode(piece) if self.b64 else bytes(piece)
+        if self.tail:
+            yield self.tail
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await send(start)
+            for part in self._parts():
+                if await request.is_disconnected():
+                    return  # uvicorn drops what is sent to a closed connection: stop encoding
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                await asyncio.sleep(0)  # however fast the client reads, others get their turn
+            # waits (as every send does) until the buffer has drained below its high-water mark
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.release()
 
 
 def _answer(
@@ -82,8 +159,10 @@ def _answer(
     ids: list[int],
     positions: list[int],
     array: np.ndarray,
+    release: Callable[[], None],
 ) -> Response:
     shape = [int(array.shape[0]), int(array.shape[1])]
+    data = memoryview(array).cast("B")
     accept = request.headers.get("accept", "")
     binary = body.encoding == "binary" or (
         body.encoding is None and "application/octet-stream" in accept and "json" not in accept
@@ -94,14 +173,18 @@ def _answer(
             "X-Dtype": body.dtype,
             "X-Positions": ",".join(map(str, positions)),
         }
-        return Response(array.tobytes(), media_type="application/octet-stream", headers=headers)
+        return RowsResponse(b"", data, b"", False, "application/octet-stream", headers, release)
     resp = DistributionsResponse(
         model=model,
         token_ids=ids,
         positions=positions,
         shape=shape,
         dtype=body.dtype,
-        data=base64.b64encode(array.tobytes()).decode("ascii"),
+        data="",
         usage=Usage.of(len(ids), 0),
     )
-    return Response(resp.model_dump_json(), media_type="application/json")
+    # the JSON around the data: `data` is the last field before `usage`, whose values are
+    # numbers, so its last occurrence is the field itself
+    text = resp.model_dump_json().encode()
+    cut = text.rindex(b'"data":""') + len(b'"data":"')
+    return RowsResponse(text[:cut], data, text[cut:], True, "application/json", {}, release)

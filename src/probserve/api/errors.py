@@ -120,8 +120,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         # in a union (a prompt is text, texts or ids), the member whose own check failed says
-        # most: a value error (a lone surrogate, say) over "should be a valid string"
-        first = next((e for e in errors if e.get("type") == "value_error"), None)
+        # most: a value error (a lone surrogate, say) or a list past its parse-time bound over
+        # "should be a valid string"
+        first = next((e for e in errors if e.get("type") in ("value_error", "too_long")), None)
         first = first or (errors[0] if errors else {})
         param = _param_from_loc(tuple(first.get("loc", ())))
         msg = first.get("msg", "invalid request")

@@ -137,9 +137,12 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged for a response cut short
+
+
 class AccessLogMiddleware:
     """Logs route, status, prompt/completion tokens and latency when a response ends (for a
-    stream: when its last byte is sent)."""
+    stream: when its last byte is sent, or, as 499, when the client hung up before it)."""
 
     def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] | None = None) -> None:
         self.app = app
@@ -172,6 +175,9 @@ class AccessLogMiddleware:
             if status:
                 raise  # the response had started: the server closes the connection
             await send_error(send, 500, f"internal error: {type(exc).__name__}", None, [])
+        else:
+            if not logged:  # the app ended without a last byte: the client hung up (a stream)
+                self._log(scope, CLIENT_CLOSED, started)
 
     def _log(self, scope: Scope, status: int, started: float) -> None:
         if self.on_response is not None:

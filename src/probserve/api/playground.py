@@ -8,6 +8,7 @@ from importlib import resources
 
 from fastapi import APIRouter
 from fastapi.responses import RedirectResponse, Response
+from starlette.exceptions import HTTPException
 
 router = APIRouter(include_in_schema=False)
 
@@ -38,5 +39,5 @@ async def page() -> Response:
 @router.get("/playground/{name}")
 async def asset(name: str) -> Response:
     if name not in ("playground.js", "playground.css"):
-        return Response(status_code=404)
+        raise HTTPException(404)  # the envelope, as for any unknown path
     return _file(name)

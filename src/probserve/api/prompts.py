@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from probserve.api.errors import bad_request
+from probserve.api.errors import APIError, bad_request
 from probserve.api.limits import Limits
 from probserve.api.protocol import ChatMessage
 from probserve.api.text_stream import Piece, TextStream
@@ -85,13 +87,18 @@ def check_text_size(limits: Limits, texts: list[str], param: str = "prompt") -> 
 
 
 def build_completion_prompts(
-    loaded: LoadedModel, table: TokenTable, prompts: list[str] | list[list[int]], max_tokens: int
+    loaded: LoadedModel,
+    table: TokenTable,
+    prompts: list[str] | list[list[int]],
+    max_tokens: int,
+    param: str = "prompt",
 ) -> list[Prompt]:
-    """Tokenize (texts), check and decode every prompt: blocking, run it `off_loop`."""
+    """Tokenize (texts), check and decode every prompt: blocking, run it `off_loop`. `param`
+    names the field the prompts come from, for errors."""
     out = []
     for p in prompts:
         ids = p if isinstance(p, list) else list(loaded.tokenizer(p).input_ids)
-        check_ids(ids, loaded.vocab_size, max_tokens)
+        check_ids(ids, loaded.vocab_size, max_tokens, param)
         out.append(with_pieces(table, ids))
     return out
 
@@ -190,23 +197,77 @@ class ChatPrompt(Prompt):
     continuation: int = 0  # echo: how many trailing tokens are the final assistant message
 
 
-def _sources(
-    text: str, pieces: list[Piece], dicts: list[dict[str, str]]
-) -> list[tuple[int | None, str]]:
-    spans: list[tuple[int, int, int]] = []  # (start, end, message index), in text order
+Span = tuple[int, int, int]  # (start, end, message index): a message's content in the text
+
+
+def _content_spans(
+    loaded: LoadedModel,
+    dicts: list[dict[str, str]],
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any],
+    continue_final: bool,
+    text: str,
+) -> list[Span] | None:
+    """Where each message's content lies in `text`, the rendered template, in text order. The
+    template is rendered again with a unique marker in place of each content: the text around
+    the markers is the template's own, and putting the contents back where the markers are must
+    give `text` again (as sent, or stripped for templates that trim). None when it does not (a
+    template that rewrites or branches on contents): then no position can be trusted."""
+    tag = uuid.uuid4().hex
+    marked = [{**m, "content": f"m{tag}n{i}m" if m["content"] else ""} for i, m in enumerate(dicts)]
+    try:
+        skeleton = render_chat_text(
+            loaded, marked, add_generation_prompt, template_kwargs, continue_final
+        )
+    except APIError:
+        return None
+    for strip in (False, True):
+        parts: list[str] = []
+        spans: list[Span] = []
+        at = last = 0
+        for match in re.finditer(f"m{tag}n(\\d+)m", skeleton):
+            between = skeleton[last : match.start()]
+            i = int(match.group(1))
+            content = dicts[i]["content"].strip() if strip else dicts[i]["content"]
+            parts += [between, content]
+            at += len(between)
+            spans.append((at, at + len(content), i))
+            at += len(content)
+            last = match.end()
+        parts.append(skeleton[last:])
+        if "".join(parts) == text:
+            return spans
+    return None
+
+
+def _search_spans(text: str, dicts: list[dict[str, str]]) -> list[Span]:
+    """The fallback for a template whose contents cannot be placed by markers: each content's
+    first occurrence after the previous one's (it can land on template text that happens to
+    hold the same characters)."""
+    spans: list[Span] = []
     pos = 0
     for i, m in enumerate(dicts):
         at = text.find(m["content"], pos) if m["content"] else -1
         if at >= 0:
             spans.append((at, at + len(m["content"]), i))
             pos = at + len(m["content"])
+    return spans
+
+
+def _sources(
+    pieces: list[Piece], spans: list[Span], dicts: list[dict[str, str]]
+) -> list[tuple[int | None, str]]:
+    """A token belongs to a message when its characters lie inside that message's content
+    (a zero-width piece: its offset does); any other token is the template's, a token that
+    straddles a content's edge included."""
+    spans = sorted(spans)
     out: list[tuple[int | None, str]] = []
     s = 0
     for p in pieces:
         start, end = p.offset, p.offset + max(len(p.text), 1)
         while s < len(spans) and spans[s][1] <= start:
             s += 1
-        if s < len(spans) and spans[s][0] < end:
+        if s < len(spans) and spans[s][0] <= start and end <= spans[s][1]:
             i = spans[s][2]
             out.append((i, dicts[i]["role"]))
         else:
@@ -230,17 +291,24 @@ def chat_prompt(
     if echo:
         if dicts[-1]["role"] != "assistant" or not dicts[-1]["content"]:
             raise bad_request("echo scores a final assistant message: none was given", "messages")
-        text = render_chat_text(loaded, dicts[:-1], True, template_kwargs)
+        shown, gen, final = dicts[:-1], True, False  # the template renders all but the answer
+        text = render_chat_text(loaded, shown, gen, template_kwargs)
         answer = dicts[-1]["content"]
         cont = list(tok(answer, add_special_tokens=False).input_ids)
         ids = list(tok(text, add_special_tokens=False).input_ids) + cont
     else:
-        text = render_chat_text(
-            loaded, dicts, add_generation_prompt, template_kwargs, continue_final
-        )
-        ids, cont = list(tok(text, add_special_tokens=False).input_ids), []
+        shown, gen, final = dicts, add_generation_prompt, continue_final
+        text = render_chat_text(loaded, dicts, gen, template_kwargs, final)
+        ids, cont, answer = list(tok(text, add_special_tokens=False).input_ids), [], ""
     built = with_pieces(table, ids)
-    sources = _sources(built.text, built.pieces, dicts)
+    spans = None
+    if built.text == text + answer:  # the tokens decode to the rendered text: offsets agree
+        spans = _content_spans(loaded, shown, gen, template_kwargs, final, text)
+    if spans is None:
+        spans = _search_spans(built.text, dicts)
+    elif echo:
+        spans.append((len(text), len(text) + len(answer), len(dicts) - 1))
+    sources = _sources(built.pieces, spans, dicts)
     return ChatPrompt(ids, built.text, built.pieces, sources, len(cont))
 
 

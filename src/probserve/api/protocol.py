@@ -10,12 +10,24 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 LogprobsModeName = Literal["raw", "processed", "both"]
 
 # the range of a 64-bit signed integer: seeds and other integers past it are a 400
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Parse-time bounds (docs/operations.md, "Parse-time bounds"): the most entries any list or map
+# of a request may hold. pydantic counts a list's items as it validates them and `fail_fast`
+# ends a list at its first bad item (one error, not one per item), so a list past its bound
+# costs at most bound + 1 item checks and one error, whatever its length or its items' types.
+# They are fixed ceilings above the runtime limits (api/limits.py, checked after parsing): a
+# limit flag set past its ceiling has no effect beyond it.
+MAX_IDS = 2**20  # token ids in one prompt, query, item or /detokenize call
+MAX_ITEMS = 4096  # prompts, items, messages, content parts, stop strings and ids, target and
+# label ids, positions, logit_bias entries
+MAX_FEW = 64  # include, tools, metadata, text, chat_template_kwargs keys
+MAX_JSON_VALUES = 10_000  # values in all of chat_template_kwargs, nested ones included
 
 
 def _utf8(text: str) -> str:
@@ -34,20 +46,48 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 
 
-def _json_utf8(value: Any, depth: int = 0) -> Any:
-    """Every string (keys included) of a JSON value is valid Unicode, nesting at most 32 deep."""
+def _json_utf8(value: Any, depth: int = 0, seen: list[int] | None = None) -> Any:
+    """Every string (keys included) of a JSON value is valid Unicode, nesting at most 32 deep,
+    at most MAX_JSON_VALUES values in all."""
+    seen = [0] if seen is None else seen
+    seen[0] += 1
+    if seen[0] > MAX_JSON_VALUES:
+        raise ValueError(f"the value holds more than {MAX_JSON_VALUES} values")
     if depth > 32:
         raise ValueError("the value is nested more than 32 levels deep")
     if isinstance(value, str):
         _utf8(value)
     elif isinstance(value, list):
         for v in value:
-            _json_utf8(v, depth + 1)
+            _json_utf8(v, depth + 1, seen)
     elif isinstance(value, dict):
         for k, v in value.items():
             _utf8(k)
-            _json_utf8(v, depth + 1)
+            _json_utf8(v, depth + 1, seen)
     return value
+
+
+def _bounded(most: int) -> Any:
+    """A list of at most `most` items, refused while it is parsed, at its first bad item."""
+    return Field(max_length=most, fail_fast=True)
+
+
+def _entries(most: int) -> Any:
+    """A map of at most `most` entries, counted before any entry is validated (pydantic checks
+    a dict's length only after validating every entry, with one error per bad one)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, dict) and len(value) > most:
+            raise ValueError(f"at most {most} entries (got {len(value)})")
+        return value
+
+    return BeforeValidator(check)
+
+
+Ids = Annotated[list[int], _bounded(MAX_IDS)]  # a prompt's token ids
+IdLists = Annotated[list[Ids], _bounded(MAX_ITEMS)]
+Texts = Annotated[list[Text], _bounded(MAX_ITEMS)]
+ShortIds = Annotated[list[int], _bounded(MAX_ITEMS)]  # stop, target and label ids, positions
 
 
 class _Request(BaseModel):
@@ -68,9 +108,9 @@ class SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[Text, float] | None = None
+    logit_bias: Annotated[dict[Text, float], _entries(MAX_ITEMS)] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
-    stop: Text | list[Text] | None = None
+    stop: Text | Texts | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -80,16 +120,16 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: ShortIds | None = None
     logprobs_mode: LogprobsModeName | None = None
     skip_special_tokens: bool = True
     # probserve's extensions: the logprobs of exactly these ids at every position, and the
     # exact entropy of every position's full distribution
-    logprob_token_ids: list[int] | None = None
+    logprob_token_ids: ShortIds | None = None
     return_entropy: bool = False
 
 
-PromptType = Text | list[Text] | list[int] | list[list[int]]
+PromptType = Text | Texts | Ids | IdLists
 
 
 class CompletionRequest(SamplingFields):
@@ -108,12 +148,12 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], _bounded(MAX_ITEMS)] | None = None
     name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
@@ -125,7 +165,9 @@ class ChatCompletionRequest(SamplingFields):
     # probserve: score the final assistant message as a continuation (max_tokens 0)
     echo: bool = False
     # extra variables for the model's own chat template (never a template of the client's)
-    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_json_utf8)] | None = None
+    chat_template_kwargs: (
+        Annotated[dict[str, Any], _entries(MAX_FEW), AfterValidator(_json_utf8)] | None
+    ) = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -307,7 +349,7 @@ class ModelList(BaseModel):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _bounded(MAX_ITEMS)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -320,7 +362,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0)]] = _bounded(MAX_IDS)
 
 
 class DetokenizeResponse(BaseModel):
@@ -364,20 +406,20 @@ class InputText(_Request):
 class InputMessage(_Request):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[InputText]
+    content: Text | Annotated[list[InputText], _bounded(MAX_ITEMS)]
 
 
 class ResponsesRequest(SamplingFields):
-    input: Text | list[InputMessage]
+    input: Text | Annotated[list[InputMessage], _bounded(MAX_ITEMS)]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0)
-    include: list[Text] | None = None
+    include: Annotated[list[Text], _bounded(MAX_FEW)] | None = None
     previous_response_id: Text | None = None
     store: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    text: dict[str, Any] | None = None
-    metadata: dict[Text, Text] | None = None
+    tools: Annotated[list[dict[str, Any]], _bounded(MAX_FEW)] | None = None
+    text: Annotated[dict[str, Any], _entries(MAX_FEW)] | None = None
+    metadata: Annotated[dict[Text, Text], _entries(MAX_FEW)] | None = None
 
 
 class ResponseOutputText(BaseModel):
@@ -437,9 +479,9 @@ class ResponseObject(BaseModel):
 
 class ScoreRequest(_Request):
     model: Text | None = None
-    query: Text | list[int]
-    items: Text | list[Text] | list[list[int]]
-    label_token_ids: list[int]
+    query: Text | Ids
+    items: Text | Texts | IdLists
+    label_token_ids: ShortIds
     apply_softmax: bool = False
     item_first: bool = False
 
@@ -456,8 +498,8 @@ class ScoreResponse(BaseModel):
 
 class DistributionsRequest(_Request):
     model: Text | None = None
-    prompt: Text | list[int]
-    positions: list[int] | None = None  # None: every position of the prompt
+    prompt: Text | Ids
+    positions: ShortIds | None = None  # None: every position of the prompt
     dtype: Literal["float32", "float16"] = "float32"
     encoding: Literal["base64", "binary"] | None = None  # None: binary if Accept asks for it
 

@@ -10,17 +10,18 @@ alternatives, never none); they ride on the `output_text` part, and on each
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from probserve.api.chat_plan import chat_plan
 from probserve.api.errors import ERRORS, APIError, bad_request, error_body
+from probserve.api.generation import Candidate
+from probserve.api.json_out import dump_json
+from probserve.api.prompts import off_loop
 from probserve.api.protocol import (
     LOGPROBS_INCLUDE,
     ChatLogprobEntry,
@@ -36,6 +37,7 @@ from probserve.api.run import Run
 from probserve.api.sse import sse_response
 from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
+from probserve.engine import RequestError
 
 router = APIRouter()
 
@@ -148,27 +150,49 @@ class _Reply:
         )
 
 
+# the shared chat pipeline names chat's fields; a Responses request has these instead
+_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+
+
+def _in_our_terms(exc: APIError | RequestError) -> APIError:
+    """An error of the chat pipeline (or the engine's check) naming the Responses fields."""
+    if isinstance(exc, RequestError):
+        exc = APIError(400, str(exc), exc.param)
+    if exc.param in _FIELDS:
+        if exc.param == "max_tokens":  # the engine's message quotes the field
+            exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+        exc.param = _FIELDS[exc.param]
+    return exc
+
+
 @router.post("/v1/responses", response_model=ResponseObject, responses=ERRORS)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state: Serving = request.app.state.probserve.serving(body.model)
     model = state.name
     k = _check(state, body)
-    plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, top_k=k)
-    run = await Run(state, request, plan, "resp").start()
+    try:
+        plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, top_k=k)
+        run = await Run(state, request, plan, "resp").start()
+    except (APIError, RequestError) as exc:
+        raise _in_our_terms(exc) from None
     reply = _Reply(run, body, model, k)
     if body.stream:
         return sse_response(_stream(reply), done=False)
     (cand,) = await run.collect()
+    # formatted off the loop: a long reply's logprobs x targets are seconds of work
+    return Response(await off_loop(_answer, reply, cand), media_type="application/json")
+
+
+def _answer(reply: _Reply, cand: Candidate) -> bytes:
+    """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
     reply.add(cand.pieces)
     reply.finish = cand.finish_reason or "stop"
-    return Response(reply.response().model_dump_json(), media_type="application/json")
+    return dump_json(reply.response())
 
 
 def _event(kind: str, seq: int, **fields: Any) -> str:
-    data = {"type": kind, "sequence_number": seq}
-    for key, value in fields.items():
-        data[key] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
-    return f"event: {kind}\ndata: {json.dumps(data, allow_nan=False)}\n\n"
+    data = {"type": kind, "sequence_number": seq, **fields}
+    return f"event: {kind}\ndata: {dump_json(data).decode()}\n\n"  # a big one: in slices
 
 
 async def _stream(reply: _Reply) -> AsyncIterator[str]:
@@ -188,8 +212,7 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
         async for _, delta in reply.run.deltas():
             text, entries = reply.add(delta.pieces)
             if text or entries:
-                logprobs = [e.model_dump(mode="json") for e in entries]
-                yield ev("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+                yield ev("response.output_text.delta", **where, delta=text, logprobs=entries)
             if delta.finish_reason:
                 reply.finish = delta.finish_reason
     except APIError as exc:  # after the first event: an error event ends the stream
@@ -198,9 +221,15 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
         yield ev("error", code=code, message=err["message"], param=err["param"])
         return
     reply.finish = reply.finish or "stop"
-    all_logprobs = [e.model_dump(mode="json") for e in reply.logprobs]
-    yield ev("response.output_text.done", **where, text=reply.text, logprobs=all_logprobs)
-    yield ev("response.content_part.done", **where, part=reply.part())
-    yield ev("response.output_item.done", output_index=0, item=reply.item())
-    final = "response.incomplete" if reply.status == "incomplete" else "response.completed"
-    yield ev(final, response=reply.response())
+
+    def closing() -> list[str]:  # the whole reply, four times over: written off the loop
+        final = "response.incomplete" if reply.status == "incomplete" else "response.completed"
+        return [
+            ev("response.output_text.done", **where, text=reply.text, logprobs=reply.logprobs),
+            ev("response.content_part.done", **where, part=reply.part()),
+            ev("response.output_item.done", output_index=0, item=reply.item()),
+            ev(final, response=reply.response()),
+        ]
+
+    for e in await off_loop(closing):
+        yield e

@@ -14,7 +14,8 @@ import math
 from fastapi import APIRouter, Request
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.prompts import build_completion_prompts, check_text_size, off_loop
+from probserve.api.limits import Limits
+from probserve.api.prompts import build_completion_prompts, off_loop
 from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
 from probserve.api.run import Plan, Run
 from probserve.api.state import Serving
@@ -23,16 +24,44 @@ from probserve.engine import LogprobsSpec, SamplingParams
 router = APIRouter()
 
 
-def _inputs(body: ScoreRequest) -> list[str] | list[list[int]]:
-    items = [body.items] if isinstance(body.items, str) else list(body.items)
+def _inputs(
+    body: ScoreRequest, limits: Limits, vocab_size: int, max_tokens: int
+) -> list[str] | list[list[int]]:
+    """query + item (or item + query) for every item. The cheap checks come first, on the parts
+    as sent (how many items, their types and sizes, the query's ids): a request that fails one
+    builds nothing, and what is built is at most max_sequences inputs of max_tokens ids."""
+    items = [body.items] if isinstance(body.items, str) else body.items
     if not items:
         raise bad_request("items is empty", "items")
+    limits.check_sequences(len(items), 1, "items")
     query = body.query
-    if isinstance(query, str) and all(isinstance(i, str) for i in items):
-        return [(i + query) if body.item_first else (query + i) for i in items]  # type: ignore[operator]
-    if isinstance(query, list) and all(isinstance(i, list) for i in items):
-        return [(i + query) if body.item_first else (query + i) for i in items]  # type: ignore[operator]
-    raise bad_request("query and items must both be text or both be token ids", "items")
+    if isinstance(query, str):
+        if not all(isinstance(i, str) for i in items):
+            raise bad_request("query and items must both be text or both be token ids", "items")
+        texts: list[str] = items  # type: ignore[assignment]
+        cap, repeated = limits.max_prompt_chars, len(query) * len(texts)  # a query per item
+        chars = repeated + sum(len(i) for i in texts)
+        if chars > cap:
+            message = f"query + items hold {chars} characters (the query once per item)"
+            raise bad_request(
+                f"{message}; the limit is {cap}", "query" if repeated > cap else "items"
+            )
+        return [(i + query) if body.item_first else (query + i) for i in texts]
+    if not all(isinstance(i, list) for i in items):
+        raise bad_request("query and items must both be text or both be token ids", "items")
+    bad = next((t for t in query if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        message = f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+        raise bad_request(message, "query")
+    id_items: list[list[int]] = items  # type: ignore[assignment]
+    longest = max(len(i) for i in id_items)
+    if len(query) + longest > max_tokens:
+        raise bad_request(
+            f"this model's maximum context length is {max_tokens + 1} tokens and scoring needs "
+            f"one of them; the query and the longest item hold {len(query) + longest} tokens",
+            "items",
+        )
+    return [(i + query) if body.item_first else (query + i) for i in id_items]
 
 
 @router.post("/v1/score", response_model=ScoreResponse, responses=ERRORS)
@@ -48,12 +77,11 @@ async def score(body: ScoreRequest, request: Request) -> ScoreResponse:
     bad = next((t for t in labels if not 0 <= t < state.loaded.vocab_size), None)
     if bad is not None:
         raise bad_request(f"label token id {bad} is outside the vocabulary", "label_token_ids")
-    inputs = _inputs(body)
-    limits.check_sequences(len(inputs), 1, "items")
-    if isinstance(inputs[0], str):
-        check_text_size(limits, inputs, "items")  # type: ignore[arg-type]
+    # room for the one scored token: an input that fills the context is the items' fault
+    max_tokens = state.engine.info.max_context - 1
+    inputs = _inputs(body, limits, state.loaded.vocab_size, max_tokens)
     prompts = await off_loop(
-        build_completion_prompts, state.loaded, state.table, inputs, state.engine.info.max_context
+        build_completion_prompts, state.loaded, state.table, inputs, max_tokens, "items"
     )
     spec = LogprobsSpec(top_k=0, target_ids=labels)
     plan = Plan(prompts, [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)], spec)

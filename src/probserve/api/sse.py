@@ -9,11 +9,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from probserve.api.errors import APIError, error_body
+from probserve.api.json_out import dump_json
 
 
 def event(payload: BaseModel | dict) -> str:
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json()}\n\n"
+        return f"data: {dump_json(payload).decode()}\n\n"  # a big one: in slices
     return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
 
 

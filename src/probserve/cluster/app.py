@@ -15,6 +15,8 @@ import logging
 import re
 import signal
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from probserve.api.state import ServedModel, ServerConfig, ServerState
@@ -130,6 +132,82 @@ def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig
     return ingress.bind(entries, server, cluster.retries)
 
 
+def cpus_asked(cluster: ClusterConfig) -> tuple[float, str]:
+    """The CPUs the deployments hold once started (autoscaled ones at their minimum), and how
+    they add up."""
+    total, parts = 0.0, []
+    for m in cluster.models:
+        n = m.autoscaling.min_replicas if m.autoscaling is not None else m.num_replicas
+        total += n * m.num_cpus
+        parts.append(f"{n} x {m.num_cpus:g} ({m.served_model_name or m.model})")
+    ingress = cluster.ingress
+    total += ingress.num_replicas * ingress.num_cpus
+    parts.append(f"{ingress.num_replicas} x {ingress.num_cpus:g} (ingress)")
+    return total, " + ".join(parts)
+
+
+def misfit(cluster: ClusterConfig, cpus: float) -> str | None:
+    """Why the deployments can never all be scheduled on a cluster of `cpus` CPUs (Ray would
+    wait forever, the ingress last), or None."""
+    asked, how = cpus_asked(cluster)
+    if asked <= cpus + 1e-6:
+        return None
+    return (
+        f"the deployments ask for {asked:g} CPUs ({how}) and the Ray cluster has {cpus:g}: "
+        "lower --replicas, or num_cpus in --config, or add nodes"
+    )
+
+
+def fit_to(cluster: ClusterConfig, cpus: float) -> ClusterConfig:
+    """The flags' deployments (no --config) on a cluster too small for 1 CPU a replica: the
+    replicas share what the ingress leaves, evenly (a 2-core machine: 0.95 each for 2)."""
+    replicas = sum(m.num_replicas for m in cluster.models)
+    share = (cpus - cluster.ingress.num_replicas * cluster.ingress.num_cpus) / replicas
+    if misfit(cluster, cpus) is None or share <= 0:
+        return cluster
+    share = int(share * 1000) / 1000  # Ray counts CPUs in units of 1e-4: stay below the total
+    log.info("%d replicas on %g CPUs: %g CPU each", replicas, cpus, share)
+    models = [m.model_copy(update={"num_cpus": share}) for m in cluster.models]
+    return cluster.model_copy(update={"models": models})
+
+
+def _not_running(name: str) -> str:
+    """What Serve says of the application `name` and its deployments (why it is not running)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(name)
+    except Exception as exc:  # the controller itself may be what is wrong
+        return f"no status ({type(exc).__name__}: {exc})"
+    if app is None:
+        return "not deployed"
+    said = [f"{d}: {s.status} {s.message}".strip() for d, s in app.deployments.items()]
+    return "; ".join([f"{app.status} {app.message}".strip(), *said])
+
+
+def _deploy(app: Any, cluster: ClusterConfig, stop: threading.Event) -> str | None:
+    """Deploy without waiting (`serve.run` waits, however long, for the application to be
+    running, deaf to signals), then watch its status here: None once it runs; else why not
+    ("" when a signal came first)."""
+    from ray import serve
+
+    # serve.run's own body, less its wait (Ray 2.x: `_run` is what `run` calls)
+    serve._run(app, _blocking=False, name=cluster.app_name, route_prefix="/")
+    limit = cluster.start_timeout
+    deadline = time.monotonic() + limit if limit > 0 else None
+    while not stop.wait(0.5):
+        status = serve.status().applications.get(cluster.app_name)
+        state = str(getattr(status, "status", ""))
+        if state.endswith("RUNNING"):
+            return None
+        if state.endswith(("DEPLOY_FAILED", "UNHEALTHY")):
+            return f"the deployment failed: {_not_running(cluster.app_name)}"
+        if deadline is not None and time.monotonic() > deadline:
+            status_text = _not_running(cluster.app_name)
+            return f"the application was not running after {limit:g} s: {status_text}"
+    return ""
+
+
 def run_cluster(args: argparse.Namespace) -> int:
     """`probserve serve --ray`: deploy the application on a Ray cluster (joined, or started
     here), serve HTTP on --host/--port through Serve's proxy until SIGTERM or Ctrl-C, then take
@@ -141,6 +219,14 @@ def run_cluster(args: argparse.Namespace) -> int:
 
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    cpus = float(ray.cluster_resources().get("CPU", 0.0))
+    if not args.config:  # the flags' deployments: the replicas share the cores if they must
+        cluster = fit_to(cluster, cpus)
+    problem = misfit(cluster, cpus)
+    if problem is not None:
+        log.error("%s", problem)
+        ray.shutdown()
+        return 2
     # after ray.init (its own SIGTERM handler dies at once) and before the deployment (a signal
     # while the replicas load still takes everything down)
     stop = threading.Event()
@@ -149,14 +235,35 @@ def run_cluster(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
-        serve.run(app, name=cluster.app_name, route_prefix="/")
+        asked, how = cpus_asked(cluster)
+        log.info("deploying on Ray Serve: %g of %g CPUs (%s)", asked, cpus, how)
+        why = _deploy(app, cluster, stop)
+        if why:
+            log.error("%s", why)
+            return 1
+        if why == "":  # a signal while starting
+            return 0
         names = ", ".join(n for m in cluster.models for n in _names(m)[:1])
         log.info("serving %s on http://%s:%d/v1 (Ray Serve)", names, args.host, args.port)
         stop.wait()
     finally:
         log.info("taking the application down")
-        serve.delete(cluster.app_name)
-        if cluster.address is None:  # the Ray instance is this process's own: it goes too
-            serve.shutdown()
+        # bounded: a SIGTERM to the whole process group (systemctl stop) has also stopped the
+        # Ray instance this process started, and Serve's calls would wait a minute for it
+        if not _within(TEARDOWN_S, lambda: serve.delete(cluster.app_name)):
+            log.warning("Ray Serve did not answer within %g s: leaving without it", TEARDOWN_S)
+        elif cluster.address is None:  # the Ray instance is this process's own: it goes too
+            _within(TEARDOWN_S, serve.shutdown)
         ray.shutdown()
     return 0
+
+
+TEARDOWN_S = 20.0  # seconds each step of taking the application down may take
+
+
+def _within(seconds: float, step: Callable[[], object]) -> bool:
+    """Run `step` on a thread; whether it ended within `seconds`."""
+    thread = threading.Thread(target=step, name="serve-teardown", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return not thread.is_alive()

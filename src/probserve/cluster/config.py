@@ -47,6 +47,9 @@ class ClusterConfig(_Strict):
     address: str | None = None  # a Ray cluster to join ("auto", "HOST:PORT"); None: start one
     app_name: str = "probserve"
     retries: int = Field(3, ge=0)  # replicas a request may move to after a failure
+    # seconds the application may take to be running (replicas scheduled, models loaded) before
+    # `probserve serve --ray` gives up and exits 1 with the deployments' status; 0: no limit
+    start_timeout: float = Field(900.0, ge=0)
     ingress: IngressDeployment = Field(default_factory=IngressDeployment)
     models: list[ModelDeployment]
 

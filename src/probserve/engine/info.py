@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from probserve.engine.types import EngineRequest, RequestError
+from probserve.engine.types import EngineRequest, LogprobsSpec, RequestError
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,39 @@ def validate(req: EngineRequest, info: EngineInfo) -> int:
             "which leaves no room to generate",
             "prompt",
         )
-    for tid in (*sp.stop_token_ids, *sp.logit_bias.keys()):
+    if sp.max_tokens is not None and sp.max_tokens < 0:
+        raise RequestError(f"max_tokens must be at least 0 (got {sp.max_tokens})", "max_tokens")
+    for tid in sp.stop_token_ids:
+        if not 0 <= tid < vocab:
+            raise RequestError(f"token id {tid} is outside the vocabulary", "stop_token_ids")
+    for tid in sp.logit_bias:
         if not 0 <= tid < vocab:
             raise RequestError(f"token id {tid} is outside the vocabulary", "logit_bias")
+    if req.logprobs is not None:
+        _validate_logprobs(req.logprobs, n, vocab)
     return limit if sp.max_tokens is None else n + sp.max_tokens
+
+
+def _validate_logprobs(spec: LogprobsSpec, n: int, vocab: int) -> None:
+    """Everything the engine indexes rows with: alternatives per row, target ids, full rows."""
+    for name, k in (("top_logprobs", spec.top_k), ("prompt_logprobs", spec.prompt_top_k)):
+        if k is not None and not 0 <= k <= vocab:
+            raise RequestError(f"{name} must be between 0 and {vocab} (got {k})", name)
+    bad = next((t for t in spec.target_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise RequestError(
+            f"logprob_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})",
+            "logprob_token_ids",
+        )
+    positions = spec.full_positions
+    if positions:
+        if not spec.prompt:
+            raise RequestError("full rows need the prompt scored (prompt_top_k)", "positions")
+        # row p (the distribution after tokens 0..p) exists for p = 0 .. n - 2
+        bad = next((p for p in positions if not 0 <= p < n - 1), None)
+        if bad is not None:
+            raise RequestError(
+                f"position {bad} is outside the scored prompt (0..{n - 2})", "positions"
+            )
+        if list(positions) != sorted(set(positions)):
+            raise RequestError("positions must be distinct and increasing", "positions")

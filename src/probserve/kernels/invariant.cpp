@@ -8,8 +8,9 @@
 //   - linear: y[m, n] accumulates x[m, k] * w[n, k] for k = 0, 1, ..., K-1 in order, one fused
 //     multiply-add per step (outer-product micro-kernels; a row's result does not depend on the
 //     micro-kernel height or the panel a thread takes);
-//   - reductions along a row (RMSNorm's sum of squares, softmax's sum, entropy, a dot product
-//     over the head dimension): W lanes accumulated in order, then one fixed lane tree;
+//   - reductions along a row (RMSNorm's sum of squares, softmax's sum, a dot product over the
+//     head dimension): W lanes accumulated in order, then one fixed lane tree (entropy's two
+//     sums in float64 lanes, then the lanes in order);
 //   - exp: one vector routine for every element (tails are masked vector operations, never a
 //     scalar path that rounds differently).
 // Built with -march=native for the machine it runs on (kernels/build.py).
@@ -234,18 +235,48 @@ void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64
     }
 }
 
-// entropy of each row of log-probabilities: -sum exp(lp) * lp (terms with lp = -inf add 0)
+// entropy of each row of log-probabilities, from the row's differences to its largest entry:
+// with d_i = lp_i - max, e_i = exp(d_i), n the entries equal to the max and R, D the sums of
+// e_i and e_i d_i over the others,
+//   H = log(n + R) - D / (n + R)   (log1p(R) when n = 1),
+// the entropy of the distribution the row describes. A float32 row's own log-sum-exp error (up
+// to ~1e-5, shifting every lp alike) cancels, and R is never added to 1 before the log: a
+// near-certain position's entropy (1e-5 nats, or far less) keeps its digits, which -sum exp(lp)
+// lp in float32 lost. exp in float32 (the one vector routine), R and D summed in float64 in W
+// lanes in index order, then the lanes in order: the same bits for a row in any batch. Terms
+// with lp = -inf add 0.
 void ps_entropy(const float* lp, int64_t M, int64_t V, float* out) {
 #pragma omp parallel for schedule(static) if (M > 1)
     for (int64_t m = 0; m < M; ++m) {
         const float* r = lp + m * V;
-        vf acc = vzero();
+        vf mx = vset1(NEG_INF);
+        for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(r + i, std::min<int64_t>(W, V - i), NEG_INF));
+        const vf top = vset1(hmax(mx)), ninf = vset1(NEG_INF);
+        double rest[W] = {}, moment[W] = {};
+        int64_t tops = 0;
+        alignas(64) float e[W], ed[W];
         for (int64_t i = 0; i < V; i += W) {
-            const vf v = vload_n(r + i, std::min<int64_t>(W, V - i), NEG_INF);
-            const vf term = vselect_gt(v, vset1(NEG_INF), vmul(vexp(v), v), vzero());
-            acc = vsub(acc, term);
+            const int64_t c = std::min<int64_t>(W, V - i);
+            const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
+            const vf v = vload_n(r + i, c, NEG_INF);
+            tops += __builtin_popcount(valid & ~vmask_gt(top, v));
+            const vf d = vsub(v, top);
+            const vf ev = vselect_gt(v, ninf, vselect_gt(top, v, vexp(d), vzero()), vzero());
+            vstore(e, ev);
+            vstore(ed, vselect_gt(v, ninf, vmul(ev, d), vzero()));
+            for (int j = 0; j < W; ++j) {
+                rest[j] += e[j];
+                moment[j] += ed[j];
+            }
         }
-        out[m] = hsum(acc);
+        double sum = 0.0, dm = 0.0;
+        for (int j = 0; j < W; ++j) {
+            sum += rest[j];
+            dm += moment[j];
+        }
+        const double n = static_cast<double>(tops);
+        const double log_s = tops == 1 ? std::log1p(sum) : std::log(n + sum);
+        out[m] = static_cast<float>(log_s - dm / (n + sum));
     }
 }
 
