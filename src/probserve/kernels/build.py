@@ -50,6 +50,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ps_rope_cache": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]),
     "ps_attention": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _I, _P, _P]),
     "ps_qblock_bytes": (_I, [ctypes.c_int]),
+    "ps_qblock_len": (_I, [ctypes.c_int]),
     "ps_qlinear": (None, [ctypes.c_int, _P, _I, _I, _P, _I, _P, _P]),
     "ps_qrows": (None, [ctypes.c_int, _P, _I, _P, _I, _P]),
 }

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from probserve.kernels.build import load
+from probserve.kernels.qlayout import FORMATS, pack_blocks
 
 
 @dataclass(frozen=True)
@@ -29,20 +30,17 @@ class PackedWeight:
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A [N, K] weight in GGUF blocks, packed for quantized.cpp: panels of P output columns, in
-    each for every block of 32 along K the float16 scales d[P] (Q4_1: and mins m[P]) then the
-    32 rows of P quants (4-bit: two columns a byte, column j low and j + P/2 high; 8-bit: one)."""
+    """A [N, K] weight in GGUF blocks, packed for quantized.cpp (kernels/qlayout.py): panels of P
+    output columns, in each for every block along K (32 weights, 256 for the K-quants) the
+    columns' float16 fields and scale bytes, then one row of P quants per k."""
 
-    data: torch.Tensor  # uint8 [panels, K / 32, block bytes]
+    data: torch.Tensor  # uint8 [panels, K / block length, P * the file's block bytes]
     bias: torch.Tensor | None
-    fmt: int  # QFORMATS' value
+    fmt: int  # quantized.cpp's format id (qlayout.FORMATS)
     n: int
     k: int
 
 
-# GGML quantization type id -> (quantized.cpp's format id, GGUF bytes per block of 32)
-QFORMATS: dict[int, tuple[int, int]] = {2: (0, 18), 3: (1, 20), 8: (2, 34)}  # Q4_0, Q4_1, Q8_0
-QBLOCK = 32
 SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
 
 
@@ -84,33 +82,15 @@ class InvariantKernels:
     def qpack(
         self, blocks: np.ndarray, ggml_type: int, bias: torch.Tensor | None = None
     ) -> QuantizedWeight:
-        """Rows of GGUF blocks, uint8 [N, K / 32 * block bytes] as the file holds them, packed
-        into quantized.cpp's panels (the values are untouched: only their places change)."""
-        fmt, size = QFORMATS[ggml_type]
-        p, half = self.panel, self.panel // 2
-        n, row_bytes = blocks.shape
-        nb = row_bytes // size
-        raw = np.zeros((-(-n // p) * p, nb, size), dtype=np.uint8)
-        raw[:n] = np.asarray(blocks).reshape(n, nb, size)
-        panels = raw.shape[0] // p
-        scales = 4 if fmt == 1 else 2  # d (and m) bytes at the block's start
-        qs = raw[..., scales:]
-        # 8-bit: one int8 a column; 4-bit: the file's nibbles, element j low and j + 16 high
-        quants = qs if fmt == 2 else np.concatenate([qs & 15, qs >> 4], axis=-1)
-        # [panels, P, nb, 32] -> [panels, nb, 32 (k), P (column)]
-        quants = quants.reshape(panels, p, nb, QBLOCK).transpose(0, 2, 3, 1)
-        if fmt != 2:
-            quants = quants[..., :half] | (quants[..., half:] << 4)
-        parts = [  # d, then m: [panels, P, nb, 2 bytes] -> [panels, nb, P * 2]
-            raw[..., i : i + 2].reshape(panels, p, nb, 2).transpose(0, 2, 1, 3)
-            for i in range(0, scales, 2)
-        ]
-        parts = [part.reshape(panels, nb, -1) for part in parts]
-        parts.append(quants.reshape(panels, nb, -1))
-        data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-        assert data.shape[-1] == self.lib.ps_qblock_bytes(fmt)
+        """Rows of GGUF blocks, uint8 [N, K / block length * block bytes] as the file holds them,
+        packed into quantized.cpp's panels (the values are untouched: only their places change)."""
+        f = FORMATS[ggml_type]
+        n = int(blocks.shape[0])
+        data = pack_blocks(blocks, ggml_type, self.panel)
+        assert data.shape[-1] == self.lib.ps_qblock_bytes(f.fmt)
+        assert self.lib.ps_qblock_len(f.fmt) == f.qk
         return QuantizedWeight(
-            torch.from_numpy(data), self._bias(bias, n), fmt, int(n), int(nb * QBLOCK)
+            torch.from_numpy(data), self._bias(bias, n), f.fmt, n, int(data.shape[1] * f.qk)
         )
 
     def qlinear(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:

@@ -1,103 +1,181 @@
-// Linear layers on GGUF block-quantized weights (Q4_0, Q4_1, Q8_0), exact.
+// Linear layers on GGUF block-quantized weights, exact: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of
+// 32 weights along K) and the K-quants Q4_K, Q5_K (super-blocks of 256: 8 sub-blocks of 32, each
+// with a 6-bit scale and min) and Q6_K (256: 16 sub-blocks of 16, each with an int8 scale).
 //
-// The weights stay in the file's 4- or 8-bit blocks (a quarter to a half of the float32 bytes a
-// one-row step must read) and are dequantized in registers inside the matrix product:
-//   Q4_0  w = d * (q - 8)      q in 0..15
-//   Q4_1  w = d * q + m        q in 0..15
-//   Q8_0  w = d * q            q in -128..127
-// with d and m float16 per block of QK = 32 weights along K, one rounding per operation, as
-// gguf's dequantize computes them. So each w is the very float32 a dequantized copy holds, and
-// the product then runs the float32 micro-kernel's operations in its order (y[m, n] accumulates
+// The weights stay in the file's blocks (a quarter to a half of the float32 bytes a one-row step
+// must read) and are dequantized in registers inside the matrix product, as gguf's numpy
+// dequantize computes them (float32, one rounding per operation, in its order):
+//   Q4_0  w = d * (q - 8)                  q in 0..15
+//   Q4_1  w = d * q + m                    q in 0..15
+//   Q5_0  w = d * (q - 16)                 q in 0..31
+//   Q5_1  w = d * q + m                    q in 0..31
+//   Q8_0  w = d * q                        q in -128..127
+//   Q4_K  w = (d * sc) * q - (dmin * mn)   q in 0..15, sc and mn in 0..63 per 32 weights
+//   Q5_K  w = (d * sc) * q - (dmin * mn)   q in 0..31
+//   Q6_K  w = (d * sc) * (q - 32)          q in 0..63, sc in -128..127 per 16 weights
+// with d, m and dmin float16. Every product there is exact in float32: d has an 11-bit
+// significand (a float16 subnormal too), d * sc at most 18 bits, times q at most 23. So the only
+// rounding is the final add (Q4_1, Q5_1) or subtraction (Q4_K, Q5_K), and one FMA (FMS) gives
+// gguf's two-step value. Each w is thus the very float32 a dequantized copy holds, and the
+// product then runs the float32 micro-kernel's operations in its order (y[m, n] accumulates
 // x[m, k] * w[n, k] for k = 0..K-1, one FMA a step): the outputs are the same bits as
 // ps_linear's on the dequantized weight, for any row count (row-invariant, as invariant.cpp).
 // Up to MR_MAX rows dequantize in registers; more rows dequantize each panel once into a
 // thread's buffer and run the float32 micro-kernel over it (the same values, the same order).
 //
-// The packed layout (kernels/invariant.py `QuantizedWeight`): panels of NR output columns; in a
-// panel, for each block of QK along K: d[NR] (float16), for Q4_1 m[NR] (float16), then the QK
-// rows of NR quants: Q4 two columns a byte (byte j holds column j in its low nibble and column
-// j + W in its high one), Q8 one int8 a column. Padded columns have d = m = 0.
+// The packed layout (kernels/qlayout.py `pack_blocks`): panels of NR output columns; in a panel,
+// for each block of QK along K: the float16 fields of the NR columns (d[NR], then m[NR] for Q4_1
+// and Q5_1 or dmin[NR] for Q4_K and Q5_K), the K-quants' scale bytes as the file holds them
+// (byte i of column c at i * NR + c: Q4_K/Q5_K's 12 packed bytes, Q6_K's 16 int8), then the QK
+// rows of NR quants, one row per k: Q8 one int8 a column; otherwise the low 4 bits two columns a
+// byte (byte j holds column j in its low nibble and column j + W in its high one), then for the
+// 5-bit formats one bit plane of NR bits (bit c, little-endian: column c's bit 4) and for Q6_K a
+// second (bit 5). A panel is then the file's bytes for its columns, moved. Padded columns are
+// zeros (d = 0).
+#include <cstring>
 #include <memory>
 
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t QK = 32;
-enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
 
 template <int F>
 struct Layout {
-    static constexpr int64_t scales = (F == Q4_1 ? 2 : 1) * NR * 2;  // bytes of d (and m)
-    static constexpr int64_t row = F == Q8_0 ? NR : NR / 2;          // bytes of one k's quants
-    static constexpr int64_t block = scales + QK * row;
+    static constexpr bool kmin = F == Q4_K || F == Q5_K;           // w = (d sc) q - dmin mn
+    static constexpr bool kquant = kmin || F == Q6_K;
+    static constexpr bool plus_m = F == Q4_1 || F == Q5_1;         // w = d q + m
+    static constexpr int64_t QK = kquant ? 256 : 32;               // weights per block along K
+    static constexpr int64_t SUB = F == Q6_K ? 16 : 32;            // weights per scale
+    static constexpr int bits = F == Q8_0 ? 8 : F == Q6_K ? 6 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 5 : 4;
+    static constexpr int offset = F == Q4_0 ? -8 : F == Q5_0 ? -16 : F == Q6_K ? -32 : 0;
+    static constexpr int64_t halves = (plus_m || kmin) ? 2 : 1;    // float16 fields
+    static constexpr int64_t scale_bytes = F == Q6_K ? 16 : kmin ? 12 : 0;  // per column
+    static constexpr int64_t plane = NR / 8;                        // bytes of one bit of a row
+    static constexpr int64_t row = bits == 8 ? NR : NR / 2 + (bits - 4) * plane;  // one k's quants
+    static constexpr int64_t head = (halves * 2 + scale_bytes) * NR;
+    static constexpr int64_t block = head + QK * row;
+    static_assert(NR % 8 == 0 && plane <= 4, "a bit plane is read as one 32-bit word");
 };
 
-template <int F>
-inline void block_scales(const uint8_t* blk, vf& d0, vf& d1, vf& m0, vf& m1) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
-    d0 = vhalf(h);
-    d1 = vhalf(h + W);
-    if constexpr (F == Q4_1) {
-        m0 = vhalf(h + NR);
-        m1 = vhalf(h + NR + W);
-    } else {
-        m0 = m1 = vzero();
-    }
+// NR bits of a bit plane, little-endian: bit c is column c's
+inline uint32_t plane_bits(const uint8_t* p) {
+    uint32_t v = 0;
+    std::memcpy(&v, p, Layout<Q5_0>::plane);
+    return v;
 }
 
-// the NR weights of one k: columns [0, W) in w0, [W, NR) in w1. d * q is exact in float32 (an
-// 11-bit significand times an integer of at most 8 bits), so Q4_1's d * q + m rounds once either
-// way and one FMA gives gguf's two-step value.
+// the scale s and offset o of sub-block j of a block, columns [0, W) in s0/o0 and [W, NR) in
+// s1/o1, as gguf computes them: Q4_0/Q5_0/Q8_0 s = d; Q4_1/Q5_1 s = d, o = m; Q4_K/Q5_K s =
+// d * sc, o = dmin * mn (get_scale_min_k4's 6-bit values); Q6_K s = d * sc. Products exact.
 template <int F>
-inline void dequant(const uint8_t* q, const Nibbles& nib, vf d0, vf d1, vf m0, vf m1, vf& w0,
-                    vf& w1) {
-    if constexpr (F == Q8_0) {
-        w0 = vmul(vcvt(vload_i8(q)), d0);
-        w1 = vmul(vcvt(vload_i8(q + W)), d1);
+inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf& o1) {
+    using L = Layout<F>;
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
+    const vf d0 = vhalf(h), d1 = vhalf(h + W);
+    o0 = o1 = vzero();
+    if constexpr (F == Q6_K) {
+        const uint8_t* sc = blk + 2 * NR + j * NR;
+        s0 = vmul(d0, vcvt(vload_i8(sc)));
+        s1 = vmul(d1, vcvt(vload_i8(sc + W)));
+    } else if constexpr (L::kmin) {
+        const vf n0 = vhalf(h + NR), n1 = vhalf(h + NR + W);
+        const uint8_t* b = blk + 4 * NR;  // byte i of column c at b[i * NR + c]
+        auto unpack = [&](int64_t c0, vf d, vf dmin, vf& s, vf& o) {
+            vi sc, mn;
+            if (j < 4) {  // sc = b[j] & 63, mn = b[j + 4] & 63
+                sc = vand_i(vload_u8(b + j * NR + c0), 63);
+                mn = vand_i(vload_u8(b + (j + 4) * NR + c0), 63);
+            } else {  // sc = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4, mn = (b[j + 4] >> 4) | (b[j] >> 6) << 4
+                const vi lo = vload_u8(b + (j + 4) * NR + c0);
+                sc = vor_i(vand_i(lo, 15), vsll_i<4>(vsrl_i<6>(vload_u8(b + (j - 4) * NR + c0))));
+                mn = vor_i(vsrl_i<4>(lo), vsll_i<4>(vsrl_i<6>(vload_u8(b + j * NR + c0))));
+            }
+            s = vmul(d, vcvt(sc));
+            o = vmul(dmin, vcvt(mn));
+        };
+        unpack(0, d0, n0, s0, o0);
+        unpack(W, d1, n1, s1, o1);
     } else {
-        const vi b = vload_u8(q);
-        if constexpr (F == Q4_1) {
-            w0 = vfma(d0, nib.lo(b), m0);
-            w1 = vfma(d1, nib.hi(b), m1);
-        } else {
-            w0 = vmul(d0, nib.lo(b));
-            w1 = vmul(d1, nib.hi(b));
+        s0 = d0;
+        s1 = d1;
+        if constexpr (L::plus_m) {
+            o0 = vhalf(h + NR);
+            o1 = vhalf(h + NR + W);
         }
     }
 }
 
-// the quants' offset: Q4_0 stores q + 8
+// the NR weights of one k: columns [0, W) in w0, [W, NR) in w1. The quants come out of the
+// table as exact small integers (q & 15) + offset, the high bits add 16 and 32 exactly.
+template <int F>
+inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, vf o1, vf& w0,
+                    vf& w1) {
+    using L = Layout<F>;
+    if constexpr (F == Q8_0) {
+        w0 = vmul(vcvt(vload_i8(q)), s0);
+        w1 = vmul(vcvt(vload_i8(q + W)), s1);
+        return;
+    } else {
+        const vi b = vload_u8(q);
+        vf q0 = nib.lo(b), q1 = nib.hi(b);
+        if constexpr (L::bits >= 5) {
+            const uint32_t h4 = plane_bits(q + NR / 2);
+            const vf sixteen = vset1(16.0f);
+            q0 = vadd_where(q0, h4, sixteen);
+            q1 = vadd_where(q1, h4 >> W, sixteen);
+        }
+        if constexpr (L::bits == 6) {
+            const uint32_t h5 = plane_bits(q + NR / 2 + L::plane);
+            const vf thirty_two = vset1(32.0f);
+            q0 = vadd_where(q0, h5, thirty_two);
+            q1 = vadd_where(q1, h5 >> W, thirty_two);
+        }
+        if constexpr (L::kmin) {  // (d sc) q exact: one rounding, as numpy's d * q - dm
+            w0 = vfms(s0, q0, o0);
+            w1 = vfms(s1, q1, o1);
+        } else if constexpr (L::plus_m) {  // d q exact: one rounding, as numpy's d * q + m
+            w0 = vfma(s0, q0, o0);
+            w1 = vfma(s1, q1, o1);
+        } else {
+            w0 = vmul(s0, q0);
+            w1 = vmul(s1, q1);
+        }
+    }
+}
+
 template <int F>
 inline Nibbles nibbles() {
-    return Nibbles(F == Q4_0 ? -8 : 0);
+    return Nibbles(Layout<F>::offset);
 }
 
-// a block's cache lines, requested ahead of use: the one-row product reads a block in ~60 ns,
-// faster than a line arrives from memory unasked (prefetching never faults, even past the end)
-constexpr int64_t PREFETCH = 8;  // blocks ahead
+// a panel's cache lines, requested ahead of use: the one-row product reads a Q4_0 block in
+// ~60 ns, faster than a line arrives from memory unasked (prefetching never faults, even past
+// the end). The distance is 8 sub-blocks' bytes (8 blocks of the 32-wide formats, as before).
 template <int F>
-inline void prefetch_block(const uint8_t* b) {
-    for (int64_t line = 0; line < Layout<F>::block; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + line), _MM_HINT_T0);
-}
+constexpr int64_t PREFETCH_BYTES = 8 * Layout<F>::block * Layout<F>::SUB / Layout<F>::QK;
 
 // every k of one quantized panel in order: body(k, w0, w1) with the k's NR weights dequantized
-// (columns [0, W) in w0, [W, NR) in w1), the blocks prefetched ahead
+// (columns [0, W) in w0, [W, NR) in w1), the lines prefetched ahead
 template <int F, class Body>
 inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
     using L = Layout<F>;
     const Nibbles nib = nibbles<F>();
-    for (int64_t blk = 0; blk < K / QK; ++blk) {
+    const uint8_t* ahead = panel;  // the lines below it have been requested
+    for (int64_t blk = 0; blk < K / L::QK; ++blk) {
         const uint8_t* b = panel + blk * L::block;
-        prefetch_block<F>(b + PREFETCH * L::block);
-        vf d0, d1, m0, m1;
-        block_scales<F>(b, d0, d1, m0, m1);
-        const uint8_t* q = b + L::scales;
-        for (int64_t kk = 0; kk < QK; ++kk) {
-            vf w0, w1;
-            dequant<F>(q + kk * L::row, nib, d0, d1, m0, m1, w0, w1);
-            body(blk * QK + kk, w0, w1);
+        for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
+            const uint8_t* q = b + L::head + j * L::SUB * L::row;
+            for (const uint8_t* until = q + L::SUB * L::row + PREFETCH_BYTES<F>; ahead < until; ahead += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+            vf s0, s1, o0, o1;
+            sub_scales<F>(b, j, s0, s1, o0, o1);
+            for (int64_t kk = 0; kk < L::SUB; ++kk) {
+                vf w0, w1;
+                dequant<F>(q + kk * L::row, nib, s0, s1, o0, o1, w0, w1);
+                body(blk * L::QK + j * L::SUB + kk, w0, w1);
+            }
         }
     }
 }
@@ -137,7 +215,7 @@ void qlinear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_
     static constexpr auto quant = qmicro_table<F>(std::make_integer_sequence<int, MR_MAX>{});
     static constexpr auto dense = micro_table(std::make_integer_sequence<int, MR_MAX>{});
     const int64_t panels = (N + NR - 1) / NR;
-    const int64_t panel_bytes = (K / QK) * Layout<F>::block;
+    const int64_t panel_bytes = (K / Layout<F>::QK) * Layout<F>::block;
 #pragma omp parallel if (M * N * K > (1 << 18))
     {
         // a panel's float32 weights, 64-byte aligned (micro's loads then never split lines)
@@ -163,35 +241,61 @@ void qlinear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_
     }
 }
 
+// column c's quant at one k's row, offset applied (q - 8, q - 16, q - 32 or q)
+template <int F>
+inline int quant_at(const uint8_t* row, int64_t c) {
+    using L = Layout<F>;
+    if constexpr (F == Q8_0) {
+        return static_cast<int8_t>(row[c]);
+    } else {
+        int v = c < W ? row[c] & 15 : row[c - W] >> 4;
+        for (int bit = 4; bit < L::bits; ++bit)
+            v |= ((row[NR / 2 + (bit - 4) * L::plane + c / 8] >> (c % 8)) & 1) << bit;
+        return v + L::offset;
+    }
+}
+
 // rows of a quantized [N, K] weight, dequantized: out[t] = w[ids[t]] (a tied embedding read from
-// the head's blocks); scalar, with the vector path's operations (exact in any form)
+// the head's blocks); scalar, with the vector path's operations (each product exact, then the
+// one rounding: the same values in any form)
 template <int F>
 void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
     using L = Layout<F>;
-    const int64_t panel_bytes = (K / QK) * L::block;
+    const int64_t panel_bytes = (K / L::QK) * L::block;
 #pragma omp parallel for schedule(static) if (T * K > (1 << 16))
     for (int64_t t = 0; t < T; ++t) {
         const uint8_t* panel = packed + (ids[t] / NR) * panel_bytes;
         const int64_t c = ids[t] % NR;
         float* o = out + t * K;
-        for (int64_t blk = 0; blk < K / QK; ++blk) {
+        for (int64_t blk = 0; blk < K / L::QK; ++blk) {
             const uint8_t* b = panel + blk * L::block;
             const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
             const float d = _cvtsh_ss(h[c]);
-            const float m = F == Q4_1 ? _cvtsh_ss(h[NR + c]) : 0.0f;
-            const uint8_t* q = b + L::scales;
-            for (int64_t kk = 0; kk < QK; ++kk) {
-                const uint8_t* row = q + kk * L::row;
-                int v;
-                if constexpr (F == Q8_0) {
-                    v = static_cast<int8_t>(row[c]);
-                } else {
-                    v = c < W ? row[c] & 15 : row[c - W] >> 4;
-                    if constexpr (F == Q4_0) v -= 8;
+            const float d2 = L::halves == 2 ? _cvtsh_ss(h[NR + c]) : 0.0f;  // m or dmin
+            for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
+                float s = d, off = d2;
+                if constexpr (F == Q6_K) {
+                    s = d * static_cast<float>(static_cast<int8_t>(b[2 * NR + j * NR + c]));
+                } else if constexpr (L::kmin) {
+                    const uint8_t* sb = b + 4 * NR + c;  // byte i at sb[i * NR]
+                    int sc, mn;
+                    if (j < 4) {
+                        sc = sb[j * NR] & 63;
+                        mn = sb[(j + 4) * NR] & 63;
+                    } else {
+                        sc = (sb[(j + 4) * NR] & 15) | ((sb[(j - 4) * NR] >> 6) << 4);
+                        mn = (sb[(j + 4) * NR] >> 4) | ((sb[j * NR] >> 6) << 4);
+                    }
+                    s = d * static_cast<float>(sc);
+                    off = d2 * static_cast<float>(mn);
                 }
-                float w = d * static_cast<float>(v);
-                if constexpr (F == Q4_1) w = w + m;
-                o[blk * QK + kk] = w;
+                const uint8_t* q = b + L::head + j * L::SUB * L::row;
+                for (int64_t kk = 0; kk < L::SUB; ++kk) {
+                    float w = s * static_cast<float>(quant_at<F>(q + kk * L::row, c));
+                    if constexpr (L::plus_m) w = w + off;
+                    if constexpr (L::kmin) w = w - off;
+                    o[blk * L::QK + j * L::SUB + kk] = w;
+                }
             }
         }
     }
@@ -199,34 +303,47 @@ void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, floa
 
 }  // namespace
 
+#define PS_FORMATS(X) X(Q4_0) X(Q4_1) X(Q8_0) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K)
+
 extern "C" {
 
+// bytes of one packed block of a panel (NR times the file's block), or -1 for an unknown format
 int64_t ps_qblock_bytes(int fmt) {
     switch (fmt) {
-        case Q4_0: return Layout<Q4_0>::block;
-        case Q4_1: return Layout<Q4_1>::block;
-        case Q8_0: return Layout<Q8_0>::block;
+#define X(F) case F: return Layout<F>::block;
+        PS_FORMATS(X)
+#undef X
+        default: return -1;
+    }
+}
+
+// weights per block along K (32, or 256 for the K-quants), or -1
+int64_t ps_qblock_len(int fmt) {
+    switch (fmt) {
+#define X(F) case F: return Layout<F>::QK;
+        PS_FORMATS(X)
+#undef X
         default: return -1;
     }
 }
 
 // out[M, N] = x[M, K] . w^T + bias, w quantized in format `fmt`, packed as above (K a multiple
-// of QK); bias padded to a multiple of NR, or null
+// of the format's block length); bias padded to a multiple of NR, or null
 void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                 const float* bias, float* out) {
     switch (fmt) {
-        case Q4_0: return qlinear<Q4_0>(x, M, K, packed, N, bias, out);
-        case Q4_1: return qlinear<Q4_1>(x, M, K, packed, N, bias, out);
-        case Q8_0: return qlinear<Q8_0>(x, M, K, packed, N, bias, out);
+#define X(F) case F: return qlinear<F>(x, M, K, packed, N, bias, out);
+        PS_FORMATS(X)
+#undef X
         default: return;
     }
 }
 
 void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
     switch (fmt) {
-        case Q4_0: return qrows<Q4_0>(packed, K, ids, T, out);
-        case Q4_1: return qrows<Q4_1>(packed, K, ids, T, out);
-        case Q8_0: return qrows<Q8_0>(packed, K, ids, T, out);
+#define X(F) case F: return qrows<F>(packed, K, ids, T, out);
+        PS_FORMATS(X)
+#undef X
         default: return;
     }
 }

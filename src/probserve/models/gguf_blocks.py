@@ -1,10 +1,11 @@
 """A GGUF file's weights in the file's own blocks: what `--weights native` serves.
 
 transformers' GGUF loader dequantizes every tensor to float32; here the tensors of the block
-formats probserve's kernels multiply directly (Q4_0, Q4_1, Q8_0: kernels/quantized.cpp) stay as
-the file's bytes, and the rest (float32 norms, other formats) are dequantized as transformers
-does. Names and the q/k row order come from transformers' own GGUF mapping and tensor processor
-(the processor's row permutation moves whole rows, so it applies to rows of blocks unchanged).
+formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes, and the rest
+(float32 norms, other formats) are dequantized as transformers does. Names and the q/k row order
+come from transformers' own GGUF mapping and tensor processor (the processor's row permutation
+moves whole rows, so it applies to rows of blocks unchanged).
 So a dequantized `QuantizedTensor` is bit for bit the tensor `from_pretrained(gguf_file=...)`
 gives, and the quantized forward computes the float32 forward's numbers.
 """
@@ -21,15 +22,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from probserve.kernels.qlayout import FORMATS
+
 log = logging.getLogger(__name__)
 
-# GGML type ids of the block formats the kernels multiply in place: Q4_0, Q4_1, Q8_0
-NATIVE_TYPES = frozenset({2, 3, 8})
+# GGML type ids of the block formats the kernels multiply in place: Q4_0, Q4_1, Q5_0, Q5_1,
+# Q8_0, Q4_K, Q5_K, Q6_K
+NATIVE_TYPES = frozenset(FORMATS)
 
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """A [N, K] weight as rows of GGUF blocks: uint8 [N, K / 32 * block bytes]."""
+    """A [N, K] weight as rows of GGUF blocks: uint8 [N, K / block length * block bytes] (32
+    weights a block, 256 for the K-quants)."""
 
     blocks: np.ndarray
     ggml_type: int
@@ -152,6 +157,7 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         if gguf_name is not None:
             names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     out: dict[str, Weight] = {}
+    dequantized: dict[str, int] = {}  # quantized formats without a kernel: float32 bytes
     for tensor in reader.tensors:
         name = names.get(tensor.name)
         if name is None:
@@ -163,6 +169,11 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
             values = dequantize(tensor.data, tensor.tensor_type)
             values = processor.process(weights=values, name=tensor.name).weights
             out[name] = torch.from_numpy(np.array(values, dtype=np.float32))
+            kind = tensor.tensor_type.name
+            if kind not in ("F32", "F16", "BF16"):
+                dequantized[kind] = dequantized.get(kind, 0) + out[name].numel() * 4
+    for kind, size in sorted(dequantized.items()):
+        log.warning("%s is not served natively: %.1f GB as float32", kind, size / 2**30)
     return _with_ties(out, skeleton, Path(path).name)
 
 
@@ -181,6 +192,26 @@ def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, 
     return out
 
 
+def blocks_share(weights: dict[str, Weight]) -> tuple[float, str]:
+    """The fraction of the parameters held in blocks, and how they split by format
+    ("Q5_0 62%, Q4_K 25%, Q6_K 9%, float32 4% (12 MB)"); tied weights counted once."""
+    counts: dict[str, int] = {}
+    float_bytes = 0
+    for value in {id(v): v for v in weights.values()}.values():
+        if isinstance(value, QuantizedTensor):
+            name, n = value.type_name, value.blocks.shape[0] * value.k
+        else:
+            name, n = "float32", value.numel()
+            float_bytes += n * 4
+        counts[name] = counts.get(name, 0) + n
+    total = sum(counts.values()) or 1
+    parts = []
+    for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        size = f" ({float_bytes / 2**20:.0f} MB)" if name == "float32" else ""
+        parts.append(f"{name} {100 * n / total:.0f}%{size}")
+    return 1 - counts.get("float32", 0) / total, ", ".join(parts)
+
+
 def block_formats(weights: dict[str, Weight]) -> list[str]:
-    """The block formats among the weights, by name ("Q4_1", "Q8_0")."""
+    """The block formats among the weights, by name ("Q4_K", "Q6_K")."""
     return sorted({w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)})

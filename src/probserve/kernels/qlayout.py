@@ -1,0 +1,116 @@
+"""GGUF block formats as kernels/quantized.cpp reads them: the formats' tables and the packing
+of a tensor's rows of blocks into panels (numpy alone: no torch, no library).
+
+A [N, K] weight becomes panels of P output columns (P = the library's panel width, NR); in a
+panel, for each block of `qk` weights along K: the float16 fields of the P columns (d, then Q4_1
+and Q5_1's m or the K-quants' dmin: column c's two bytes at 2c), the K-quants' per-sub-block
+scale bytes as the file holds them (byte i of column c at i * P + c: Q4_K and Q5_K's twelve
+packed 6-bit scales and mins, Q6_K's sixteen int8 scales), then `qk` rows of P quants, one row
+per k: 8-bit formats one byte a column; the others the low nibbles two columns a byte (byte j
+holds column j in its low nibble and column j + P/2 in its high one), then for a 5-bit format
+one bit plane, for Q6_K two (bit c of the P-bit little-endian word: column c's bit 4, then its
+bit 5). No value changes, only places: a panel holds exactly the file's bytes for its columns
+(P times the file's block size per block), and padded columns are zeros (d = 0: weights 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    fmt: int  # quantized.cpp's Format id
+    qk: int  # weights per block along K
+    size: int  # the file's bytes per block
+    halves: tuple[int, ...]  # offsets of the float16 fields in the file's block (d first)
+    scales: tuple[int, int] | None  # the byte range of the per-sub-block scales (K-quants)
+    bits: int  # bits per quant: 4, 5, 6 or 8
+
+
+# GGML quantization type id -> its block format
+FORMATS: dict[int, BlockFormat] = {
+    2: BlockFormat("Q4_0", 0, 32, 18, (0,), None, 4),
+    3: BlockFormat("Q4_1", 1, 32, 20, (0, 2), None, 4),
+    8: BlockFormat("Q8_0", 2, 32, 34, (0,), None, 8),
+    6: BlockFormat("Q5_0", 3, 32, 22, (0,), None, 5),
+    7: BlockFormat("Q5_1", 4, 32, 24, (0, 2), None, 5),
+    12: BlockFormat("Q4_K", 5, 256, 144, (0, 2), (4, 16), 4),
+    13: BlockFormat("Q5_K", 6, 256, 176, (0, 2), (4, 16), 5),
+    14: BlockFormat("Q6_K", 7, 256, 210, (208,), (192, 208), 6),
+}
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: weight j < 16 in byte j's low nibble, j >= 16 in byte
+    j - 16's high one (Q4_0/Q4_1/Q5_0/Q5_1's qs)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def quants(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Blocks [..., size] -> each weight's unsigned quant [..., qk] (uint8, in the block's
+    element order), unpacked as gguf's `dequantize_blocks` unpacks them; Q8_0: its int8 bytes."""
+    lead = raw.shape[:-1]
+    if ggml_type == 8:  # Q8_0: d | qs[32] int8
+        return raw[..., 2:34]
+    if ggml_type in (2, 3):  # Q4_0: d | qs[16]; Q4_1: d | m | qs[16]
+        return _nibbles(raw[..., 2 if ggml_type == 2 else 4 :])
+    if ggml_type in (6, 7):  # Q5_0: d | qh u32 | qs[16]; Q5_1: d | m | qh u32 | qs[16]
+        at = 2 if ggml_type == 6 else 4
+        high = np.unpackbits(raw[..., at : at + 4], axis=-1, bitorder="little")  # bit j: weight j
+        return _nibbles(raw[..., at + 4 : at + 20]) | (high << 4)
+    if ggml_type in (12, 13):  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs
+        qs = raw[..., 16:144] if ggml_type == 12 else raw[..., 48:176]
+        shift = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        # sub-block j (32 weights): bytes 32 (j // 2) .. + 32, low nibbles for even j
+        q = ((qs.reshape(*lead, 4, 1, 32) >> shift) & 15).reshape(*lead, 256)
+        if ggml_type == 13:  # weight 32 j + l: bit j of qh[l]
+            bit = np.arange(8, dtype=np.uint8).reshape(8, 1)
+            high = ((raw[..., 16:48].reshape(*lead, 1, 32) >> bit) & 1).reshape(*lead, 256)
+            q = q | (high << 4)
+        return q
+    if ggml_type == 14:  # Q6_K: ql[128] | qh[64] | scales[16] int8 | d
+        shift4 = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        shift2 = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+        # weight 128 h + r: low 4 bits from ql[64 h + r % 64] >> 4 (r // 64), high 2 bits
+        # from qh[32 h + r % 32] >> 2 (r // 32)
+        low = ((raw[..., :128].reshape(*lead, 2, 1, 64) >> shift4) & 15).reshape(*lead, 256)
+        high = ((raw[..., 128:192].reshape(*lead, 2, 1, 32) >> shift2) & 3).reshape(*lead, 256)
+        return low | (high << 4)
+    raise KeyError(f"no native kernel for GGML type {ggml_type}")
+
+
+def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
+    """Rows of GGUF blocks, uint8 [N, K / qk * size] as the file holds them, packed into
+    quantized.cpp's panels: uint8 [ceil(N / panel), K / qk, panel * size]."""
+    f = FORMATS[ggml_type]
+    p, half = panel, panel // 2
+    n, row_bytes = blocks.shape
+    nb = row_bytes // f.size
+    raw = np.zeros((-(-n // p) * p, nb, f.size), dtype=np.uint8)
+    raw[:n] = np.asarray(blocks).reshape(n, nb, f.size)
+    panels = raw.shape[0] // p
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [rows, nb, ...] -> [panels, nb, P, ...]
+        return a.reshape(panels, p, nb, *a.shape[2:]).swapaxes(1, 2)
+
+    parts = [by_panel(raw[..., at : at + 2]).reshape(panels, nb, 2 * p) for at in f.halves]
+    if f.scales is not None:  # byte i of column c at i * P + c
+        lo, hi = f.scales
+        parts.append(by_panel(raw[..., lo:hi]).swapaxes(2, 3).reshape(panels, nb, (hi - lo) * p))
+    q = by_panel(quants(raw, ggml_type)).swapaxes(2, 3)  # [panels, nb, qk (k), P (column)]
+    if f.bits == 8:
+        rows = q
+    else:
+        planes = [(q[..., :half] & 15) | ((q[..., half:] & 15) << 4)]
+        planes += [
+            np.packbits((q >> bit) & 1, axis=-1, bitorder="little") for bit in range(4, f.bits)
+        ]
+        rows = np.concatenate(planes, axis=-1)
+    parts.append(rows.reshape(panels, nb, -1))
+    data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    assert data.shape[-1] == p * f.size
+    return data
