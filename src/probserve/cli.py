@@ -90,6 +90,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         from probserve.cluster.app import run_cluster
 
+        if getattr(args, "chat_template", None):
+            raise ModelLoadError("--chat-template is not available with --ray")
+
         return run_cluster(args)
     from probserve.api.server import run_server
 
@@ -135,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         help="the name clients use for the model of the same position (it also answers to its own)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file for the model of the same position (for a model file "
+        "that ships none, or to replace its own); clients can never send one",
     )
     serve.add_argument(
         "--worker-restarts",

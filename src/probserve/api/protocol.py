@@ -339,6 +339,12 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
     status: str = "ok"  # the model's engine: ok, stuck, dead or restarting (see /health)
     replicas: int | None = None  # on Ray Serve: the model's replicas answering (see /health)
+    # what runs how (see /health): absent before the engine has said
+    architecture: str | None = None
+    runner: str | None = None
+    deterministic: bool | None = None
+    weights: str | None = None
+    weights_in_blocks: float | None = None
 
 
 class ModelList(BaseModel):

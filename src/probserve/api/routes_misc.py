@@ -19,6 +19,7 @@ from probserve.api.protocol import (
     TokenizerInfo,
 )
 from probserve.api.state import ServedModel, ServerState
+from probserve.engine.info import EngineInfo
 
 router = APIRouter()
 
@@ -34,8 +35,7 @@ def model_health(model: ServedModel) -> dict[str, object]:
     body: dict[str, object] = {"status": status, **engine.stats()}
     info = getattr(engine, "info", None)  # absent when a worker died before saying hello
     if info is not None:
-        body["deterministic"] = info.deterministic
-        body["weights"] = info.weights
+        body.update(serving_facts(info))
     if reason is not None:
         body["reason"] = reason
     return body
@@ -66,14 +66,28 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
+def serving_facts(info: EngineInfo) -> dict[str, object]:
+    """What runs how: the architecture, the runner, deterministic on/off, the weight formats
+    and the fraction of the parameters held in blocks (on /health and every /v1/models card)."""
+    return {
+        "architecture": info.architecture,
+        "runner": info.runner,
+        "deterministic": info.deterministic,
+        "weights": info.weights,
+        "weights_in_blocks": info.weights_in_blocks,
+    }
+
+
 def _card(model: ServedModel, name: str) -> ModelCard:
     replicas = model.engine.stats().get("replicas")
+    info = getattr(model.engine, "info", None)
     return ModelCard(
         id=name,
         root=model.root,
         max_model_len=model.loaded.context_length,
         status=model.health()[0],
         replicas=None if replicas is None else int(replicas),
+        **(serving_facts(info) if info is not None else {}),  # type: ignore[arg-type]
     )
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -46,6 +47,30 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
         with open(key_file, encoding="utf-8") as f:
             keys += [ln.strip() for ln in f if ln.strip() and not ln.strip().startswith("#")]
     return tuple(keys)
+
+
+def chat_template_flag(args: argparse.Namespace, index: int) -> str | None:
+    """The text of the `--chat-template` file given for model `index` (in `--model` order), or
+    None; a missing file or a template Jinja cannot compile is a ModelLoadError."""
+    files = getattr(args, "chat_template", None) or []
+    if len(files) > len(model_flags(args)):
+        raise ModelLoadError(
+            f"{len(files)} --chat-template flags for {len(model_flags(args))} models"
+        )
+    if index >= len(files):
+        return None
+    try:
+        text = Path(files[index]).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the chat template {files[index]}: {exc}") from exc
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateError as exc:
+        raise ModelLoadError(f"the chat template {files[index]} is not valid Jinja: {exc}") from exc
+    return text
 
 
 def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -160,7 +185,11 @@ def build_state(
     factories: dict[str, Callable[[], EngineClient]] = {}
     try:
         for i, (spec, name) in enumerate(model_flags(args)):
+            template = chat_template_flag(args, i)
             model, make = start_model(args, spec, name, loaded if i == 0 else None)
+            if template is not None:  # the operator's template, over the model's own or none
+                model.loaded.tokenizer.chat_template = template
+                model.loaded.chat_template = template
             models.append(model)
             factories[model.name] = make
         config = server_config(args)

@@ -76,6 +76,8 @@ class EngineCore:
             prefix_caching=self.pool.prefix_caching,
             deterministic=self.config.deterministic,
             weights=loaded.weights_format,
+            weights_in_blocks=round(loaded.weights_in_blocks, 4),
+            architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
         )
 
     @property

@@ -20,6 +20,8 @@ class EngineInfo:
     prefix_caching: bool = False
     deterministic: bool = False  # bitwise batch-invariant numbers (--deterministic, in effect)
     weights: str = "float32"  # what the weights are held as: float32, or GGUF blocks "Q4_1+Q8_0"
+    weights_in_blocks: float = 0.0  # the fraction of the parameters held in those blocks
+    architecture: str = ""  # the model's own type (its config's model_type: "llama", "gemma3")
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

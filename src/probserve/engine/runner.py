@@ -77,9 +77,17 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     """The paged runner for the Llama family (unless told otherwise), else transformers'."""
     from probserve.engine.hf_runner import HFRunner
     from probserve.engine.paged_runner import PagedRunner
-    from probserve.models import llama
+    from probserve.models import ModelLoadError, llama
 
-    if config.runner == "paged" or (config.runner == "auto" and llama.supports(loaded.model)):
+    supported = llama.supports(loaded.model)
+    if config.runner == "paged" and not supported:
+        kind = getattr(getattr(loaded.model, "config", None), "model_type", "this model")
+        raise ModelLoadError(
+            f"--runner paged cannot run {loaded.name} ({kind}): the paged forward serves the "
+            f"Llama family ({', '.join(sorted(llama.SUPPORTED_TYPES))}) with SiLU and no "
+            "sliding window; use --runner auto or hf"
+        )
+    if config.runner == "paged" or (config.runner == "auto" and supported):
         return PagedRunner  # type: ignore[return-value]
     return HFRunner  # type: ignore[return-value]
 

@@ -171,8 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         worker.serve()
         return 0
     except BaseException as exc:
-        reason = f"engine stopped: {type(exc).__name__}: {exc}"
-        log.critical("%s", reason, exc_info=exc)
+        from probserve.models.loader import ModelLoadError
+
+        if isinstance(exc, ModelLoadError):  # the user's model, not a bug: one line
+            reason = str(exc)
+            log.critical("%s", reason)
+        else:
+            reason = f"engine stopped: {type(exc).__name__}: {exc}"
+            log.critical("%s", reason, exc_info=exc)
         events.send(codec.encode(wire.Failed(reason=reason)))
         return 1
     finally:

@@ -10,6 +10,7 @@ stream ends with an error and `on_fatal` runs (the server exits non-zero, for it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -116,7 +117,7 @@ class WorkerEngine(EngineClient):
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            with self._lock:
+            with self._lock, contextlib.suppress(EngineDead):  # a worker already on its way out
                 self._post(wire.Shutdown())
             try:
                 proc.wait(timeout=15)

@@ -47,6 +47,11 @@ class ModelSource:
         return str(Path(self.name_or_path) / self.gguf_file) if self.gguf_file else None
 
     @property
+    def label(self) -> str:
+        """What the user pointed at, for messages: the GGUF file, or the directory or hub id."""
+        return self.spec if (self.gguf_file or self.blocks_file) else self.name_or_path
+
+    @property
     def spec(self) -> str:
         """A `--model` argument that resolves to this source (a converted directory: the GGUF
         file it came from, which resolves to it with the blocks native weights read)."""
@@ -80,6 +85,7 @@ class LoadedModel:
     # native weights (a GGUF file's blocks, models/gguf_blocks.py) by parameter name, or None
     weights: dict[str, Any] | None = field(default=None, repr=False)
     weights_format: str = "float32"  # what the weights are held as: float32, or "Q4_1+Q8_0"
+    weights_in_blocks: float = 0.0  # the fraction of the parameters held in GGUF blocks
 
 
 def embedded_gguf_path() -> Path:
@@ -94,6 +100,27 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # the versions gguf's reader reads
+
+
+def check_gguf(path: Path) -> None:
+    """A cheap look at a .gguf file before anything loads it: its magic bytes, version and,
+    as far as the header tells without parsing the metadata, that it is not cut short."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 4 or head[:4] != GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)"
+        )
+    if len(head) < 24:
+        raise ModelLoadError(f"{path} is truncated: {size} bytes, not even a GGUF header")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in GGUF_VERSIONS:
+        raise ModelLoadError(f"{path} is GGUF version {version}; versions 2 and 3 are read")
+
+
 def resolve_model(spec: str | None) -> ModelSource:
     """Turn a `--model` argument into a ModelSource, without loading anything."""
     if spec is None or spec.lower() == DEFAULT_MODEL:
@@ -103,7 +130,13 @@ def resolve_model(spec: str | None) -> ModelSource:
     if expanded.suffix == ".gguf":
         if not expanded.is_file():
             raise ModelLoadError(f"model file not found: {spec}")
+        check_gguf(expanded)
         return ModelSource(str(expanded.parent), expanded.name, expanded.stem)
+    if expanded.is_file():
+        raise ModelLoadError(
+            f"{spec} is a file, not a model: point --model at a .gguf file, or at the directory "
+            "that holds the weights with their config.json and tokenizer"
+        )
     if expanded.is_dir():
         if not (expanded / "config.json").is_file():
             raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {spec}")
@@ -174,7 +207,10 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
             )
             tensors, held = None, "float32"
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(f"cannot load model {source.name_or_path!r}: {_first(exc)}") from exc
+        why = _first(exc)
+        if source.gguf_file and "reshape" in why:  # a tensor runs past the file's end
+            why = f"the file is truncated or damaged ({why})"
+        raise ModelLoadError(f"cannot load model {source.label}: {why}") from exc
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(
@@ -190,7 +226,17 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
         source=source,
         weights=tensors,
         weights_format=held,
+        weights_in_blocks=_share(tensors),
     )
+
+
+def _share(tensors: dict[str, Any] | None) -> float:
+    """The fraction of the parameters held in GGUF blocks (0 for a float32 model)."""
+    if not tensors:
+        return 0.0
+    from probserve.models.gguf_blocks import blocks_share
+
+    return blocks_share(tensors)[0]
 
 
 def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], str] | None:
@@ -229,7 +275,12 @@ def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str,
     formats = "+".join(block_formats(weights))
     if not formats:
         return None  # no blocks the kernels read: the float32 model is as small
-    log.info("native weights: %s blocks from %s", formats, path)
+    from probserve.models.gguf_blocks import blocks_share
+
+    share, how = blocks_share(weights)
+    log.info(
+        "native weights from %s: %.0f%% of the parameters in blocks (%s)", path, 100 * share, how
+    )
     return model, weights, formats
 
 
@@ -273,9 +324,7 @@ def load_tokenizer(source: ModelSource, cls: str = "") -> Any:
 
         return AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(
-            f"cannot load the tokenizer of {source.name_or_path!r}: {_first(exc)}"
-        ) from exc
+        raise ModelLoadError(f"cannot load the tokenizer of {source.label}: {_first(exc)}") from exc
 
 
 def save_hf_directory(loaded: LoadedModel, path: str | Path) -> Path:
