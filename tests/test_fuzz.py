@@ -200,6 +200,11 @@ BASE_BODIES: dict[str, dict] = {
 }
 
 
+JSON = {"content-type": "application/json"}
+# length fields that, set to null, let a request generate to the end of the context
+UNBOUNDED_WHEN_NULL = frozenset({"max_tokens", "max_completion_tokens", "max_output_tokens"})
+
+
 def _fields(schema: dict, path: str) -> list[str]:
     """The request body's top-level fields, read from the OpenAPI schema."""
     ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -235,8 +240,19 @@ def test_hostile_values_on_every_field(http, base_url: str):  # type: ignore[no-
             body["messages"][0]["content"] = value
         else:
             body[field] = value
+        if field in UNBOUNDED_WHEN_NULL and value is None and path != "/tokenize":
+            # no length limit: up to the whole context (minutes of sampling); streamed, and
+            # left after its first event (the request is aborted), as it is its acceptance
+            # that is checked here
+            body["stream"] = True
+            raw = json.dumps(body).encode()
+            with http.stream("POST", path, content=raw, headers=JSON) as s:
+                assert s.status_code < 500, (path, field, s.read()[:300])
+                assert next(s.iter_lines(), None) is not None
+            seen.add(f"{path} {field}")
+            return
         raw = json.dumps(body).encode()  # NaN/Infinity literals and \\ud800 escapes as sent
-        r = http.post(path, content=raw, headers={"content-type": "application/json"})
+        r = http.post(path, content=raw, headers=JSON)
         assert r.status_code < 500, (path, field, repr(value)[:200], r.text[:300])
         if r.status_code >= 400:
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}

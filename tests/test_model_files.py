@@ -87,6 +87,7 @@ def test_the_operators_chat_template_is_the_one_used(smol: LoadedModel, tmp_path
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
         tok = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()
         assert tok["tokens"] == ids
+    assert smol.tokenizer.chat_template != template.read_text()  # the model given is untouched
 
 
 def test_health_and_model_cards_say_what_runs_how(http):

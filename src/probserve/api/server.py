@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import logging
 import os
@@ -71,6 +72,14 @@ def chat_template_flag(args: argparse.Namespace, index: int) -> str | None:
     except TemplateError as exc:
         raise ModelLoadError(f"the chat template {files[index]} is not valid Jinja: {exc}") from exc
     return text
+
+
+def with_chat_template(loaded: LoadedModel, template: str) -> LoadedModel:
+    """`loaded` rendering chats with `template`: its tokenizer is copied (the one given may be
+    shared: an inline engine's model, or a caller's), the copy given the template."""
+    tokenizer = copy.copy(loaded.tokenizer)
+    tokenizer.chat_template = template
+    return dataclasses.replace(loaded, tokenizer=tokenizer, chat_template=template)
 
 
 def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -188,8 +197,7 @@ def build_state(
             template = chat_template_flag(args, i)
             model, make = start_model(args, spec, name, loaded if i == 0 else None)
             if template is not None:  # the operator's template, over the model's own or none
-                model.loaded.tokenizer.chat_template = template
-                model.loaded.chat_template = template
+                model.loaded = with_chat_template(model.loaded, template)
             models.append(model)
             factories[model.name] = make
         config = server_config(args)
