@@ -162,9 +162,12 @@ def test_big_distribution_answers_do_not_hold_the_loop(served, c: httpx.Client, 
 
 def test_slow_readers_hold_their_distribution_rows(smol: LoadedModel):
     """Rows stay in the budget until the answer's last byte is handed to the connection: clients
-    that do not read keep it full (others get 429) and memory stays bounded; once they leave, the
-    rows come back."""
-    with running_state(smol, "--max-distribution-rows-in-flight", "128") as (url, state):
+    that do not read keep it full (others get 429) and memory stays bounded, until they have
+    left a slice unread for --send-timeout: then they are cut and the rows come back."""
+    with running_state(smol, "--max-distribution-rows-in-flight", "128", "--send-timeout", "5") as (
+        url,
+        state,
+    ):
         port = int(url.rsplit(":", 1)[1])
         ids = smol.tokenizer(" w" * 100).input_ids
         body = b'{"prompt": %s, "positions": %s}' % (
@@ -196,13 +199,15 @@ def test_slow_readers_hold_their_distribution_rows(smol: LoadedModel):
             assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
             grew = (rss_status("VmHWM") - base) / 2**20
             assert grew < 100, f"the server grew {grew:.0f} MB with 2 slow readers"
+            # a client that reads nothing for --send-timeout (5 s) is cut: its rows come back
+            # while its socket is still open
+            deadline = time.monotonic() + 30
+            while budget.used and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert budget.used == 0
         finally:
             for s in sockets:
                 s.close()
-        deadline = time.monotonic() + 30
-        while budget.used and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert budget.used == 0
         r = httpx.post(f"{url}/v1/distributions", json={"prompt": ids, "positions": [0]})
         assert r.status_code == 200
 

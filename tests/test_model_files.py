@@ -12,6 +12,7 @@ import httpx
 import pytest
 from server_util import running_state
 
+from probserve.api.tokens import TokenTable
 from probserve.models import LoadedModel
 from probserve.models.loader import embedded_gguf_path
 
@@ -87,6 +88,21 @@ def test_the_operators_chat_template_is_the_one_used(smol: LoadedModel, tmp_path
         assert r.json()["usage"]["prompt_tokens"] == len(ids)
         tok = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()
         assert tok["tokens"] == ids
+        # " What" carries the template's space: still the message's word
+        sources = r.json()["choices"][0]["prompt_token_sources"]
+        table = TokenTable(smol.tokenizer, smol.vocab_size)
+        mine = "".join(
+            table.decode([t]) for t, s in zip(ids, sources, strict=True) if s["message_index"] == 0
+        )
+        assert mine == " What is the capital of France?"
+    loops = tmp_path / "loops.jinja"  # transformers' own extensions (loopcontrols) compile
+    loops.write_text(
+        "{% for m in messages %}{% if loop.index > 8 %}{% break %}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    with running_state(smol, "--chat-template", str(loops)) as (url, _):
+        r = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60)
+        assert r.status_code == 200, r.text
     assert smol.tokenizer.chat_template != template.read_text()  # the model given is untouched
 
 

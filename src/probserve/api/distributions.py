@@ -75,9 +75,11 @@ async def distributions(body: DistributionsRequest, request: Request) -> Respons
             raise bad_request("the prompt produced no distribution", "prompt")
         dtype = np.float16 if body.dtype == "float16" else np.float32
         array = await off_loop(_contiguous, rows, dtype)  # a float16 copy is 25M values
-        return _answer(
+        response = _answer(
             request, body, model, ids, positions, array, release_once(budget, len(positions))
         )
+        response.send_timeout = limits.send_timeout
+        return response
     except BaseException:
         budget.give_back(len(positions))
         raise
@@ -126,6 +128,7 @@ class RowsResponse(Response):
         super().__init__(None, 200, {**headers, "content-length": length}, media_type)
         self.head, self.data, self.tail, self.b64 = head, data, tail, b64
         self.release = release
+        self.send_timeout = 30.0  # seconds one slice may wait for the client to read
 
     def _parts(self) -> Iterator[bytes]:
         if self.head:
@@ -137,19 +140,31 @@ class RowsResponse(Response):
             yield self.tail
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = Request(scope, receive)
         try:
+            request = Request(scope, receive)
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
             for part in self._parts():
                 if await request.is_disconnected():
                     return  # uvicorn drops what is sent to a closed connection: stop encoding
-                await send({"type": "http.response.body", "body": part, "more_body": True})
+                if not await self._send(send, part, True):
+                    return
                 await asyncio.sleep(0)  # however fast the client reads, others get their turn
             # waits (as every send does) until the buffer has drained below its high-water mark
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self._send(send, b"", False)
         finally:
             self.release()
+
+    async def _send(self, send: Send, body: bytes, more: bool) -> bool:
+        """One slice, if the client takes it within `send_timeout` seconds: a client that stops
+        reading is cut (the connection closes unfinished) rather than holding its rows."""
+        message = {"type": "http.response.body", "body": body, "more_body": more}
+        try:
+            async with asyncio.timeout(self.send_timeout if self.send_timeout > 0 else None):
+                await send(message)
+        except TimeoutError:
+            return False
+        return True
 
 
 def _answer(
@@ -160,7 +175,7 @@ def _answer(
     positions: list[int],
     array: np.ndarray,
     release: Callable[[], None],
-) -> Response:
+) -> RowsResponse:
     shape = [int(array.shape[0]), int(array.shape[1])]
     data = memoryview(array).cast("B")
     accept = request.headers.get("accept", "")

@@ -35,6 +35,11 @@ class Limits:
     drain_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM")
     header_timeout: float = setting(10.0, "seconds a client may take to send a request's headers")
     body_timeout: float = setting(30.0, "seconds a client may take to send a request's body (408)")
+    send_timeout: float = setting(
+        30.0,
+        "seconds a client may leave a large answer's next slice unread before it is cut "
+        "(/v1/distributions: its rows go back to the budget)",
+    )
     max_connections: int = setting(1024, "open connections; past it new requests get 503")
     engine_stall_timeout: float = setting(
         120.0, "seconds one engine step may run before /health reports the engine stuck (503)"

@@ -264,7 +264,10 @@ def _sources(
     out: list[tuple[int | None, str]] = []
     s = 0
     for p in pieces:
-        start, end = p.offset, p.offset + max(len(p.text), 1)
+        # a word's token may carry the template's space before the content ("[INST] Hello":
+        # "▁Hello"): what lies inside is the text after its leading whitespace
+        lead = len(p.text) - len(p.text.lstrip()) if p.text.strip() else 0
+        start, end = p.offset + lead, p.offset + max(len(p.text), 1)
         while s < len(spans) and spans[s][1] <= start:
             s += 1
         if s < len(spans) and spans[s][0] <= start and end <= spans[s][1]:

@@ -65,10 +65,10 @@ def chat_template_flag(args: argparse.Namespace, index: int) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"cannot read the chat template {files[index]}: {exc}") from exc
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    try:
-        ImmutableSandboxedEnvironment().parse(text)
+    try:  # compiled as the tokenizer will (its sandbox, extensions and filters)
+        _compile_jinja_template(text)
     except TemplateError as exc:
         raise ModelLoadError(f"the chat template {files[index]} is not valid Jinja: {exc}") from exc
     return text

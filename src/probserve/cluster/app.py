@@ -223,7 +223,10 @@ def run_cluster(args: argparse.Namespace) -> int:
     if not args.config:  # the flags' deployments: the replicas share the cores if they must
         cluster = fit_to(cluster, cpus)
     problem = misfit(cluster, cpus)
-    if problem is not None:
+    if problem is not None and cluster.address is not None:
+        # a joined cluster may grow (an autoscaler adds nodes): said, and left to start_timeout
+        log.warning("%s (the cluster may grow; waiting up to start_timeout)", problem)
+    elif problem is not None:
         log.error("%s", problem)
         ray.shutdown()
         return 2
