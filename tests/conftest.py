@@ -141,3 +141,20 @@ def http(base_url: str) -> Iterator:
 
     with httpx.Client(base_url=base_url, timeout=120) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def canary_before(c):  # type: ignore[no-untyped-def]
+    """The canary's answer on the module's server (its `c` client) before any of its tests."""
+    from hostile_util import canary
+
+    return canary(c)
+
+
+@pytest.fixture
+def after_check(c, canary_before: object) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """After the test: the canary answers exactly as before and the server is ok and idle."""
+    from hostile_util import check_after
+
+    yield
+    check_after(c, canary_before)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import run
-from hostile_util import canary, check_after, error_of, post_raw, watched
+from hostile_util import error_of, post_raw, watched
 from server_util import running_server, running_state, wait_until
 
 from probserve.api.generation import Candidate, run_all
@@ -51,18 +51,6 @@ def url(smol: LoadedModel) -> Iterator[str]:
 def c(url: str) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=url, timeout=300) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def canary_before(c: httpx.Client) -> object:
-    return canary(c)
-
-
-@pytest.fixture
-def after_check(c: httpx.Client, canary_before: object) -> Iterator[None]:
-    """After the test: the canary answers exactly as before and the server is ok and idle."""
-    yield
-    check_after(c, canary_before)
 
 
 # ---- 1. seeds -----------------------------------------------------------------------------------

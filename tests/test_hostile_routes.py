@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run
-from hostile_util import canary, check_after, error_of, post_raw, rss_status, watched
+from hostile_util import error_of, post_raw, rss_status, watched
 from server_util import running_state
 
 from probserve.api.prompts import render_chat
@@ -50,18 +50,6 @@ def served(smol: LoadedModel) -> Iterator[tuple[str, ServerState]]:
 def c(served: tuple[str, ServerState]) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served[0], timeout=300) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def canary_before(c: httpx.Client) -> object:
-    return canary(c)
-
-
-@pytest.fixture
-def after_check(c: httpx.Client, canary_before: object) -> Iterator[None]:
-    """After each test: the canary answers exactly as before and the server is ok and idle."""
-    yield
-    check_after(c, canary_before)
 
 
 # ---- 2. /v1/score counts before it builds -----------------------------------------------------

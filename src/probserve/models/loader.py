@@ -200,12 +200,12 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
         tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
         native = _native(source, kwargs) if weights == "native" else None
         if native is not None:
-            model, tensors, held = native
+            model, tensors, held, share = native
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 source.name_or_path, dtype=torch.float32, **kwargs
             )
-            tensors, held = None, "float32"
+            tensors, held, share = None, "float32", 0.0
     except _LOAD_ERRORS as exc:
         why = _first(exc)
         if source.gguf_file and "reshape" in why:  # a tensor runs past the file's end
@@ -226,23 +226,16 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
         source=source,
         weights=tensors,
         weights_format=held,
-        weights_in_blocks=_share(tensors),
+        weights_in_blocks=share,
     )
 
 
-def _share(tensors: dict[str, Any] | None) -> float:
-    """The fraction of the parameters held in GGUF blocks (0 for a float32 model)."""
-    if not tensors:
-        return 0.0
-    from probserve.models.gguf_blocks import blocks_share
-
-    return blocks_share(tensors)[0]
-
-
-def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], str] | None:
-    """(skeleton, tensors by name, format) for a quantized GGUF source the quantized forward
-    serves; None (float32 is loaded instead) for any other, with a warning where it is a GGUF
-    file that cannot run natively."""
+def _native(
+    source: ModelSource, kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any], str, float] | None:
+    """(skeleton, tensors by name, formats, the share of the parameters held in blocks) for a
+    quantized GGUF source the quantized forward serves; None (float32 is loaded instead) for any
+    other, with a warning where it is a GGUF file that cannot run natively."""
     from transformers import AutoConfig, GenerationConfig
 
     from probserve.kernels.build import KernelBuildError, build
@@ -281,7 +274,7 @@ def _native(source: ModelSource, kwargs: dict[str, Any]) -> tuple[Any, dict[str,
     log.info(
         "native weights from %s: %.0f%% of the parameters in blocks (%s)", path, 100 * share, how
     )
-    return model, weights, formats
+    return model, weights, formats, share
 
 
 def prepared_source(spec: str | None) -> ModelSource:
