@@ -286,8 +286,10 @@ def main() -> None:
     already = probserve_processes()
 
     from probserve.models import load_tokenizer, prepared_source
+    from probserve.models.loader import float32_directory
 
-    source = prepared_source(None)  # the embedded model as a float32 HF directory (vLLM's input)
+    source = prepared_source(None)
+    hf_dir = float32_directory(None)  # the embedded model as a float32 HF directory (vLLM's input)
     tokenizer = load_tokenizer(source)
     n = max(args.concurrency) * args.requests_per_stream
     pools = {
@@ -302,7 +304,7 @@ def main() -> None:
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
-    for server in [] if args.no_sweep else build_servers(args, source.name_or_path, logs):
+    for server in [] if args.no_sweep else build_servers(args, hf_dir, logs):
         print(f"== {server.name}: starting", flush=True)
         server.start()
         try:
@@ -311,7 +313,7 @@ def main() -> None:
             server.stop()
         print(server.name, "result", json.dumps(results[server.name]), flush=True)
     kinds = ((False, args.alternate), (True, args.alternate_scoring))
-    rounds = [alternate(args, pools, logs, source.name_or_path, sc) for sc, n in kinds if n]
+    rounds = [alternate(args, pools, logs, hf_dir, sc) for sc, n in kinds if n]
     print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
     print("command: .venv/bin/python bench/race.py " + " ".join(sys.argv[1:]))
     if results:

@@ -144,10 +144,13 @@ def test_native_weights_are_the_float32_models_bit_for_bit(native: LoadedModel, 
 def test_the_blocks_cache_reads_back_what_the_file_holds(native: LoadedModel, smol):
     path = smol.source.quantized_file
     cached = load_weights(path, native.model)
-    # the cache lies beside the converted HF directory: that one keeps the HF model's files
-    # alone (vLLM, transformers and lm-eval's hf backend read every safetensors file in it)
+    # the cache lies beside the metadata directory (which holds no weights) and its float32
+    # copy (which holds the HF model's files alone: vLLM, transformers and lm-eval's hf backend
+    # read every safetensors file in it)
     directory = Path(smol.source.name_or_path)
-    assert [f.name for f in directory.glob("*.safetensors")] == ["model.safetensors"]
+    assert list(directory.glob("*.safetensors")) == []
+    float32 = directory.with_name(directory.name + ".float32")
+    assert [f.name for f in float32.glob("*.safetensors")] == ["model.safetensors"]
     assert directory.with_name(f"{directory.name}.blocks.safetensors").is_file()
     fresh = read_weights(path, native.model)
     assert set(cached) == set(fresh)

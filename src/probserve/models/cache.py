@@ -1,12 +1,16 @@
-"""The converted-model cache: a GGUF file turned once into a plain float32 Hugging Face directory.
+"""The converted-model cache: what a GGUF file holds besides its weights, written once as a plain
+Hugging Face directory, and a float32 copy of its weights only where float32 is what is served.
 
-transformers reads a GGUF file's metadata three times per load (tokenizer, config, weights) and
-dequantizes every tensor: about 18 s for the embedded 135M model on 2 cores. The converted
-directory (safetensors, memory-mapped) loads in a few seconds with the same tensors bit for bit,
-so every later start (each engine worker, each test server) is fast. The key is the file's path,
-size and modification time; a conversion is written to a temporary folder and renamed into place,
-so concurrent starts never see half a directory. `PROBSERVE_CACHE_DIR` moves the cache (default
-`~/.cache/probserve`); an unwritable cache falls back to loading the GGUF directly.
+transformers reads a GGUF file's metadata three times per load (tokenizer, config, weights), and
+its tokenizer's vocabulary alone takes seconds to parse. So the first start writes the file's
+configuration, generation configuration, tokenizer and chat template into a directory (a few MB;
+no weights: `--weights native` reads the blocks from the file itself, models/gguf_blocks.py), and
+every later start (each engine worker, each test server) reads that. A float32 copy of the weights
+(`<directory>.float32`, safetensors, memory-mapped) is written only when float32 is served
+(`--weights float32`, a model without a native path) or exported. The key is the file's path,
+size and modification time; each directory is written to a temporary folder and renamed into
+place, so concurrent starts never see half of one. `PROBSERVE_CACHE_DIR` moves the cache (default
+`~/.cache/probserve`); an unwritable cache falls back to reading the GGUF directly.
 """
 
 from __future__ import annotations
@@ -18,15 +22,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from probserve.models.loader import LoadedModel, ModelSource
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "PROBSERVE_CACHE_DIR"
 _DONE = ".complete"
+_LAYOUT = "metadata-v2"  # what a directory holds: a change writes new directories
+FLOAT32_SUFFIX = ".float32"
 
 
 def cache_root() -> Path:
@@ -34,36 +36,32 @@ def cache_root() -> Path:
 
 
 def converted_dir(gguf: Path) -> Path:
+    """The metadata directory of a GGUF file (its float32 copy and its blocks sit beside it)."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    return cache_root() / "models" / f"{gguf.stem}-{key[:16]}"
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_LAYOUT}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
 
 
-def converted(
-    source: ModelSource,
-    load: Callable[[ModelSource], LoadedModel],
-    save: Callable[[LoadedModel, Path], Path],
-) -> ModelSource:
-    """The cached directory of a GGUF source (converting it now if needed); other sources, or a
-    cache that cannot be written, are returned unchanged."""
-    from probserve.models.loader import ModelSource
+def float32_dir(gguf: Path) -> Path:
+    converted = converted_dir(gguf)
+    return converted.with_name(converted.name + FLOAT32_SUFFIX)
 
-    if not source.gguf_file:
-        return source
-    gguf = Path(source.name_or_path) / source.gguf_file
-    target = converted_dir(gguf)
-    as_dir = ModelSource(str(target), None, source.served_name, blocks_file=str(gguf))
+
+def written(target: Path, write: Callable[[Path], None], what: str) -> Path | None:
+    """`target`, written now by `write(folder)` unless it is already complete; None where the
+    cache cannot be written (a warning says why)."""
     if (target / _DONE).is_file():
-        return as_dir
+        return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     except OSError as exc:
-        log.warning("model cache %s is not writable (%s): loading the GGUF directly", target, exc)
-        return source
+        log.warning("model cache %s is not writable (%s)", target, exc)
+        return None
     try:
-        log.info("converting %s once into %s", source.gguf_file, target)
-        save(load(source), tmp)
+        log.info("writing %s once into %s", what, target)
+        write(tmp)
         (tmp / _DONE).touch()
         try:
             tmp.rename(target)
@@ -71,8 +69,8 @@ def converted(
             if not (target / _DONE).is_file():
                 raise
     except OSError as exc:
-        log.warning("could not write the model cache (%s): loading the GGUF directly", exc)
-        return source
+        log.warning("could not write the model cache (%s)", exc)
+        return None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return as_dir
+    return target

@@ -2,8 +2,9 @@
 
 transformers' GGUF loader dequantizes every tensor to float32; here the tensors of the block
 formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
-kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes, and the rest
-(float32 norms, other formats) are dequantized as transformers does. Names and the q/k row order
+kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes; the matrices of
+other formats are cached as the file's bytes too and dequantized as transformers does when they are
+served (`served`), and the vectors (norms) are float32. Names and the q/k row order
 come from transformers' own GGUF mapping and tensor processor (the processor's row permutation
 moves whole rows, so it applies to rows of blocks unchanged).
 So a dequantized `QuantizedTensor` is bit for bit the tensor `from_pretrained(gguf_file=...)`
@@ -12,6 +13,7 @@ gives, and the quantized forward computes the float32 forward's numbers.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -32,17 +34,40 @@ NATIVE_TYPES = frozenset(FORMATS)
 
 
 @dataclass(frozen=True)
+class FileRows:
+    """A matrix's rows where they lie in a file, read on each use (so only what the forward
+    makes of them stays in memory, never the file's copy beside it)."""
+
+    path: str
+    offset: int
+    shape: tuple[int, int]
+    dtype: str  # numpy's name
+
+    def read(self) -> np.ndarray:
+        count = self.shape[0] * self.shape[1]
+        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
+        if values.size != count:
+            raise OSError(f"{self.path} ends inside a tensor: the file is truncated")
+        return values.reshape(self.shape)
+
+
+@dataclass(frozen=True)
 class QuantizedTensor:
     """A [N, K] weight as rows of GGUF blocks: uint8 [N, K / block length * block bytes] (32
-    weights a block, 256 for the K-quants)."""
+    weights a block, 256 for the K-quants), or half-precision values [N, K]; in memory, or where
+    they lie in a file."""
 
-    blocks: np.ndarray
+    data: np.ndarray | FileRows
     ggml_type: int
     k: int
 
     @property
+    def blocks(self) -> np.ndarray:
+        return self.data.read() if isinstance(self.data, FileRows) else self.data
+
+    @property
     def n(self) -> int:
-        return int(self.blocks.shape[0])
+        return int(self.data.shape[0])
 
     @property
     def type_name(self) -> str:
@@ -80,58 +105,115 @@ def as_float(weight: Weight) -> torch.Tensor:
 def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     """`read_weights`, through a cache: reading a GGUF file's metadata takes seconds (its
     tokenizer's vocabulary is hundreds of thousands of fields), so the weights are written once,
-    as they come out of the file (blocks as uint8 rows, other tensors float32), into a
+    as they come out of the file (every matrix as its file rows, vectors float32), into a
     safetensors file beside the converted model directory (models/cache.py; beside, not in it:
-    whatever loads that directory reads every *.safetensors file it holds)."""
-    from safetensors import safe_open
-    from safetensors.numpy import save_file
-
+    whatever loads that directory reads every *.safetensors file it holds). Its matrices are
+    read from it one at a time as the forward takes them (`FileRows`)."""
     from probserve.models.cache import converted_dir
 
     converted = converted_dir(Path(path))
     cache = converted.with_name(f"{converted.name}.blocks.safetensors")
-    if cache.is_file():
-        return _from_cache(cache, skeleton, safe_open)
-    weights = read_weights(path, skeleton)
-    stored: dict[str, np.ndarray] = {}
+    if not cache.is_file():
+        weights = read_weights(path, skeleton)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+            _write_cache(weights, tmp)
+            os.replace(tmp, cache)
+        except OSError as exc:
+            log.warning("could not cache the GGUF blocks (%s): reading the file each start", exc)
+            return served(weights)
+        del weights  # the file's mapping: the cache is read instead
+    return served(_from_cache(cache, skeleton))
+
+
+_NP_TO_ST = {"uint8": "U8", "float16": "F16", "float32": "F32", "int8": "I8", "int16": "I16"}
+
+
+def _write_cache(weights: dict[str, Weight], path: Path) -> None:
+    """The weights as a safetensors file, written a tensor at a time (safetensors' own writer
+    holds a copy of every tensor's bytes at once: the file's size again in memory). Blocks carry
+    their format and row length in the header's metadata; a tied twin is stored once."""
+    arrays: dict[str, np.ndarray] = {}
     meta: dict[str, str] = {}
     seen: set[int] = set()
     for name, value in weights.items():
-        if id(value) in seen:  # a tied twin: restored from its first name on load
+        if id(value) in seen:  # restored from its first name on load (`_with_ties`)
             continue
         seen.add(id(value))
         if isinstance(value, QuantizedTensor):
-            stored[name] = np.ascontiguousarray(value.blocks)
+            arrays[name] = value.blocks
             meta[name] = f"{value.ggml_type},{value.k}"
         else:
-            stored[name] = value.numpy()
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
-        save_file(stored, str(tmp), metadata=meta)
-        os.replace(tmp, cache)
-    except OSError as exc:
-        log.warning("could not cache the GGUF blocks (%s): reading the file at every start", exc)
-    return weights
+            arrays[name] = value.numpy()
+    header: dict[str, Any] = {"__metadata__": meta}
+    at = 0
+    for name, array in arrays.items():
+        header[name] = {
+            "dtype": _NP_TO_ST[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [at, at + array.nbytes],
+        }
+        at += array.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with path.open("wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for array in arrays.values():
+            f.write(np.ascontiguousarray(array).data)
 
 
-def _from_cache(cache: Path, skeleton: Any, safe_open: Any) -> dict[str, Weight]:
+def _from_cache(cache: Path, skeleton: Any) -> dict[str, Weight]:
+    """The cached weights: vectors read now, matrices as `FileRows` (read when used)."""
+    with cache.open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    meta = header.pop("__metadata__", None) or {}
+    start = 8 + size
+    dtypes = {v: k for k, v in _NP_TO_ST.items()}
     out: dict[str, Weight] = {}
-    with safe_open(str(cache), framework="np") as f:
-        meta = f.metadata() or {}
-        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            array = f.get_tensor(name)
-            if name in meta:
-                ggml_type, k = (int(v) for v in meta[name].split(","))
-                out[name] = QuantizedTensor(array, ggml_type, k)
-            else:
-                out[name] = torch.from_numpy(array)
+    for name, info in header.items():
+        begin, _ = info["data_offsets"]
+        shape, dtype = tuple(info["shape"]), dtypes[info["dtype"]]
+        if name in meta:
+            ggml_type, k = (int(v) for v in meta[name].split(","))
+            rows = FileRows(str(cache), start + begin, (shape[0], shape[1]), dtype)
+            out[name] = QuantizedTensor(rows, ggml_type, k)
+        else:
+            count = int(np.prod(shape)) if shape else 1
+            values = np.fromfile(cache, dtype=dtype, count=count, offset=start + begin)
+            out[name] = torch.from_numpy(values.reshape(shape).copy())
     return _with_ties(out, skeleton, cache.name)
+
+
+def served(weights: dict[str, Weight]) -> dict[str, Weight]:
+    """The weights as the forward holds them: blocks of the native formats stay blocks; any other
+    quantized or half-precision tensor becomes float32 (one warning per format, with the memory
+    that costs). Tied names keep sharing one tensor."""
+    out: dict[str, Weight] = {}
+    done: dict[int, Weight] = {}
+    cost: dict[str, int] = {}
+    for name, value in weights.items():
+        if isinstance(value, QuantizedTensor) and value.ggml_type not in NATIVE_TYPES:
+            if id(value) not in done:
+                done[id(value)] = value.dequantize()
+                cost[value.type_name] = cost.get(value.type_name, 0) + value.n * value.k * 4
+            out[name] = done[id(value)]
+        else:
+            out[name] = value
+    for kind, size in sorted(cost.items()):
+        if kind not in ("F16", "BF16"):
+            log.warning("%s is not served natively: %.2f GB as float32", kind, size / 2**30)
+    return out
 
 
 def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     """The file's tensors by transformers parameter name (`skeleton`: the model, on the meta
-    device, whose names they take); tied weights appear under each of their names."""
+    device, whose names they take), as the file holds them: every matrix in its own rows (blocks
+    of any format, or half-precision values; `served` makes float32 of those without a kernel),
+    float32 ones and every vector (a norm: the tensor processor may change its values) as
+    float32; tied weights appear under each of their names."""
     from gguf import MODEL_ARCH_NAMES, GGUFReader, dequantize, get_tensor_name_map
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -157,23 +239,18 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         if gguf_name is not None:
             names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     out: dict[str, Weight] = {}
-    dequantized: dict[str, int] = {}  # quantized formats without a kernel: float32 bytes
     for tensor in reader.tensors:
         name = names.get(tensor.name)
         if name is None:
             continue
-        if tensor.tensor_type in NATIVE_TYPES:
-            rows = processor.process(weights=tensor.data, name=tensor.name).weights
-            out[name] = QuantizedTensor(rows, int(tensor.tensor_type), int(tensor.shape[0]))
-        else:
-            values = dequantize(tensor.data, tensor.tensor_type)
+        kind = tensor.tensor_type
+        if kind.name == "F32" or (kind not in NATIVE_TYPES and len(tensor.shape) < 2):
+            values = dequantize(tensor.data, kind)
             values = processor.process(weights=values, name=tensor.name).weights
             out[name] = torch.from_numpy(np.array(values, dtype=np.float32))
-            kind = tensor.tensor_type.name
-            if kind not in ("F32", "F16", "BF16"):
-                dequantized[kind] = dequantized.get(kind, 0) + out[name].numel() * 4
-    for kind, size in sorted(dequantized.items()):
-        log.warning("%s is not served natively: %.1f GB as float32", kind, size / 2**30)
+        else:  # the file's rows as they are (a native format, or one `served` dequantizes)
+            rows = processor.process(weights=tensor.data, name=tensor.name).weights
+            out[name] = QuantizedTensor(rows, int(kind), int(tensor.shape[0]))
     return _with_ties(out, skeleton, Path(path).name)
 
 

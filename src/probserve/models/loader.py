@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -202,15 +203,11 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
         if native is not None:
             model, tensors, held, share = native
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source.name_or_path, dtype=torch.float32, **kwargs
-            )
+            where, kwargs = float32_weights(source, kwargs)
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
             tensors, held, share = None, "float32", 0.0
     except _LOAD_ERRORS as exc:
-        why = _first(exc)
-        if source.gguf_file and "reshape" in why:  # a tensor runs past the file's end
-            why = f"the file is truncated or damaged ({why})"
-        raise ModelLoadError(f"cannot load model {source.label}: {why}") from exc
+        raise _load_error(source, exc) from exc
     model.eval()
     model.requires_grad_(False)
     return LoadedModel(
@@ -228,6 +225,13 @@ def load_source(source: ModelSource, weights: Weights = "float32") -> LoadedMode
         weights_format=held,
         weights_in_blocks=share,
     )
+
+
+def _load_error(source: ModelSource, exc: BaseException) -> ModelLoadError:
+    why = _first(exc)
+    if (source.gguf_file or source.blocks_file) and "reshape" in why:  # past the file's end
+        why = f"the file is truncated or damaged ({why})"
+    return ModelLoadError(f"cannot load model {source.label}: {why}")
 
 
 def _native(
@@ -278,10 +282,78 @@ def _native(
 
 
 def prepared_source(spec: str | None) -> ModelSource:
-    """Resolve a `--model` spec; a GGUF file becomes its converted directory (models/cache.py)."""
-    from probserve.models.cache import converted
+    """Resolve a `--model` spec; a GGUF file becomes its metadata directory (models/cache.py:
+    configuration and tokenizer, no weights), which names the file its blocks are read from."""
+    from probserve.models.cache import converted_dir, written
 
-    return converted(resolve_model(spec), load_source, save_hf_directory)
+    source = resolve_model(spec)
+    if not source.gguf_file:
+        return source
+    gguf = Path(source.name_or_path) / source.gguf_file
+    target = written(
+        converted_dir(gguf), lambda out: write_metadata(source, out), f"the metadata of {gguf.name}"
+    )
+    if target is None:
+        log.warning("reading %s directly at every start", gguf)
+        return source
+    return ModelSource(str(target), None, source.served_name, blocks_file=str(gguf))
+
+
+def write_metadata(source: ModelSource, out: Path) -> None:
+    """A GGUF source's configuration, generation configuration, tokenizer and chat template as
+    Hugging Face files in `out`, read from the file's metadata without its weights (the
+    generation configuration is the one transformers derives when it loads the file)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    kwargs = {"gguf_file": source.gguf_file}
+    try:
+        config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+    except _LOAD_ERRORS as exc:
+        raise _load_error(source, exc) from exc
+    config.dtype = torch.float32
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Where transformers loads `source`'s float32 weights from (and its keyword arguments): a
+    GGUF file's metadata directory has none, so its float32 copy is written once beside it
+    (loaded from the file, one model in memory, saved as it is) and read from there; where that
+    cannot be written, the GGUF file itself."""
+    if not source.blocks_file:
+        return source.name_or_path, kwargs
+    from probserve.models.cache import float32_dir, written
+
+    gguf = Path(source.blocks_file)
+
+    def write(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        _save_weights(model, out)
+        for item in Path(source.name_or_path).iterdir():  # the metadata: a whole HF directory
+            if item.is_file() and not (out / item.name).exists():
+                shutil.copy2(item, out / item.name)
+
+    target = written(float32_dir(gguf), write, f"float32 weights of {gguf.name}")
+    if target is None:
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    return str(target), {}
+
+
+def float32_directory(spec: str | None) -> str:
+    """A plain Hugging Face directory of `spec` with float32 weights (what another server or
+    lm-evaluation-harness's `hf` backend reads)."""
+    where, kwargs = float32_weights(prepared_source(spec), {})
+    if kwargs:
+        raise ModelLoadError(f"no float32 directory of {spec} could be written")
+    return where
 
 
 def load_model(spec: str | None = None, weights: Weights = "float32") -> LoadedModel:
@@ -320,22 +392,31 @@ def load_tokenizer(source: ModelSource, cls: str = "") -> Any:
         raise ModelLoadError(f"cannot load the tokenizer of {source.label}: {_first(exc)}") from exc
 
 
+def _save_weights(model: Any, out: Path) -> None:
+    """`model`'s weights and configuration, as they are (no second model is built). A model
+    transformers loaded from a GGUF file carries the file's quantizer, which refuses to save: the
+    weights are float32 already, so it is set aside for the save, and so is its configuration's
+    quantization marker."""
+    import copy
+
+    config, quantizer = model.config, getattr(model, "hf_quantizer", None)
+    saved = copy.deepcopy(config)
+    if hasattr(saved, "quantization_config"):
+        del saved.quantization_config
+    model.config, model.hf_quantizer = saved, None
+    try:
+        model.save_pretrained(out)
+    finally:
+        model.config, model.hf_quantizer = config, quantizer
+
+
 def save_hf_directory(loaded: LoadedModel, path: str | Path) -> Path:
     """Write the loaded weights (float32) and tokenizer as a plain Hugging Face directory, e.g.
     to give lm-evaluation-harness's `hf` backend the exact weights probserve serves. A GGUF
     source's quantization marker is dropped: the weights are already dequantised."""
-    import copy
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    if loaded.weights is not None:
+        raise ModelLoadError("a model loaded with native weights has no float32 weights to save")
     out = Path(path)
-    config = copy.deepcopy(loaded.model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.model.state_dict())
-    fresh.generation_config = copy.deepcopy(loaded.model.generation_config)
-    fresh.save_pretrained(out)
+    _save_weights(loaded.model, out)
     loaded.tokenizer.save_pretrained(out)
     return out

@@ -1,0 +1,102 @@
+"""GGUF files written in a test: a Llama-shape model with the embedded model's tokenizer and random
+Q8_0 blocks (random bytes with a small scale: fast to make at any size), for the loading tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+Q8_0_BYTES = 34  # a block: float16 scale, 32 int8 weights
+
+
+def _q8_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, Q8_0_BYTES), dtype=np.uint8)
+    blocks[:, :, :2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_llama_gguf(
+    path: Path,
+    *,
+    hidden: int,
+    layers: int,
+    ffn: int,
+    heads: int,
+    kv_heads: int,
+    half: tuple[str, ...] = (),
+    seed: int = 0,
+) -> Path:
+    """A Llama-shape GGUF file (untied head, norms 1.0) at `path`: every matrix Q8_0, except
+    those whose name holds one of `half` ("ffn_down"): float16 (a format without a kernel)."""
+    from probserve.models.loader import embedded_gguf_path
+
+    reader = GGUFReader(str(embedded_gguf_path()))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer = GGUFWriter(str(path), arch="llama")
+    for name, field in reader.fields.items():
+        if name.startswith(("tokenizer.", "general.")) and name != "general.file_type":
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    for key, value, vtype in [
+        ("llama.context_length", 2048, u32),
+        ("llama.embedding_length", hidden, u32),
+        ("llama.block_count", layers, u32),
+        ("llama.feed_forward_length", ffn, u32),
+        ("llama.attention.head_count", heads, u32),
+        ("llama.attention.head_count_kv", kv_heads, u32),
+        ("llama.rope.freq_base", 10000.0, f32),
+        ("llama.attention.layer_norm_rms_epsilon", 1e-5, f32),
+        ("llama.vocab_size", vocab, u32),
+        ("llama.rope.dimension_count", hidden // heads, u32),
+        ("general.file_type", 7, u32),
+    ]:
+        writer.add_key_value(key, value, vtype)
+    kv = kv_heads * hidden // heads
+    plan: list[tuple[str, tuple[int, int] | tuple[int]]] = [("token_embd.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"blk.{i}."
+        plan += [
+            (p + "attn_norm.weight", (hidden,)),
+            (p + "attn_q.weight", (hidden, hidden)),
+            (p + "attn_k.weight", (kv, hidden)),
+            (p + "attn_v.weight", (kv, hidden)),
+            (p + "attn_output.weight", (hidden, hidden)),
+            (p + "ffn_norm.weight", (hidden,)),
+            (p + "ffn_gate.weight", (ffn, hidden)),
+            (p + "ffn_up.weight", (ffn, hidden)),
+            (p + "ffn_down.weight", (hidden, ffn)),
+        ]
+    plan += [("output_norm.weight", (hidden,)), ("output.weight", (vocab, hidden))]
+
+    def is_half(name: str) -> bool:
+        return any(part in name for part in half)
+
+    for name, shape in plan:
+        if len(shape) == 1:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+        elif is_half(name):
+            writer.add_tensor_info(name, shape, np.dtype(np.float16), shape[0] * shape[1] * 2)
+        else:
+            byte_shape = (shape[0], shape[1] // 32 * Q8_0_BYTES)
+            writer.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), byte_shape[0] * byte_shape[1],
+                raw_dtype=GGMLQuantizationType.Q8_0,
+            )  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, shape in plan:
+        if len(shape) == 1:
+            writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+        elif is_half(name):
+            values = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+            writer.write_tensor_data(values.astype(np.float16))
+        else:
+            writer.write_tensor_data(_q8_0_rows(rng, shape[0], shape[1]))
+    writer.close()
+    return path
