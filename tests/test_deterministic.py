@@ -197,9 +197,13 @@ def test_topk_orders_ties_by_id_and_is_a_prefix(kernels: InvariantKernels):
 
 
 @pytest.mark.parametrize("nq, d", [(6, 40), (6, 64), (9, 64), (4, 128)])
-def test_paged_attention_equals_sdpa_and_is_row_invariant(kernels: InvariantKernels, nq, d):
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (9, 7.5), (None, 2.0)])
+def test_paged_attention_equals_sdpa_and_is_row_invariant(
+    kernels: InvariantKernels, nq, d, window, softcap
+):
     """Head sizes of the generic loops (40, 128) and of the register-blocked ones (64), token
-    tiles of a prefill chunk against each token alone."""
+    tiles of a prefill chunk against each token alone; sliding windows (a token reads its last
+    `window` keys: transformers' `kv_idx > q_idx - window`) and Gemma 2's score soft-capping."""
     g = torch.Generator().manual_seed(3)
     nkv, bs, slots = 2 if nq % 2 == 0 else 3, 4, 64
     kc, vc = torch.randn(slots, nkv, d, generator=g), torch.randn(slots, nkv, d, generator=g)
@@ -208,17 +212,35 @@ def test_paged_attention_equals_sdpa_and_is_row_invariant(kernels: InvariantKern
     seq = torch.tensor([0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1])
     lengths = torch.tensor([1, 9, 17, 6, 11, 12, 13, 14, 15, 16, 17, 11])
     q = torch.randn(len(seq), nq, d, generator=g)
-    out = kernels.attention(q, kc, vc, 0.125, tables, seq, lengths, bs)
+    args = (window, softcap)
+    out = kernels.attention(q, kc, vc, 0.125, tables, seq, lengths, bs, *args)
     for t in range(len(seq)):
-        pos = torch.arange(int(lengths[t]))
+        length = int(lengths[t])
+        pos = torch.arange(max(0, length - window) if window else 0, length)
         keys_at = tables[seq[t], pos // bs] * bs + pos % bs
         k = kc[keys_at].transpose(0, 1).repeat_interleave(nq // nkv, 0)  # [nq, L, d]
         v = vc[keys_at].transpose(0, 1).repeat_interleave(nq // nkv, 0)
-        ref = F.scaled_dot_product_attention(q[t].unsqueeze(1), k, v, scale=0.125)
+        scores = q[t].unsqueeze(1) @ k.transpose(1, 2) * 0.125  # transformers' eager order
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        ref = torch.softmax(scores, dim=-1) @ v
         torch.testing.assert_close(out[t], ref.reshape(-1), atol=1e-5, rtol=1e-5)
         alone = kernels.attention(q[t : t + 1], kc, vc, 0.125, tables, seq[t : t + 1],
-                                  lengths[t : t + 1], bs)  # fmt: skip
+                                  lengths[t : t + 1], bs, *args)  # fmt: skip
         assert torch.equal(alone[0], out[t])
+
+
+def test_geglu_and_softcap_kernels_equal_torch_and_are_row_invariant(kernels: InvariantKernels):
+    g = torch.Generator().manual_seed(5)
+    gu = torch.randn(9, 2 * 37, generator=g) * 4
+    out = kernels.gelu_tanh_mul(gu)
+    ref = F.gelu(gu[:, :37], approximate="tanh") * gu[:, 37:]
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(kernels.gelu_tanh_mul(gu[3:4])[0], out[3])
+    x = torch.randn(5, 301, generator=g) * 100
+    capped = kernels.softcap(x, 30.0)
+    torch.testing.assert_close(capped, torch.tanh(x / 30.0) * 30.0, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kernels.softcap(x[2:3], 30.0)[0], capped[2])
 
 
 # ---- whole requests -----------------------------------------------------------------------

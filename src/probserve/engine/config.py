@@ -27,7 +27,7 @@ class EngineConfig:
         "requests in flight use, in GiB (within --kv-cache-gib; more keeps more prefixes)",
     )
     runner: Literal["auto", "paged", "hf"] = setting(
-        "auto", "auto: the paged Llama-family runner where it applies, else transformers'"
+        "auto", "auto: the paged runner where it applies (models/family.py), else transformers'"
     )
     linear: Literal["auto", "dense", "onednn"] = setting(
         "auto",

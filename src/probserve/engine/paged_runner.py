@@ -1,4 +1,4 @@
-"""PagedRunner: the Llama family's packed step over a paged KV cache.
+"""PagedRunner: the packed step of the families models/llama.py runs, over a paged KV cache.
 
 Every chunk of the step goes into one forward (models/llama.py) and logits are computed only for
 the rows that need them: the sampled position of each sequence that reaches its last token, and
@@ -84,7 +84,8 @@ class PagedRunner:
                 if ch.start > 0:
                     q_pos = torch.arange(ch.start, ch.end).unsqueeze(1)
                     mask = torch.arange(ch.end).unsqueeze(0) <= q_pos
-                plan.prefills.append(PrefillGroup(slice(row, row + ch.length), keys, mask))
+                rows = slice(row, row + ch.length)
+                plan.prefills.append(PrefillGroup(rows, keys, mask, ch.start))
             row += ch.length
         if decode_seqs:
             lengths = torch.tensor([c.end for c in decode_seqs])
@@ -97,6 +98,7 @@ class PagedRunner:
             plan.decode_keys = torch.where(valid, keys, 0)
             plan.decode_mask = valid.view(len(decode_seqs), 1, 1, longest)
             plan.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+            plan.decode_len = lengths
 
     def _tables(self, chunks: list[Chunk]) -> torch.Tensor:
         """[len(chunks), width] block tables, each chunk's up to its end (zero padded: the null

@@ -1,8 +1,9 @@
 """The runner contract: scheduled chunks in, the logits rows the step needs out; and the choice
 of runner for a model.
 
-`PagedRunner` (paged_runner.py) serves the Llama family with one packed forward per step over a
-paged KV cache; `HFRunner` (hf_runner.py) any other causal LM through transformers' own forward.
+`PagedRunner` (paged_runner.py) serves the families of models/family.py with one packed forward
+per step over a paged KV cache; `HFRunner` (hf_runner.py) any other causal LM through
+transformers' own forward.
 Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks.
 """
 
@@ -74,7 +75,7 @@ def empty_logits(vocab: int) -> torch.Tensor:
 
 
 def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
-    """The paged runner for the Llama family (unless told otherwise), else transformers'."""
+    """The paged runner for the families it runs (unless told otherwise), else transformers'."""
     from probserve.engine.hf_runner import HFRunner
     from probserve.engine.paged_runner import PagedRunner
     from probserve.models import ModelLoadError, llama
@@ -83,9 +84,9 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     if config.runner == "paged" and not supported:
         kind = getattr(getattr(loaded.model, "config", None), "model_type", "this model")
         raise ModelLoadError(
-            f"--runner paged cannot run {loaded.name} ({kind}): the paged forward serves the "
-            f"Llama family ({', '.join(sorted(llama.SUPPORTED_TYPES))}) with SiLU and no "
-            "sliding window; use --runner auto or hf"
+            f"--runner paged cannot run {loaded.name} ({kind}): "
+            f"{llama.deterministic_blocker(loaded.model)}; the paged forward serves "
+            f"{', '.join(sorted(llama.SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
         return PagedRunner  # type: ignore[return-value]

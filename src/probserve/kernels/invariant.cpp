@@ -74,6 +74,21 @@ inline void offer(float* bv, int64_t* bi, int64_t k, int64_t& n, float v, int64_
     bi[p] = id;
 }
 
+// out[m, i] = act(gu[m, i]) * gu[m, I + i], rows of 2I in, rows of I out (a gated MLP)
+template <class Act>
+inline void glu(const float* gu, int64_t M, int64_t I, float* out, Act act) {
+#pragma omp parallel for schedule(static) if (M * I > (1 << 15))
+    for (int64_t m = 0; m < M; ++m) {
+        const float* g = gu + m * 2 * I;
+        const float* u = g + I;
+        float* o = out + m * I;
+        for (int64_t i = 0; i < I; i += W) {
+            const int64_t n = std::min<int64_t>(W, I - i);
+            vstore_n(o + i, vmul(act(vload_n(g + i, n, 0.0f)), vload_n(u + i, n, 0.0f)), n);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -126,20 +141,30 @@ void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps
     }
 }
 
-// out[m, i] = silu(gu[m, i]) * gu[m, I + i], rows of 2I in, rows of I out
+// SwiGLU: silu(x) = x / (1 + exp(-x))
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
     const vf one = vset1(1.0f);
-#pragma omp parallel for schedule(static) if (M * I > (1 << 15))
-    for (int64_t m = 0; m < M; ++m) {
-        const float* g = gu + m * 2 * I;
-        const float* u = g + I;
-        float* o = out + m * I;
-        for (int64_t i = 0; i < I; i += W) {
-            const int64_t n = std::min<int64_t>(W, I - i);
-            const vf gv = vload_n(g + i, n, 0.0f);
-            const vf s = vdiv(gv, vadd(one, vexp(vsub(vzero(), gv))));
-            vstore_n(o + i, vmul(s, vload_n(u + i, n, 0.0f)), n);
-        }
+    glu(gu, M, I, out, [&](vf x) { return vdiv(x, vadd(one, vexp(vsub(vzero(), x)))); });
+}
+
+// Gemma's GeGLU: gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
+// computed as x / (1 + exp(-2u)) (the same function, without 1 + tanh's cancellation for
+// negative x)
+void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out) {
+    const vf one = vset1(1.0f), c = vset1(-2.0f * 0.7978845608028654f), a = vset1(0.044715f);
+    glu(gu, M, I, out, [&](vf x) {
+        const vf minus_2u = vmul(c, vadd(x, vmul(a, vmul(x, vmul(x, x)))));
+        return vdiv(x, vadd(one, vexp(minus_2u)));
+    });
+}
+
+// x = tanh(x / cap) * cap in place, per element (Gemma 2's final logit soft-capping)
+void ps_softcap(float* x, int64_t N, float cap) {
+    const vf c = vset1(cap);
+#pragma omp parallel for schedule(static) if (N > (1 << 16))
+    for (int64_t i = 0; i < N; i += W) {
+        const int64_t n = std::min<int64_t>(W, N - i);
+        vstore_n(x + i, vmul(vtanh(vdiv(vload_n(x + i, n, 0.0f), c)), c), n);
     }
 }
 
@@ -314,9 +339,15 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
 // dot product in W lanes, the lanes of W keys summed together by one fixed network, so key j's
 // tree depends on j mod W alone), their max, exp and sum in W lanes, p_j = e_j / sum, then
 // sum_j p_j v_j in key order.
+// A sliding window (window > 0) keeps the last `window` keys of each token (keys j >= len - window):
+// the keys before it are never read; the blocks of W keys stay aligned to j mod W, and a key
+// inside a block but before the window scores -inf (weight 0), so a token's numbers do not
+// depend on the tile it shares. softcap > 0: each score s becomes tanh(s / softcap) * softcap
+// (Gemma 2) after the scale.
 void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
                   int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
-                  int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len) {
+                  int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
+                  int64_t window, float softcap) {
     constexpr int64_t TQ = 4;   // tokens per tile
     constexpr int64_t R = 24;   // accumulators of the P.V pass
     const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
@@ -341,6 +372,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
         std::vector<const float*> probs(static_cast<size_t>(pairs_max));
         std::vector<float*> op(static_cast<size_t>(pairs_max));
         std::vector<int64_t> lp(static_cast<size_t>(pairs_max));
+        std::vector<int64_t> lo(static_cast<size_t>(pairs_max));  // a pair's first key
         std::vector<float> mx(static_cast<size_t>(pairs_max * W));
         vf acc[R > W ? R : W];
 #pragma omp for schedule(dynamic, 1)
@@ -348,30 +380,38 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
             const int64_t tile = u / nkv, kvh = u % nkv;
             const int64_t t0 = tiles[tile], nt = tiles[tile + 1] - t0, np = nt * group;
             const int64_t Lmax = len[t0 + nt - 1];
+            const int64_t first_key = window > 0 ? std::max<int64_t>(0, len[t0] - window) : 0;
+            const int64_t jstart = first_key / W * W;  // the first block of W keys read
             const int64_t* table = tables + seq[t0] * width;
-            for (int64_t b = 0, j = 0; j < Lmax; ++b)  // block by block: no division per key
-                for (int64_t o = 0; o < block_size && j < Lmax; ++o, ++j)
+            for (int64_t j = first_key; j < Lmax;) {  // block by block: no division per key
+                const int64_t b = j / block_size;
+                for (int64_t o = j % block_size; o < block_size && j < Lmax; ++o, ++j)
                     offs[j] = ((table[b] * block_size + o) * nkv + kvh) * d;
+            }
             for (int64_t i = 0; i < nt; ++i)
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t p = i * group + g, head = kvh * group + g;
                     qp[p] = q + ((t0 + i) * nq + head) * d;
                     op[p] = out + (t0 + i) * nq * d + head * d;
                     lp[p] = len[t0 + i];
+                    lo[p] = window > 0 ? std::max<int64_t>(0, lp[p] - window) : 0;
                     probs[p] = s.data() + p * stride;
                     vstore(mx.data() + p * W, vset1(NEG_INF));
                 }
             // scores: each block of W keys once from memory, for every (token, head) of the tile
-            for (int64_t j0 = 0; j0 < Lmax; j0 += W) {
+            for (int64_t j0 = jstart; j0 < Lmax; j0 += W) {
                 for (int64_t p = 0; p < np; ++p) {
-                    if (j0 >= lp[p]) continue;
+                    if (j0 >= lp[p] || j0 + W <= lo[p]) continue;
                     const int64_t n = std::min<int64_t>(W, lp[p] - j0);
+                    // keys before the window (the first block of W keys it reaches into) are
+                    // not read: they score -inf below
+                    const int64_t skip = std::max<int64_t>(0, lo[p] - j0);
                     vf sc;
-                    if (fast) {
+                    if (fast && skip == 0) {
                         sc = scores_fast<FAST_NV>(qp[p], kc, offs.data() + j0, n, scale);
                     } else {
                         for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
-                        for (int64_t i = 0; i < n; ++i) {
+                        for (int64_t i = skip; i < n; ++i) {
                             const float* kp = kc + offs[j0 + i];
                             vf a = vzero();
                             for (int64_t c = 0; c + 1 < nv; ++c) a = vfma(vload(qp[p] + c * W), vload(kp + c * W), a);
@@ -380,24 +420,26 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                         }
                         sc = vmul(sum_lanes(acc), vset1(scale));
                     }
+                    if (softcap > 0.0f) sc = vmul(vtanh(vdiv(sc, vset1(softcap))), vset1(softcap));
                     float* sg = s.data() + p * stride + j0;
                     vstore_n(sg, sc, n);
+                    for (int64_t i = 0; i < skip; ++i) sg[i] = NEG_INF;
                     vstore(mx.data() + p * W, vmax(vload(mx.data() + p * W), vload_n(sg, n, NEG_INF)));
                 }
             }
             for (int64_t p = 0; p < np; ++p) {  // p_j = exp(s_j - max) / sum
                 float* sg = s.data() + p * stride;
-                const int64_t L = lp[p];
+                const int64_t L = lp[p], j1 = lo[p] / W * W;
                 const vf vm = vset1(hmax(vload(mx.data() + p * W)));
                 vf sum = vzero();
-                for (int64_t j = 0; j < L; j += W) {
+                for (int64_t j = j1; j < L; j += W) {
                     const int64_t n = std::min<int64_t>(W, L - j);
                     const vf e = vexp(vsub(vload_n(sg + j, n, NEG_INF), vm));
                     vstore_n(sg + j, e, n);
                     sum = vadd(sum, e);
                 }
                 const vf l = vset1(hsum(sum));
-                for (int64_t j = 0; j < L; j += W) {
+                for (int64_t j = j1; j < L; j += W) {
                     const int64_t n = std::min<int64_t>(W, L - j);
                     vstore_n(sg + j, vdiv(vload_n(sg + j, n, 0.0f), l), n);
                 }
@@ -407,30 +449,41 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                 const int64_t cc = std::min(cn, nv - c0);
                 for (int64_t p0 = 0; p0 < np; p0 += hg) {
                     const int64_t pg = std::min(hg, np - p0);
-                    int64_t first = lp[p0], last = 0;  // keys every pair / some pair attends to
+                    // keys every pair / some pair attends to: [lo_max, first) / [lo_min, last)
+                    int64_t first = lp[p0], last = 0, lo_min = lo[p0], lo_max = 0;
                     for (int64_t p = p0; p < p0 + pg; ++p) {
                         first = std::min(first, lp[p]);
                         last = std::max(last, lp[p]);
+                        lo_min = std::min(lo_min, lo[p]);
+                        lo_max = std::max(lo_max, lo[p]);
                     }
                     for (int64_t i = 0; i < pg * cc; ++i) acc[i] = vzero();
-                    int64_t j = 0;
-                    if (fast && pg == FAST_PG6) {
-                        pv_fast<FAST_NV, FAST_PG6>(acc, vc, offs.data(), 0, first, probs.data() + p0);
-                        j = first;
-                    } else if (fast && pg == FAST_PG3) {
-                        pv_fast<FAST_NV, FAST_PG3>(acc, vc, offs.data(), 0, first, probs.data() + p0);
-                        j = first;
-                    }
-                    for (; j < last; ++j) {
-                        const float* vp = vc + offs[j] + c0 * W;
-                        for (int64_t c = 0; c < cc; ++c) {
-                            const bool full = c0 + c + 1 < nv || tail == W;
-                            const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
-                            for (int64_t p = 0; p < pg; ++p)
-                                if (j < lp[p0 + p])
-                                    acc[p * cc + c] = vfma(vset1(probs[p0 + p][j]), v, acc[p * cc + c]);
+                    // each pair sums its own keys in key order: [lo_min, lo_max) and [first,
+                    // last) key by key, where some pairs skip a key; [lo_max, first) on the
+                    // register path where every pair attends to every key
+                    auto some = [&](int64_t j0, int64_t j1) {
+                        for (int64_t j = j0; j < j1; ++j) {
+                            const float* vp = vc + offs[j] + c0 * W;
+                            for (int64_t c = 0; c < cc; ++c) {
+                                const bool full = c0 + c + 1 < nv || tail == W;
+                                const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
+                                for (int64_t p = 0; p < pg; ++p)
+                                    if (j >= lo[p0 + p] && j < lp[p0 + p])
+                                        acc[p * cc + c] = vfma(vset1(probs[p0 + p][j]), v, acc[p * cc + c]);
+                            }
                         }
+                    };
+                    const int64_t mid = std::min(lo_max, first);
+                    some(lo_min, mid);
+                    int64_t j = mid;
+                    if (fast && pg == FAST_PG6 && lo_max < first) {
+                        pv_fast<FAST_NV, FAST_PG6>(acc, vc, offs.data(), lo_max, first, probs.data() + p0);
+                        j = first;
+                    } else if (fast && pg == FAST_PG3 && lo_max < first) {
+                        pv_fast<FAST_NV, FAST_PG3>(acc, vc, offs.data(), lo_max, first, probs.data() + p0);
+                        j = first;
                     }
+                    some(j, last);
                     for (int64_t p = 0; p < pg; ++p)
                         for (int64_t c = 0; c < cc; ++c) {
                             const bool full = c0 + c + 1 < nv || tail == W;

@@ -144,10 +144,24 @@ class InvariantKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for rows [gate | up] of 2I: rows of I."""
+        return self._glu(self.lib.ps_silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up for rows [gate | up] of 2I (Gemma's GeGLU): rows of I."""
+        return self._glu(self.lib.ps_gelu_tanh_mul, gate_up)
+
+    @staticmethod
+    def _glu(fn: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
         gu = _f32(gate_up)
         m, two_i = gu.shape
         out = torch.empty((m, two_i // 2), dtype=torch.float32)
-        self.lib.ps_silu_mul(gu.data_ptr(), m, two_i // 2, out.data_ptr())
+        fn(gu.data_ptr(), m, two_i // 2, out.data_ptr())
+        return out
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """tanh(x / cap) * cap, per element (a new tensor)."""
+        out = _f32(x).clone()
+        self.lib.ps_softcap(out.data_ptr(), out.numel(), cap)
         return out
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,10 +260,13 @@ class InvariantKernels:
         seq: torch.Tensor,
         lengths: torch.Tensor,
         block_size: int,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, nq, d] over a paged cache [slots, nkv, d] read in place:
         token t attends to the first lengths[t] positions of the sequence whose block table is
-        tables[seq[t]]. Returns [T, nq * d]."""
+        tables[seq[t]] (with a sliding `window`, the last `window` of them), its scores soft-capped
+        by `softcap` where given. Returns [T, nq * d]."""
         q = _f32(q)
         t, nq, d = q.shape
         out = torch.empty((t, nq * d), dtype=torch.float32)
@@ -269,5 +286,7 @@ class InvariantKernels:
             block_size,
             seq.data_ptr(),
             lengths.data_ptr(),
+            int(window or 0),
+            float(softcap or 0.0),
         )
         return out

@@ -261,6 +261,14 @@ inline vf vexp(vf x) {
     return vselect_nan(x, x, y);
 }
 
+// tanh(x) = 1 - 2 / (exp(2x) + 1): vexp's fixed operations (exp(2x) overflows to inf for large x,
+// giving 1; underflows to 0 for very negative x, giving -1)
+inline vf vtanh(vf x) {
+    const vf one = vset1(1.0f), two = vset1(2.0f);
+    const vf y = vsub(one, vdiv(two, vadd(vexp(vmul(x, two)), one)));
+    return vselect_nan(x, x, y);
+}
+
 // sum_k a[k] * b[k], W lanes in order then the lane tree
 inline float dot(const float* a, const float* b, int64_t n) {
     vf acc = vzero();

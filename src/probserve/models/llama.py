@@ -1,12 +1,13 @@
-"""The forward pass of the Llama family (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+"""The paged forward of the decoder families probserve runs (Llama, Mistral, Qwen2/3, SmolLM,
+Gemma 2/3, Phi-3: their differences are parameters, models/family.py) over a paged KV cache.
 
 It runs on the weights transformers loaded (fused into QKV and gate/up matrices once), takes a
 packed batch (every token of the step, prefill chunks and decode tokens alike, in one [T, H]
 tensor for all the matrix products, through the kernel that is faster on this machine:
 models/linear.py) and computes attention per group: all decode tokens in one
-batched call, each prefill chunk in its own causal call. RMSNorm, RoPE (the model's own rotary
-module, so every rope-scaling variant its config names is honoured), GQA attention, SwiGLU, tied or
-untied head.
+batched call, each prefill chunk in its own causal call. RMSNorm (or Gemma's (1 + w)), per-head
+q/k norms, RoPE (transformers' rope-scaling variants; one base per layer type), GQA attention with
+sliding windows and soft-capping, SwiGLU or GeGLU, tied or untied head.
 
 Deterministic (`kernels` given: `--deterministic`): every operation whose reduction order could
 depend on the batch runs on probserve's row-invariant kernels (kernels/invariant.cpp): the linear
@@ -27,35 +28,42 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, QuantizedWeight
+from probserve.models.family import (
+    STATIC_ROPE,
+    SUPPORTED_TYPES,
+    Family,
+    Unsupported,
+    family,
+    rope_params,
+)
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Kernel, Linear, choose_kernel
+from probserve.models.skeleton import Rotary
 
-SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2"})
-# RoPE variants whose cos/sin depend on the position alone (dynamic and longrope rescale with
-# the batch's longest sequence: no per-token invariance)
-STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+__all__ = ["SUPPORTED_TYPES", "AttentionPlan", "KVCache", "LlamaForward", "PrefillGroup"]
+
 ROPE_BLOCK = 1024  # positions per block of the deterministic cos/sin table
 
 
 def supports(model: Any) -> bool:
-    """True for Llama-family models this forward reproduces exactly."""
-    cfg = model.config
-    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+    """True for models of a family this forward reproduces exactly (models/family.py)."""
+    try:
+        family(model.config)
+    except Unsupported:
         return False
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return False
-    window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", window is not None)
-    return not (window and uses_window and window < cfg.max_position_embeddings)
+    return True
 
 
 def deterministic_blocker(model: Any) -> str | None:
     """Why this model cannot run the deterministic forward (None: it can)."""
-    if not supports(model):
-        return f"{type(model).__name__} does not run on the paged Llama-family forward"
-    rope = getattr(model.model.rotary_emb, "rope_type", "default")
-    if rope not in STATIC_ROPE:
-        return f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
+    try:
+        fam = family(model.config)
+    except Unsupported as exc:
+        return f"{type(model).__name__}: {exc}"
+    for key in set(fam.rope_keys):
+        rope = rope_params(model.config, key).get("rope_type", "default")
+        if rope not in STATIC_ROPE:
+            return f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
     return None
 
 
@@ -100,6 +108,7 @@ class PrefillGroup:
     rows: slice  # this chunk's rows in the packed batch
     keys: torch.Tensor  # [L] slots of every key it attends to (positions 0..end-1)
     mask: torch.Tensor | None  # [n, L] bool (True: attend); None: plain causal (no prefix)
+    start: int = 0  # the chunk's first position
 
 
 @dataclass
@@ -108,6 +117,7 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None = None  # [B] rows of decode tokens
     decode_keys: torch.Tensor | None = None  # [B, L] slots (padded with 0)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool
+    decode_len: torch.Tensor | None = None  # [B] keys each decode token attends to
     prefills: list[PrefillGroup] = field(default_factory=list)
     # the deterministic path: every token attends through its sequence's block table
     tables: torch.Tensor | None = None  # [S, width] block ids
@@ -118,20 +128,15 @@ class AttentionPlan:
 class _Layer:
     def __init__(
         self,
-        layer: Any,
-        prefix: str,
+        config: Any,
+        index: int,
+        fam: Family,
         weights: Mapping[str, Weight],
         kernel: Kernel,
         kernels: InvariantKernels | None,
     ) -> None:
-        """`layer`: the transformers module (its sizes and constants; on the meta device when
-        the weights come from elsewhere); `weights`: every tensor by its parameter name."""
-        attn, mlp = layer.self_attn, layer.mlp
-
-        def tensor(name: str) -> torch.Tensor:
-            # copies: a weight memory-mapped from safetensors may share one storage with the
-            # whole file, and the packed runner must not keep that mapping alive (release_source)
-            return as_float(weights[prefix + name]).detach().clone()
+        """Layer `index`'s weights (`weights`: every tensor by its parameter name) and constants."""
+        prefix = f"model.layers.{index}."
 
         def linear(*names: str) -> Linear:
             weight = stack_rows([weights[f"{prefix}{n}.weight"] for n in names])
@@ -139,16 +144,36 @@ class _Layer:
             bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[misc]
             return Linear(weight, bias, kernel, kernels)
 
-        self.ln1 = tensor("input_layernorm.weight")
-        self.ln2 = tensor("post_attention_layernorm.weight")
-        self.eps1 = float(layer.input_layernorm.variance_epsilon)
-        self.eps2 = float(layer.post_attention_layernorm.variance_epsilon)
-        self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        def norm(name: str) -> torch.Tensor | None:
+            full = f"{prefix}{name}.weight"
+            return norm_weight(weights[full], fam) if full in weights else None
+
+        self.ln1 = norm_weight(weights[prefix + "input_layernorm.weight"], fam)
+        # Llama: the norm before the MLP; Gemma: the norm of the attention's output
+        self.ln2 = norm_weight(weights[prefix + "post_attention_layernorm.weight"], fam)
+        self.pre_ff = norm("pre_feedforward_layernorm")
+        self.post_ff = norm("post_feedforward_layernorm")
+        self.q_norm = norm("self_attn.q_norm")
+        self.k_norm = norm("self_attn.k_norm")
+        if fam.fused:
+            self.qkv = linear("self_attn.qkv_proj")
+            self.gate_up = linear("mlp.gate_up_proj")
+        else:
+            self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+            self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
         self.o = linear("self_attn.o_proj")
-        self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
         self.down = linear("mlp.down_proj")
-        self.scale = float(getattr(attn, "scaling", attn.head_dim**-0.5))
-        self.intermediate = int(mlp.down_proj.in_features)
+        self.intermediate = int(config.intermediate_size)
+        self.window = fam.windows[index] if fam.windows else None
+        self.rope_key = fam.rope_keys[index] if fam.rope_keys else None
+
+
+def norm_weight(weight: Weight, fam: Family) -> torch.Tensor:
+    """An RMSNorm's weight as the forward multiplies by it: Gemma's 1 + w (in float32, as
+    transformers computes it), else w; a copy (a weight memory-mapped from safetensors may share
+    one storage with the whole file, and the runner must not keep that mapping alive)."""
+    w = as_float(weight).detach()
+    return (1.0 + w.float()) if fam.norm_plus_one else w.clone()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +196,7 @@ class LlamaForward:
         models/gguf_blocks.py: they stay quantized with `kernels`); default: the model's."""
         cfg = model.config
         self.kernels = kernels
+        self.family = fam = family(cfg)
         if weights is None:
             weights = dict(model.named_parameters(remove_duplicate=False))
         if kernels is not None:
@@ -179,19 +205,26 @@ class LlamaForward:
                 raise ValueError(f"this model cannot run deterministic: {blocker}")
             kernel = "invariant"
         elif kernel == "auto":
-            gate_up = ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
-            kernel = choose_kernel(as_float(stack_rows([weights[n] for n in gate_up])))
+            first = "model.layers.0.mlp."
+            names = (
+                (first + "gate_up_proj.weight",)
+                if fam.fused
+                else (first + "gate_proj.weight", first + "up_proj.weight")
+            )
+            kernel = choose_kernel(as_float(stack_rows([weights[n] for n in names])))
         self.kernel: Kernel = kernel
         self.model = model
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.head_dim = fam.head_dim
+        self.eps = float(cfg.rms_norm_eps)
         self.layers = [
-            _Layer(layer, f"model.layers.{i}.", weights, kernel, kernels)
-            for i, layer in enumerate(model.model.layers)
+            _Layer(cfg, i, fam, weights, kernel, kernels) for i in range(cfg.num_hidden_layers)
         ]
-        self.norm = as_float(weights["model.norm.weight"]).detach().clone()
-        self.norm_eps = float(model.model.norm.variance_epsilon)
+        self.norm = norm_weight(weights["model.norm.weight"], fam)
+        self.embed_scale = (
+            torch.tensor(fam.embed_scale, dtype=torch.float32) if fam.embed_scale else None
+        )
         head, embed = weights["lm_head.weight"], weights["model.embed_tokens.weight"]
         self.lm_head = Linear(head, None, kernel, kernels)
         # a tied embedding is read from the head's own copy (dense, packed panels or blocks):
@@ -206,11 +239,16 @@ class LlamaForward:
         if not self.tied:
             self.embed = self._own_embedding(embed)
         self.vocab_size = self.lm_head.out_features
-        self.rotary = model.model.rotary_emb
+        # a rotary embedding per entry of rope_parameters (Gemma 3: one per layer type); the
+        # model's own module where its variant is not static (dynamic: torch's path only)
+        self.rotary: dict[str | None, Any] = {}
+        for key in set(fam.rope_keys):
+            static = rope_params(cfg, key).get("rope_type", "default") in STATIC_ROPE
+            self.rotary[key] = Rotary(cfg, key) if static else model.model.rotary_emb
         self.intermediate = self.layers[0].intermediate
-        # the deterministic cos/sin table, grown ROPE_BLOCK positions at a time
-        self._rope_cos = torch.empty((0, self.head_dim))
-        self._rope_sin = torch.empty((0, self.head_dim))
+        # the deterministic cos/sin tables, grown ROPE_BLOCK positions at a time
+        self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
+        self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
 
     def _own_embedding(self, embed: Weight) -> torch.Tensor | QuantizedWeight:
         """An untied embedding: in its blocks where the kernels read them, else float32."""
@@ -230,21 +268,28 @@ class LlamaForward:
         """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
         returns the final-norm hidden states [T, H]."""
         h = self._embed(input_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.kernels is not None:
             self._rope_table(h, int(positions.max()) + 1 if positions.numel() else 0)
         else:
-            cos, sin = self._rope(h, positions)  # [T, 1, d]
+            rope = {key: self._rope(key, h, positions) for key in self.rotary}  # [T, 1, d]
         t = input_ids.shape[0]
         for li, layer in enumerate(self.layers):
-            x = self._norm(h, layer.ln1, layer.eps1)
+            x = self._norm(h, layer.ln1)
             qkv = layer.qkv(x)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
             if self.kernels is not None:  # RoPE and the cache write in one call
                 q = self.kernels.rope_cache(
-                    qkv, (nq, nkv, d), self._rope_cos, self._rope_sin, positions, plan.slots,
+                    qkv, (nq, nkv, d), self._rope_cos[layer.rope_key],
+                    self._rope_sin[layer.rope_key], positions, plan.slots,
                     cache.k[li], cache.v[li],
                 )  # fmt: skip
             else:
+                cos, sin = rope[layer.rope_key]
                 q = qkv[:, : nq * d].view(t, nq, d)
                 k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
                 v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
@@ -252,11 +297,17 @@ class LlamaForward:
                 k = k * cos + _rotate_half(k) * sin
                 cache.k[li].index_copy_(0, plan.slots, k)
                 cache.v[li].index_copy_(0, plan.slots, v)
-            attn = self._attention(q, cache, li, plan, layer.scale)
-            h = h + layer.o(attn)
-            x = self._norm(h, layer.ln2, layer.eps2)
-            h = h + layer.down(self._swiglu(layer.gate_up(x)))
-        out = self._norm(h, self.norm, self.norm_eps)
+            attn = layer.o(self._attention(q, cache, li, plan, layer.window))
+            if self.family.sandwich:
+                assert layer.pre_ff is not None and layer.post_ff is not None
+                h = h + self._norm(attn, layer.ln2)
+                x = self._norm(h, layer.pre_ff)
+                h = h + self._norm(layer.down(self._act(layer.gate_up(x))), layer.post_ff)
+            else:
+                h = h + attn
+                x = self._norm(h, layer.ln2)
+                h = h + layer.down(self._act(layer.gate_up(x)))
+        out = self._norm(h, self.norm)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
 
@@ -271,41 +322,56 @@ class LlamaForward:
             return self.kernels.rows(self.lm_head.packed, ids)  # type: ignore[union-attr]
         return F.embedding(ids, self.lm_head.w)
 
-    def _norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.rms_norm(h, weight, eps)
-        return F.rms_norm(h, (h.shape[-1],), weight, eps)
+            return self.kernels.rms_norm(h, weight, self.eps)
+        return F.rms_norm(h, (h.shape[-1],), weight, self.eps)
 
-    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+    def _qk_norm(self, qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """qkv with every query and key head RMS-normed over the head dimension (Qwen3, Gemma 3)."""
+        t, (nq, nkv, d) = qkv.shape[0], (self.num_heads, self.num_kv_heads, self.head_dim)
+        q = self._norm(qkv[:, : nq * d].reshape(t * nq, d), qw).view(t, nq * d)
+        k = self._norm(qkv[:, nq * d : (nq + nkv) * d].reshape(t * nkv, d), kw).view(t, nkv * d)
+        return torch.cat([q, k, qkv[:, (nq + nkv) * d :]], dim=1)
+
+    def _act(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU or GeGLU of rows [gate | up]."""
+        gelu = self.family.activation == "gelu_tanh"
         if self.kernels is not None:
-            return self.kernels.silu_mul(gu)
-        return F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :]
+            return self.kernels.gelu_tanh_mul(gu) if gelu else self.kernels.silu_mul(gu)
+        gate, up = gu[:, : self.intermediate], gu[:, self.intermediate :]
+        return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, key: str | None, h: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, d] at `positions`, from the rotary module (torch's path)."""
-        cos, sin = self.rotary(h, positions.unsqueeze(0))
+        cos, sin = self.rotary[key](h, positions.unsqueeze(0))
         return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
 
     def _rope_table(self, h: torch.Tensor, need: int) -> None:
         """Deterministic mode's cos and sin tables, grown to cover positions 0..need-1 in blocks
         of ROPE_BLOCK positions (each block one call of one shape, so a position's row never
         depends on what else is in the step); the kernels read their rows."""
-        while self._rope_cos.shape[0] < need:
-            start = self._rope_cos.shape[0]
-            cos, sin = self.rotary(h[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
-            self._rope_cos = torch.cat([self._rope_cos, cos[0].float()])
-            self._rope_sin = torch.cat([self._rope_sin, sin[0].float()])
+        for key, rotary in self.rotary.items():
+            while self._rope_cos[key].shape[0] < need:
+                start = self._rope_cos[key].shape[0]
+                cos, sin = rotary(h[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
+                self._rope_cos[key] = torch.cat([self._rope_cos[key], cos[0].float()])
+                self._rope_sin[key] = torch.cat([self._rope_sin[key], sin[0].float()])
 
     def _attention(
-        self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, scale: float
+        self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, window: int | None
     ) -> torch.Tensor:
         kc, vc = cache.k[layer], cache.v[layer]
+        scale, softcap = self.family.scale, self.family.attn_softcap
         if self.kernels is not None:
             assert plan.tables is not None and plan.token_seq is not None
             assert plan.token_len is not None
             return self.kernels.attention(
-                q, kc, vc, scale, plan.tables, plan.token_seq, plan.token_len, cache.block_size
-            )
+                q, kc, vc, scale, plan.tables, plan.token_seq, plan.token_len, cache.block_size,
+                window, softcap,
+            )  # fmt: skip
         t, nq, d = q.shape
         out = q.new_empty((t, nq * d))
         if plan.decode_rows is not None:
@@ -314,25 +380,57 @@ class LlamaForward:
             keys = kc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             vals = vc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, nq, 1, d]
-            o = F.scaled_dot_product_attention(
-                qd, keys, vals, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-            )
+            mask = plan.decode_mask
+            if window and plan.decode_len is not None:  # the last `window` keys
+                first = (plan.decode_len - window).view(b, 1, 1, 1)
+                mask = mask & (torch.arange(length).view(1, 1, 1, -1) >= first)  # type: ignore[operator]
+            o = _sdpa(qd, keys, vals, mask, False, scale, softcap)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, nq * d))
         for group in plan.prefills:
             qp = q[group.rows].transpose(0, 1).unsqueeze(0)  # [1, nq, n, d]
             keys = kc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
             vals = vc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qp,
-                keys,
-                vals,
-                attn_mask=group.mask,
-                is_causal=group.mask is None,
-                scale=scale,
-                enable_gqa=True,
-            )
+            mask, causal = group.mask, group.mask is None
+            if window or softcap:  # an explicit mask: causal, within the window
+                n, length = qp.shape[2], keys.shape[2]
+                q_pos = torch.arange(group.start, group.start + n).unsqueeze(1)
+                k_pos = torch.arange(length).unsqueeze(0)
+                mask = k_pos <= q_pos
+                if window:
+                    mask = mask & (k_pos > q_pos - window)
+                causal = False
+            o = _sdpa(qp, keys, vals, mask, causal, scale, softcap)
             out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        out = self.lm_head(hidden)
+        cap = self.family.final_softcap
+        if cap:
+            if self.kernels is not None:
+                return self.kernels.softcap(out, cap)
+            return torch.tanh(out / cap) * cap
+        return out
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention [B, nq, n, d] over keys [B, nkv, L, d] (grouped query heads): torch's fused
+    kernel, or, with soft-capped scores (Gemma 2), transformers' eager order of operations."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v

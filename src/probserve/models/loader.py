@@ -244,6 +244,7 @@ def _native(
 
     from probserve.kernels.build import KernelBuildError, build
     from probserve.models import llama
+    from probserve.models.family import Unsupported
     from probserve.models.gguf_blocks import block_formats, load_weights
     from probserve.models.skeleton import Skeleton
 
@@ -255,11 +256,11 @@ def _native(
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
     model = None
-    if config.model_type in llama.SUPPORTED_TYPES:
+    try:
         model = Skeleton(config, generation)  # transformers' modeling code is never imported
         why = llama.deterministic_blocker(model)
-    else:
-        why = f"{config.model_type} does not run on the paged Llama-family forward"
+    except Unsupported as exc:
+        why = f"{config.model_type}: {exc}"
     if why is None:
         try:
             build()

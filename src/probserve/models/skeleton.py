@@ -1,11 +1,12 @@
-"""A Llama-family model's skeleton, built without transformers' modeling code: the configuration,
-every parameter's name, shape and ties (on the meta device) and the rotary embedding, which is
-all the native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a model.
+"""A model's skeleton, built without transformers' modeling code: the configuration, every
+parameter's name, shape and ties (on the meta device) and the rotary embedding, which is all the
+native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a model.
 
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
-every engine start paid them for a model whose weights come from elsewhere. The names and
-constants follow transformers' Llama, Mistral and Qwen2 modules, and `Rotary` computes their
-rotary embedding with the same operations in the same order (tests check the two bit for bit).
+every engine start paid them for a model whose weights come from elsewhere. The names follow
+transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
+Qwen3, Gemma 2, Gemma 3, Phi-3), and `Rotary` computes their rotary embedding with the same
+operations in the same order (tests check the two bit for bit).
 """
 
 from __future__ import annotations
@@ -15,34 +16,48 @@ from typing import Any
 import torch
 from torch import nn
 
+from probserve.models.family import Family, family, head_dim, rope_params
+
 # transformers' q/k/v and o projection biases, by model type
-_ATTENTION_BIAS = {"qwen2": (True, False), "mistral": (False, False)}
+_ATTENTION_BIAS = {"qwen2": (True, False), "mistral": (False, False), "phi3": (False, False)}
 
 
 class Rotary(nn.Module):
-    """transformers' rotary embedding of the static RoPE variants (the forward's only kind)."""
+    """transformers' rotary embedding of the static RoPE variants (the forward's only kind), of
+    one entry of the configuration's `rope_parameters` (`key`: a layer type, for Gemma 3).
+    LongRoPE's factors are chosen per position: the short ones below the original context
+    (original_max_position_embeddings), the long ones from it on (transformers chooses for a
+    whole forward by its longest position, which would make a token's numbers depend on its
+    batch: the two agree for every sequence within the original context)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, key: str | None = None) -> None:
         super().__init__()
-        params = config.rope_parameters
-        self.rope_type = params["rope_type"]
+        params = rope_params(config, key)
+        self.rope_type = params.get("rope_type", "default")
+        self.original: int | None = None
         if self.rope_type == "default":
-            dim = getattr(config, "head_dim", None) or (
-                config.hidden_size // config.num_attention_heads
-            )
+            dim = head_dim(config)
             base = params["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+            init = ROPE_INIT_FUNCTIONS[self.rope_type]
+            extra = {"layer_type": key} if key is not None else {}
+            inv_freq, self.attention_scaling = init(config, None, **extra)
+            if self.rope_type == "longrope":
+                self.original = int(params["original_max_position_embeddings"])
+                long, _ = init(config, None, seq_len=self.original + 1, **extra)
+                self.long_inv_freq = nn.Buffer(long, persistent=False)
         self.inv_freq = nn.Buffer(inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(
-            device=x.device, dtype=torch.float
-        )
+        inv = self.inv_freq.to(device=x.device, dtype=torch.float)
+        if self.original is not None:
+            late = (position_ids >= self.original)[..., None]
+            inv = torch.where(late, self.long_inv_freq.to(device=x.device), inv)
+        freqs = position_ids[..., None].float() * inv
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
@@ -61,7 +76,7 @@ def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
 
 
 class _Attention(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias, o_bias = _ATTENTION_BIAS.get(config.model_type, (bias, bias))
@@ -70,45 +85,55 @@ class _Attention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
         )
-        self.head_dim = head_dim
-        self.scaling = head_dim**-0.5
-        self.q_proj = _linear(hidden, heads * head_dim, qkv_bias)
-        self.k_proj = _linear(hidden, kv * head_dim, qkv_bias)
-        self.v_proj = _linear(hidden, kv * head_dim, qkv_bias)
-        self.o_proj = _linear(heads * head_dim, hidden, o_bias)
+        d = fam.head_dim
+        self.head_dim = d
+        self.scaling = fam.scale
+        if fam.fused:
+            self.qkv_proj = _linear(hidden, (heads + 2 * kv) * d, qkv_bias)
+        else:
+            self.q_proj = _linear(hidden, heads * d, qkv_bias)
+            self.k_proj = _linear(hidden, kv * d, qkv_bias)
+            self.v_proj = _linear(hidden, kv * d, qkv_bias)
+        self.o_proj = _linear(heads * d, hidden, o_bias)
+        if fam.qk_norm:
+            self.q_norm = _Norm(d, config.rms_norm_eps)
+            self.k_norm = _Norm(d, config.rms_norm_eps)
 
 
 class _MLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         hidden, inner = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(hidden, inner, bias)
-        self.up_proj = _linear(hidden, inner, bias)
+        if fam.fused:
+            self.gate_up_proj = _linear(hidden, 2 * inner, bias)
+        else:
+            self.gate_proj = _linear(hidden, inner, bias)
+            self.up_proj = _linear(hidden, inner, bias)
         self.down_proj = _linear(inner, hidden, bias)
 
 
 class _Layer(nn.Module):
-    def __init__(self, config: Any, head_dim: int) -> None:
+    def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
-        self.self_attn = _Attention(config, head_dim)
-        self.mlp = _MLP(config)
-        self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = _Attention(config, fam)
+        self.mlp = _MLP(config, fam)
+        eps = config.rms_norm_eps
+        self.input_layernorm = _Norm(config.hidden_size, eps)
+        self.post_attention_layernorm = _Norm(config.hidden_size, eps)
+        if fam.sandwich:
+            self.pre_feedforward_layernorm = _Norm(config.hidden_size, eps)
+            self.post_feedforward_layernorm = _Norm(config.hidden_size, eps)
 
 
 class _Body(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
-        )
+        fam = family(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
-        self.layers = nn.ModuleList(
-            _Layer(config, head_dim) for _ in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(_Layer(config, fam) for _ in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = Rotary(config)
+        self.rotary_emb = Rotary(config, fam.rope_keys[0] if fam.rope_keys else None)
 
 
 class Skeleton(nn.Module):
