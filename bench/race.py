@@ -13,6 +13,11 @@ every figure and probserve's ratio to each peer; it is only meaningful within on
     .venv/bin/python bench/race.py --peers llama --alternate 4   # + one-stream A/B/A/B rounds
     .venv/bin/python bench/race.py --peers vllm --alternate-scoring 4 --no-sweep  # scoring only
 
+`--model FILE` races a GGUF file of your own (every server serves that same file; vLLM a float32
+directory of it) instead of the embedded model:
+
+    .venv/bin/python bench/race.py --peers llama --model gemma-3-270m.gguf --concurrency 1 16
+
 `--variant LABEL=FLAGS` (repeatable) runs probserve once per variant instead of once, for a
 same-run A/B of its own settings; the first variant is the base of every ratio:
 
@@ -157,14 +162,21 @@ def probserve_processes() -> set[int]:
     return found
 
 
+def model_flags(args: argparse.Namespace) -> list[str]:
+    """probserve's flags for `--model FILE` (none for the embedded model)."""
+    return ["--model", args.model, "--served-model-name", "bench"] if args.model else []
+
+
 def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
     variants = [v.split("=", 1) for v in args.variant] or [["", ""]]
     servers = [
         Server(
             f"probserve ({label})" if label else "probserve",
             [str(Path(sys.executable).parent / "probserve"), "serve", "--port", str(8020 + i),
-             "--log-level", "warning", *args.probserve_args.split(), *flags.split()],
-            8020 + i, "smollm2-135m-instruct", logs / f"probserve{i}.log",
+             "--log-level", "warning", *model_flags(args), *args.probserve_args.split(),
+             *flags.split()],
+            8020 + i, "bench" if args.model else "smollm2-135m-instruct",
+            logs / f"probserve{i}.log",
         )
         for i, (label, flags) in enumerate(variants)
     ]  # fmt: skip
@@ -179,7 +191,8 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
         # --no-repack: its AMX kernels (reached through weight repacking) die with SIGILL on
         # VMs whose CPUID lists AMX without granting it (gdb: tinygemm_kernel_amx); without
         # them it runs its AVX-512/AVX2 dot products, its usual CPU path
-        cmd = [binary, "-m", f"{model_dir}/model.gguf", "--host", "127.0.0.1", "--port", "8013",
+        gguf = args.model or f"{model_dir}/model.gguf"
+        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "8013",
                "-np", "32", "-c", "16384", "-t", "2", "--no-repack"]  # fmt: skip
         # llama-server returns no prompt logprobs (no echo): it sits the scoring sweep out
         servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log", False))
@@ -263,6 +276,7 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--peers", nargs="*", default=["vllm"], choices=["vllm", "llama"])
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--requests-per-stream", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=100)
@@ -288,8 +302,9 @@ def main() -> None:
     from probserve.models import load_tokenizer, prepared_source
     from probserve.models.loader import float32_directory
 
-    source = prepared_source(None)
-    hf_dir = float32_directory(None)  # the embedded model as a float32 HF directory (vLLM's input)
+    source = prepared_source(args.model)
+    # the model as a float32 HF directory: vLLM's input (written only where vLLM races)
+    hf_dir = float32_directory(args.model) if "vllm" in args.peers else ""
     tokenizer = load_tokenizer(source)
     n = max(args.concurrency) * args.requests_per_stream
     pools = {

@@ -19,6 +19,7 @@ from probserve.engine import EngineConfig, EngineCore
 from probserve.kernels.invariant import InvariantKernels
 from probserve.models import LoadedModel, load_model
 from probserve.models.gguf_blocks import QuantizedTensor, load_weights, read_weights
+from probserve.models.linear import Joined
 from probserve.models.llama import LlamaForward
 
 FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -246,7 +247,10 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
     floats = LoadedModel(**{**tiny.__dict__, "model": twin})
     kernels = InvariantKernels()
     fw = LlamaForward(twin, "auto", kernels, weights)
-    assert fw.layers[0].qkv.quantized is None and fw.layers[0].o.quantized is not None
+    qkv = fw.layers[0].qkv
+    assert isinstance(qkv, Joined) and all(p.quantized is not None for p in qkv.parts)
+    assert len(qkv.parts) == 3 and qkv.out_features == sum(p.out_features for p in qkv.parts)
+    assert fw.layers[0].o.quantized is not None
     assert fw.embed is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
 
@@ -295,8 +299,9 @@ def tiny256(smol: LoadedModel) -> LoadedModel:
 
 def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
     """Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 in one model (as a Q4_K_M or Q5_K_M file mixes them),
-    q/k/v in different formats (fused in float32), a Q6_K embedding and an untied Q5_0 head: the
-    same bits as the float32 twin, for greedy and seeded requests in one batch."""
+    q/k/v in different formats (each part in its own blocks, joined), a Q6_K embedding and an
+    untied Q5_0 head: the same bits as the float32 twin, for greedy and seeded requests in one
+    batch, with no matrix held in float32."""
     import copy
 
     twin = copy.deepcopy(tiny256.model)
@@ -324,7 +329,10 @@ def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
                             "weights_format": formats})  # fmt: skip
     floats = LoadedModel(**{**tiny256.__dict__, "model": twin})
     fw = LlamaForward(twin, "auto", InvariantKernels(), weights)
-    assert fw.layers[0].qkv.quantized is None and fw.layers[0].o.quantized is not None
+    qkv = fw.layers[0].qkv
+    assert isinstance(qkv, Joined) and all(p.quantized is not None for p in qkv.parts)
+    assert len(qkv.parts) == 3 and qkv.out_features == sum(p.out_features for p in qkv.parts)
+    assert fw.layers[0].o.quantized is not None
     assert fw.layers[0].gate_up.quantized is not None and fw.layers[0].down.quantized is not None
     assert fw.lm_head.quantized is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)

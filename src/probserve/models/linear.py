@@ -89,6 +89,22 @@ class Linear:
         return F.linear(x, self.w, self.b)
 
 
+class Joined:
+    """Several weights' rows side by side as one layer (a fused QKV or gate/up whose parts are in
+    different block formats, as a Q4_K_M file's Q4_K q/k and Q6_K v): each part multiplied in
+    its own form, the outputs joined. Every output column is its own row's product, so the
+    result is the same bits as the one fused weight (the invariant kernels' results do not
+    depend on the rows beside a row), and no part is ever dequantized."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
     x = torch.randn(rows, layer.in_features)
     layer(x)  # warm: first calls pick kernels and allocate

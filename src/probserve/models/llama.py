@@ -37,7 +37,7 @@ from probserve.models.family import (
     rope_params,
 )
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
-from probserve.models.linear import Kernel, Linear, choose_kernel
+from probserve.models.linear import Joined, Kernel, Linear, choose_kernel
 from probserve.models.skeleton import Rotary
 
 __all__ = ["SUPPORTED_TYPES", "AttentionPlan", "KVCache", "LlamaForward", "PrefillGroup"]
@@ -138,11 +138,15 @@ class _Layer:
         """Layer `index`'s weights (`weights`: every tensor by its parameter name) and constants."""
         prefix = f"model.layers.{index}."
 
-        def linear(*names: str) -> Linear:
-            weight = stack_rows([weights[f"{prefix}{n}.weight"] for n in names])
+        def linear(*names: str) -> Linear | Joined:
+            parts = [weights[f"{prefix}{n}.weight"] for n in names]
             biases = [weights.get(f"{prefix}{n}.bias") for n in names]
+            if kernels is not None and len({_form(w) for w in parts}) > 1:
+                # parts in different formats: each in its own blocks, never a float32 copy
+                pairs = zip(parts, biases, strict=True)
+                return Joined([Linear(w, b, kernel, kernels) for w, b in pairs])
             bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[misc]
-            return Linear(weight, bias, kernel, kernels)
+            return Linear(stack_rows(parts), bias, kernel, kernels)
 
         def norm(name: str) -> torch.Tensor | None:
             full = f"{prefix}{name}.weight"
@@ -166,6 +170,11 @@ class _Layer:
         self.intermediate = int(config.intermediate_size)
         self.window = fam.windows[index] if fam.windows else None
         self.rope_key = fam.rope_keys[index] if fam.rope_keys else None
+
+
+def _form(weight: Weight) -> int | None:
+    """A weight's block format (None: float32)."""
+    return weight.ggml_type if isinstance(weight, QuantizedTensor) else None
 
 
 def norm_weight(weight: Weight, fam: Family) -> torch.Tensor:
