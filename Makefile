@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean browser
+.PHONY: install serve test test-fast lint clean browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ browser:
 
 # the API suites a second time, against the Ray Serve deployment (tests/conftest.py)
 RAY_SUITES := tests/test_api_completions.py tests/test_api_chat.py tests/test_api_responses.py
+
+# the tests that start no server and run no external client (a few minutes)
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .

@@ -115,7 +115,18 @@ RAY_SESSION_CONFIG = {
 
 @pytest.fixture(scope="session")
 def base_url(smol: LoadedModel) -> Iterator[str]:
-    """A probserve server over the embedded model, for the whole session."""
+    """A probserve server over the embedded model, for the whole session: started here, or the
+    one PROBSERVE_BASE_URL names (a server already running, of the embedded model: the suites
+    compare its answers with the model's own forward)."""
+    external = os.environ.get("PROBSERVE_BASE_URL")
+    if external:
+        import httpx
+
+        url = external.rstrip("/")
+        if httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            pytest.exit(f"PROBSERVE_BASE_URL={url} is not a healthy probserve server", 2)
+        yield url
+        return
     if os.environ.get("PROBSERVE_TEST_SERVER") == "ray":
         from ray_util import ray_cluster, running_app
 

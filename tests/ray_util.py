@@ -70,11 +70,11 @@ def running_app(config: dict[str, Any], *flags: str) -> Iterator[str]:
     from ray import serve
     from server_util import free_port, serve_args
 
-    from probserve.api.server import server_config
     from probserve.cluster.app import build_app
     from probserve.cluster.config import ClusterConfig
     from probserve.engine import EngineConfig
     from probserve.flags import from_args
+    from probserve.serving import server_config
 
     args = serve_args("--ray", *flags)
     cluster = ClusterConfig.model_validate(config)

@@ -12,10 +12,11 @@ from contextlib import contextmanager
 import uvicorn
 
 from probserve.api.app import create_app
-from probserve.api.server import build_state, uvicorn_config
+from probserve.api.http_server import uvicorn_config
 from probserve.api.state import ServerState
 from probserve.cli import build_parser
 from probserve.models import LoadedModel
+from probserve.serving import build_state
 
 
 def free_port() -> int:

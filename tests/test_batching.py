@@ -18,10 +18,10 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
-from probserve.engine.block_pool import BlockPool, block_hash
-from probserve.engine.runner import build_runner
-from probserve.engine.scheduler import Chunk
-from probserve.engine.sequence import Sequence
+from probserve.engine.core.block_pool import BlockPool, block_hash
+from probserve.engine.core.runners.choice import build_runner
+from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.step import Chunk
 from probserve.models import LoadedModel
 
 TEXTS = [

@@ -124,7 +124,7 @@ def test_fused_scores_equal_the_log_softmax_path(kernels: InvariantKernels):
     are the very bits that log_softmax, gather, counting and topk give: on ties (coarse
     values), masked rows (-inf), a row with one finite entry, widths that are not a multiple
     of the vector width, every k up to the most it keeps, and any subset of rows."""
-    from probserve.engine.row_math import score_from_log_softmax
+    from probserve.engine.core.row_math import score_from_log_softmax
     from probserve.kernels.invariant import SCORE_MAX_K
 
     g = torch.Generator().manual_seed(11)
@@ -364,6 +364,7 @@ def _stream(c: httpx.Client, path: str, body: dict) -> list[dict]:
         return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
 
 
+@pytest.mark.slow
 def test_http_answers_are_the_same_bytes_alone_under_load_and_streamed(smol: LoadedModel):
     from server_util import running_server
 

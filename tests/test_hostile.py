@@ -25,10 +25,10 @@ from probserve.api.generation import Candidate, run_all
 from probserve.api.text_stream import TextStream
 from probserve.api.tokens import TokenTable
 from probserve.engine import EngineRequest, FinishReason, SamplingParams
-from probserve.engine.block_pool import BlockPool, block_hash
-from probserve.engine.logprobs import SCORE_CHUNK_ROWS
-from probserve.engine.scheduler import Scheduler
-from probserve.engine.sequence import Sequence
+from probserve.engine.core.block_pool import BlockPool, block_hash
+from probserve.engine.core.logprobs import SCORE_CHUNK_ROWS
+from probserve.engine.core.scheduler import Scheduler
+from probserve.engine.core.sequence import Sequence
 from probserve.models import LoadedModel
 from probserve.models.llama import LlamaForward
 
@@ -441,7 +441,7 @@ def test_websockets_are_refused_without_a_key(smol: LoadedModel):
     from starlette.websockets import WebSocketDisconnect
 
     from probserve.api.app import create_app
-    from probserve.api.server import build_state
+    from probserve.serving import build_state
 
     state, _ = build_state(serve_args("--worker", "inline"), smol)
     try:

@@ -376,7 +376,7 @@ def test_entropy_is_exact_at_near_certain_positions(
 
 
 def test_entropy_kernels_are_exact_and_row_invariant():
-    from probserve.engine.row_math import InvariantRowMath, TorchRowMath
+    from probserve.engine.core.row_math import InvariantRowMath, TorchRowMath
     from probserve.kernels.invariant import InvariantKernels
 
     kernels = InvariantKernels()

@@ -122,7 +122,7 @@ def test_health_and_model_cards_say_what_runs_how(http):
 _PEAK_SCRIPT = """
 import json, sys
 from probserve.engine.config import EngineConfig
-from probserve.engine.core import EngineCore
+from probserve.engine.core.engine import EngineCore
 from probserve.models.loader import load_source, prepared_source
 loaded = load_source(prepared_source(sys.argv[1]), "native")
 core = EngineCore(loaded, EngineConfig(kv_cache_gib=0.05))

@@ -393,11 +393,11 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
     reach Serve's deployments as the file says (no cluster needed)."""
     from server_util import serve_args
 
-    from probserve.api.server import server_config
     from probserve.cluster.app import build_app
     from probserve.cluster.config import load_cluster_config
     from probserve.engine import EngineConfig
     from probserve.flags import from_args
+    from probserve.serving import server_config
 
     path = tmp_path / "cluster.yaml"
     path.write_text(

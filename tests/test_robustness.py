@@ -18,10 +18,10 @@ import torch
 from conftest import run
 from server_util import free_port, running_server
 
-from probserve.api.server import api_keys
 from probserve.engine import EngineRequest, FinishReason, LogprobsSpec, SamplingParams
 from probserve.engine import sampler as sampler_module
 from probserve.models import LoadedModel
+from probserve.serving import api_keys
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from probserve.engine.row_math import InvariantRowMath, RowMath, TorchRowMath
-from probserve.engine.sampler import SamplerResult, SamplerRow, sample
+from probserve.engine.core.row_math import InvariantRowMath, RowMath, TorchRowMath
+from probserve.engine.core.sampler import SamplerResult, SamplerRow, sample
 from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams
 
 

@@ -326,6 +326,7 @@ def test_a_dead_worker_is_restarted_and_answers_as_before(served):
     assert after == before
 
 
+@pytest.mark.slow
 def test_the_server_process_never_loads_torch(served, smol: LoadedModel):
     """The API process parses, tokenizes and formats; torch (~200 MB) lives in the worker
     alone. Its tokenizer, loaded by the class the worker's AutoTokenizer chose, tokenizes as

@@ -94,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise ModelLoadError("--chat-template is not available with --ray")
 
         return run_cluster(args)
-    from probserve.api.server import run_server
+    from probserve.serving import run_server
 
     return run_server(args)
 

@@ -13,16 +13,28 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from probserve.api.run import Run
-    from probserve.api.state import ServedModel
+
+class Served(Protocol):
+    """A served model as the metrics read it (api/state.py's ServedModel)."""
+
+    name: str
+    engine: Any  # its EngineClient: `stats()`
+
+
+class Finished(Protocol):
+    """One finished candidate of a run, as the metrics read it (api/run.py's candidates)."""
+
+    finish_reason: str | None
+    queue_time: float | None
+    token_times: Sequence[float]
+
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -57,7 +69,7 @@ class _EngineCollector(Collector):
     """Gauges and counters each model's engine keeps, read at scrape time (an engine replaced
     by a restart is read as it is now)."""
 
-    def __init__(self, models: list[ServedModel]) -> None:
+    def __init__(self, models: list[Served]) -> None:
         self.models = models
 
     def collect(self) -> Iterator[Metric]:
@@ -71,7 +83,7 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, models: list[ServedModel]) -> None:
+    def __init__(self, models: list[Served]) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", m, registry=r)
@@ -103,22 +115,28 @@ class Metrics:
         )  # fmt: skip
         self.registry.register(_EngineCollector(models))
 
-    def observe_run(self, run: Run) -> None:
-        name = run.state.model.name
-        usage = run.usage
-        self.prompt_tokens.labels(name).inc(usage.prompt_tokens)
-        self.generation_tokens.labels(name).inc(usage.completion_tokens)
-        for cand in run.candidates:
+    def observe_run(
+        self,
+        name: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        candidates: Iterable[Finished],
+        started: float,
+    ) -> None:
+        """A request's run, when it ends (`started`: its time.monotonic() at arrival)."""
+        self.prompt_tokens.labels(name).inc(prompt_tokens)
+        self.generation_tokens.labels(name).inc(completion_tokens)
+        for cand in candidates:
             reason = cand.finish_reason or "abort"
             self.request_success.labels(name, reason).inc()
             if cand.queue_time is not None:
                 self.queue.labels(name).observe(cand.queue_time)
             times = cand.token_times
             if times:
-                self.ttft.labels(name).observe(times[0] - run.started)
+                self.ttft.labels(name).observe(times[0] - started)
             for a, b in itertools.pairwise(times):
                 self.itl.labels(name).observe(b - a)
-        self.e2e.labels(name).observe(max(0.0, time.monotonic() - run.started))
+        self.e2e.labels(name).observe(max(0.0, time.monotonic() - started))
 
     def observe_http(self, route: str, status: int) -> None:
         self.http.labels(route, str(status)).inc()

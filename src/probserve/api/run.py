@@ -120,4 +120,8 @@ class Run:
         self._finished = True
         usage = self.usage
         self.request.state.usage = (usage.prompt_tokens, usage.completion_tokens)
-        self.state.metrics.observe_run(self)
+        usage = self.usage
+        self.state.metrics.observe_run(
+            self.state.model.name, usage.prompt_tokens, usage.completion_tokens, self.candidates,
+            self.started,
+        )  # fmt: skip

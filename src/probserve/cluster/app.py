@@ -80,9 +80,10 @@ def deployment_name(index: int, name: str) -> str:
 
 
 def _names(m: ModelDeployment) -> tuple[str, ...]:
-    """The model's served name (if given), then its own."""
-    own = resolve_model(m.model).served_name or m.model
-    return (m.served_model_name, own) if m.served_model_name not in (None, own) else (own,)
+    """The model's served name (if given), then its own: serving.served_names."""
+    from probserve.serving import served_names
+
+    return served_names(m.served_model_name, resolve_model(m.model).served_name or m.model)
 
 
 def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig) -> Any:
@@ -215,7 +216,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from probserve.api.server import server_config
+    from probserve.serving import server_config
 
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)

@@ -64,7 +64,7 @@ class ClusterConfig(_Strict):
 def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The file of `--config`, else one deployment per `--model` with `--replicas` replicas;
     `--ray-address` overrides the file's address."""
-    from probserve.api.server import model_flags
+    from probserve.serving import model_flags
 
     if args.config:
         data = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}

@@ -24,6 +24,7 @@ from probserve.engine.info import EngineInfo
 if TYPE_CHECKING:  # the engine loads torch: imported where a replica starts, never in the
     # ingress, which imports this module to bind the deployment
     from probserve.engine import AsyncEngine
+    from probserve.engine.core.engine import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +43,18 @@ class EngineReplica:
     def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
         import torch
 
-        from probserve.engine import AsyncEngine, EngineCore
-        from probserve.models.loader import load_source, prepared_source, tokenizer_class
+        from probserve.engine import AsyncEngine
+        from probserve.engine.core.host import start_engine
 
         started = time.monotonic()
         torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
-        source = prepared_source(spec)
-        loaded = load_source(source, config.weights_to_load())
-        core = EngineCore(loaded, config)
-        self.tokenizer_class = tokenizer_class(loaded.tokenizer)
-        self.engine: AsyncEngine = AsyncEngine(core, max_pending=max_pending)
-        self.engine.start()  # warms up
-        core.runner.release_source_weights()
-        loaded.model = loaded.weights = None
+
+        def warm(core: EngineCore) -> None:  # the engine's own thread warms it up
+            self.engine = AsyncEngine(core, max_pending=max_pending)
+            self.engine.start()
+
+        self.engine: AsyncEngine
+        self.tokenizer_class = start_engine(spec, config, warm).tokenizer_class
         self.name = f"{os.uname().nodename}:{os.getpid()}"
         log.info("replica %s of %s ready in %.1f s", self.name, spec, time.monotonic() - started)
 

@@ -21,7 +21,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from probserve.engine.block_pool import BlockHash, block_hash
+from probserve.engine.prefix_hash import BlockHash, block_hash
 from probserve.engine.types import EngineRequest
 
 

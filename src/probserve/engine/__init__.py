@@ -28,11 +28,11 @@ from probserve.engine.worker_client import WorkerEngine
 
 if TYPE_CHECKING:
     from probserve.engine.async_engine import AsyncEngine
-    from probserve.engine.core import EngineCore
+    from probserve.engine.core.engine import EngineCore
 
 _WITH_TORCH = {
     "AsyncEngine": "probserve.engine.async_engine",
-    "EngineCore": "probserve.engine.core",
+    "EngineCore": "probserve.engine.core.engine",
 }
 
 

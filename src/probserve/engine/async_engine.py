@@ -13,7 +13,7 @@ import logging
 import threading
 
 from probserve.engine.client import EngineClient
-from probserve.engine.core import EngineCore
+from probserve.engine.core.engine import EngineCore
 from probserve.engine.types import EngineDead, EngineRequest
 
 log = logging.getLogger(__name__)

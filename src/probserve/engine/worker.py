@@ -31,7 +31,7 @@ from probserve.engine.config import EngineConfig
 from probserve.engine.types import EngineRequest
 
 if TYPE_CHECKING:  # the engine (and torch) load in main, once the worker follows its server
-    from probserve.engine.core import EngineCore
+    from probserve.engine.core.engine import EngineCore
 
 log = logging.getLogger("probserve.worker")
 
@@ -145,27 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     events.connect(args.events)
     codec = wire.Codec(wire.Command)
     try:
-        from probserve.engine.core import EngineCore
-        from probserve.models.loader import load_source, prepared_source, tokenizer_class
+        from probserve.engine.core.host import start_engine
 
         log.info("loading %s", args.model)
-        source = prepared_source(args.model)
-        loaded = load_source(source, config.weights_to_load())
-        core = EngineCore(loaded, config)
-        log.info("warming up")
-        core.warmup()
-        core.runner.release_source_weights()
-        # the runner holds what it needs; nothing else keeps the weights (or the file's blocks)
-        loaded.model = loaded.weights = None
-        worker = Worker(core, commands, events, parent)
+        engine = start_engine(args.model, config)
+        worker = Worker(engine.core, commands, events, parent)
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
         hello = wire.Hello(
-            info=core.info,
-            model=source.directory,
+            info=engine.core.info,
+            model=engine.source.directory,
             pid=os.getpid(),
             startup_seconds=elapsed,
-            tokenizer=tokenizer_class(loaded.tokenizer),
+            tokenizer=engine.tokenizer_class,
         )
         worker.send(hello)
         worker.serve()

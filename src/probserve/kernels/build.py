@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to one)
 
-from probserve.models.cache import cache_root
+from probserve.cache_dir import cache_root
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp")  # one library

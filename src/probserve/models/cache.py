@@ -17,22 +17,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from probserve.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "PROBSERVE_CACHE_DIR"
 _DONE = ".complete"
 _LAYOUT = "metadata-v2"  # what a directory holds: a change writes new directories
 FLOAT32_SUFFIX = ".float32"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "probserve")
 
 
 def converted_dir(gguf: Path) -> Path:

@@ -12,21 +12,14 @@ from __future__ import annotations
 
 import logging
 
-from probserve.engine import prompt_scoring
-from probserve.engine.block_pool import BlockPool
 from probserve.engine.config import EngineConfig
+from probserve.engine.core import prompt_scoring
+from probserve.engine.core.block_pool import BlockPool
+from probserve.engine.core.runners.choice import Runner, choose_runner
+from probserve.engine.core.sampler import SamplerRow, sample
+from probserve.engine.core.scheduler import Scheduler
+from probserve.engine.core.sequence import Sequence
 from probserve.engine.info import EngineInfo, validate
-from probserve.engine.runner import (
-    Runner,
-    build_runner,
-    effective_config,
-    kv_blocks_in,
-    num_kv_blocks,
-    runner_class,
-)
-from probserve.engine.sampler import SamplerRow, sample
-from probserve.engine.scheduler import Scheduler
-from probserve.engine.sequence import Sequence
 from probserve.engine.types import (
     EngineOutput,
     EngineRequest,
@@ -45,22 +38,22 @@ class EngineCore:
         self, loaded: LoadedModel, config: EngineConfig | None = None, runner: Runner | None = None
     ) -> None:
         self.loaded = loaded
-        self.config = effective_config(loaded, config or EngineConfig())
+        self.choice = choose_runner(loaded, config or EngineConfig())
+        self.config = self.choice.config
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
         self.eos_ids = loaded.eos_token_ids
-        num_blocks = num_kv_blocks(loaded, self.config)
+        num_blocks = self.choice.num_blocks
         # the runner (weights packed, KV cache allocated) is built by the thread that steps the
         # engine: torch runs markedly slower on a thread other than the one that first used it
         self._runner = runner
-        cls = runner_class(loaded, self.config)
-        self._runner_name = type(runner).__name__ if runner else cls.__name__
-        paged = runner.prefix_caching if runner else cls.prefix_caching
+        self._runner_name = type(runner).__name__ if runner else self.choice.name
+        paged = runner.prefix_caching if runner else self.choice.cls.prefix_caching
         self.pool = BlockPool(
             num_blocks,
             self.config.block_size,
             self.config.prefix_caching and paged,
-            retain_blocks=kv_blocks_in(self.config.prefix_cache_gib, loaded, self.config),
+            retain_blocks=self.choice.retain_blocks,
         )
         self.scheduler = Scheduler(
             self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens
@@ -83,7 +76,7 @@ class EngineCore:
     @property
     def runner(self) -> Runner:
         if self._runner is None:
-            self._runner = build_runner(self.loaded, self.config)
+            self._runner = self.choice.build(self.loaded)
             log.info(
                 "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s, "
                 "deterministic %s, weights %s",

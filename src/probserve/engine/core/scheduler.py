@@ -20,30 +20,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 
-from probserve.engine import prompt_scoring
-from probserve.engine.block_pool import BlockHash, BlockPool, block_hash
-from probserve.engine.sequence import SeqStatus, Sequence
+from probserve.engine.core import prompt_scoring
+from probserve.engine.core.block_pool import BlockHash, BlockPool, block_hash
+from probserve.engine.core.sequence import SeqStatus, Sequence
+from probserve.engine.core.step import Chunk
 from probserve.engine.types import FinishReason
-
-
-@dataclass
-class Chunk:
-    """The tokens of one sequence computed in this step: positions [start, start + length)."""
-
-    seq: Sequence
-    start: int
-    length: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token: its logits row is sampled."""
-        return self.end == self.seq.num_tokens and self.seq.request.sampling.max_tokens != 0
 
 
 class Scheduler:

@@ -16,22 +16,11 @@ full, ends by touching all of it).
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
-import numpy as np
-
-BlockHash = bytes
-
-
-def block_hash(parent: BlockHash | None, tokens: Sequence[int]) -> BlockHash:
-    """SHA-256 of the parent block's hash and this block's token ids: collision-resistant, so
-    no crafted prompt can make a request read another's KV (Python's hash() could be forced)."""
-    h = hashlib.sha256(parent or b"")
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.digest()
+from probserve.engine.prefix_hash import BlockHash
 
 
 class BlockPool:

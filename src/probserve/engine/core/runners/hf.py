@@ -8,10 +8,9 @@ from typing import Any
 
 import torch
 
-from probserve.engine import prompt_scoring
-from probserve.engine.row_math import TorchRowMath
-from probserve.engine.runner import RunOutput, ScoreRows, empty_logits
-from probserve.engine.scheduler import Chunk
+from probserve.engine.core import prompt_scoring
+from probserve.engine.core.row_math import TorchRowMath
+from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
 from probserve.models.loader import LoadedModel
 
 

@@ -11,25 +11,15 @@ returns them all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from probserve.engine.logprobs import score_positions
+from probserve.engine.core.logprobs import score_positions
 from probserve.engine.types import TokenLogprobs
 
 if TYPE_CHECKING:
-    from probserve.engine.row_math import RowMath
-    from probserve.engine.runner import ScoreRows
-    from probserve.engine.scheduler import Chunk
-    from probserve.engine.sequence import Sequence
-
-
-@dataclass
-class PromptScores:
-    """One sequence's prompt scores so far."""
-
-    parts: list[TokenLogprobs] = field(default_factory=list)
-    done: bool = False  # computed (and sent once)
+    from probserve.engine.core.row_math import RowMath
+    from probserve.engine.core.sequence import Sequence
+    from probserve.engine.core.step import Chunk, ScoreRows
 
 
 def wanted(seq: Sequence) -> bool:

@@ -1,25 +1,21 @@
-"""`probserve serve`: start the engine (a worker process by default), build the app, run uvicorn."""
+"""The composition root of `probserve serve`: the flags become started engines (a worker
+process per model by default), the server's state and supervisor, the app and its HTTP server.
+The local path and Ray's ingress (cluster/) both build from here: one model record
+(`ServedModel`), one naming rule (`served_names`)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import dataclasses
 import logging
 import os
-import signal
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
-
-import uvicorn
-from fastapi import FastAPI
 
 from probserve.api.app import create_app
-from probserve.api.connections import guarded_protocol
+from probserve.api.http_server import DrainingServer, uvicorn_config
 from probserve.api.limits import Limits
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.api.supervisor import Supervisor
@@ -153,7 +149,7 @@ def start_model(
         raise
     if inline:
         assert loaded is not None
-        return ServedModel(_names(served_name, loaded.name), loaded, engine), make
+        return ServedModel(served_names(served_name, loaded.name), loaded, engine), make
     info = engine.info  # the model as this process holds it: tokenizer and the worker's figures
     served = LoadedModel(
         model=None,
@@ -165,10 +161,10 @@ def start_model(
         chat_template=getattr(tokenizer, "chat_template", None),
         source=source,
     )
-    return ServedModel(_names(served_name, name), served, engine), make
+    return ServedModel(served_names(served_name, name), served, engine), make
 
 
-def _names(served_name: str | None, own: str) -> tuple[str, ...]:
+def served_names(served_name: str | None, own: str) -> tuple[str, ...]:
     """A model answers to its served name (if given) and to its own."""
     return (served_name, own) if served_name and served_name != own else (own,)
 
@@ -208,63 +204,6 @@ def build_state(
         raise
     supervisor = Supervisor(state, lambda m: factories[m.name](), args.worker_restarts)
     return state, supervisor
-
-
-def uvicorn_config(app: FastAPI, limits: Limits, host: str, port: int) -> uvicorn.Config:
-    """uvicorn for probserve: header deadline, bounded connections, our own access log."""
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=guarded_protocol(limits.header_timeout),
-        limit_concurrency=limits.max_connections,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=max(1, int(limits.drain_timeout)),
-    )
-
-
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM (or Ctrl-C): stop accepting connections, let every response in flight finish
-    (streams included) for up to `drain_timeout` seconds, then shut down as uvicorn does (the
-    app's lifespan stops the engine). uvicorn's own shutdown tells open connections to close,
-    which cuts streams short; draining first keeps them whole."""
-
-    def __init__(
-        self,
-        config: uvicorn.Config,
-        drain_timeout: float,
-        on_exit: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(config)
-        self.drain_timeout = drain_timeout
-        self.on_exit = on_exit  # told at the first shutdown signal (no more engine restarts)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.on_exit is not None:
-            self.on_exit()
-        super().handle_exit(sig, frame)
-        # uvicorn re-raises a captured signal once it has shut down; a drained SIGTERM is a
-        # clean, intended exit, so the process ends with status 0 instead
-        if sig == signal.SIGTERM and self._captured_signals[-1:] == [sig]:
-            self._captured_signals.pop()
-
-    def _busy(self) -> bool:
-        return any(
-            getattr(conn, "cycle", None) is not None and not conn.cycle.response_complete
-            for conn in self.server_state.connections
-        )
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in self.servers:
-            server.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout
-        while self._busy() and loop.time() < deadline and not self.force_exit:
-            await asyncio.sleep(0.05)
-        if self._busy():
-            log.warning("drain timeout (%gs) passed with responses in flight", self.drain_timeout)
-        await super().shutdown(sockets)
 
 
 def run_server(args: argparse.Namespace) -> int:

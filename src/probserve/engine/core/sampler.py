@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from probserve.engine.logprobs import token_logprobs
-from probserve.engine.row_math import RowMath
+from probserve.engine.core.logprobs import token_logprobs
+from probserve.engine.core.row_math import RowMath
 from probserve.engine.types import LogprobsMode, LogprobsSpec, SamplingParams, TokenLogprobs
 
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from probserve.engine.row_math import RowMath
+from probserve.engine.core.row_math import RowMath
 from probserve.engine.types import LogprobsSpec, TokenLogprobs
 
 if TYPE_CHECKING:
-    from probserve.engine.runner import ScoreRows
+    from probserve.engine.core.step import ScoreRows
 
 # rows of the vocabulary handled at once when scoring long prompts (bounds peak memory)
 SCORE_CHUNK_ROWS = 256

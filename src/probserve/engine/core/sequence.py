@@ -10,8 +10,15 @@ from typing import Any
 
 import torch
 
-from probserve.engine.prompt_scoring import PromptScores
-from probserve.engine.types import EngineRequest
+from probserve.engine.types import EngineRequest, TokenLogprobs
+
+
+@dataclass
+class PromptScores:
+    """One sequence's prompt scores so far."""
+
+    parts: list[TokenLogprobs] = field(default_factory=list)
+    done: bool = False  # computed (and sent once)
 
 
 class SeqStatus(enum.Enum):

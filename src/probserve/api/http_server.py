@@ -1,0 +1,77 @@
+"""The HTTP server around the app: uvicorn as probserve configures it (header deadline, bounded
+connections, its own access log) and `DrainingServer`, which lets responses in flight finish on
+SIGTERM before shutting down."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from probserve.api.connections import guarded_protocol
+from probserve.api.limits import Limits
+
+log = logging.getLogger(__name__)
+
+
+def uvicorn_config(app: FastAPI, limits: Limits, host: str, port: int) -> uvicorn.Config:
+    """uvicorn for probserve: header deadline, bounded connections, our own access log."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=guarded_protocol(limits.header_timeout),
+        limit_concurrency=limits.max_connections,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(limits.drain_timeout)),
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM (or Ctrl-C): stop accepting connections, let every response in flight finish
+    (streams included) for up to `drain_timeout` seconds, then shut down as uvicorn does (the
+    app's lifespan stops the engine). uvicorn's own shutdown tells open connections to close,
+    which cuts streams short; draining first keeps them whole."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        drain_timeout: float,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+        self.on_exit = on_exit  # told at the first shutdown signal (no more engine restarts)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal once it has shut down; a drained SIGTERM is a
+        # clean, intended exit, so the process ends with status 0 instead
+        if sig == signal.SIGTERM and self._captured_signals[-1:] == [sig]:
+            self._captured_signals.pop()
+
+    def _busy(self) -> bool:
+        return any(
+            getattr(conn, "cycle", None) is not None and not conn.cycle.response_complete
+            for conn in self.server_state.connections
+        )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while self._busy() and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        if self._busy():
+            log.warning("drain timeout (%gs) passed with responses in flight", self.drain_timeout)
+        await super().shutdown(sockets)
