@@ -18,10 +18,11 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
-from probserve.engine.core.block_pool import BlockPool, block_hash
+from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.runners.choice import build_runner
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk
+from probserve.engine.prefix_hash import block_hash
 from probserve.models import LoadedModel
 
 TEXTS = [

@@ -25,10 +25,11 @@ from probserve.api.generation import Candidate, run_all
 from probserve.api.text_stream import TextStream
 from probserve.api.tokens import TokenTable
 from probserve.engine import EngineRequest, FinishReason, SamplingParams
-from probserve.engine.core.block_pool import BlockPool, block_hash
+from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.logprobs import SCORE_CHUNK_ROWS
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
+from probserve.engine.prefix_hash import block_hash
 from probserve.models import LoadedModel
 from probserve.models.llama import LlamaForward
 

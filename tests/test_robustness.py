@@ -19,7 +19,7 @@ from conftest import run
 from server_util import free_port, running_server
 
 from probserve.engine import EngineRequest, FinishReason, LogprobsSpec, SamplingParams
-from probserve.engine import sampler as sampler_module
+from probserve.engine.core import sampler as sampler_module
 from probserve.models import LoadedModel
 from probserve.serving import api_keys
 

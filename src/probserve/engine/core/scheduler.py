@@ -22,9 +22,10 @@ import time
 from collections import Counter, deque
 
 from probserve.engine.core import prompt_scoring
-from probserve.engine.core.block_pool import BlockHash, BlockPool, block_hash
+from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.sequence import SeqStatus, Sequence
 from probserve.engine.core.step import Chunk
+from probserve.engine.prefix_hash import BlockHash, block_hash
 from probserve.engine.types import FinishReason
 
 
