@@ -36,6 +36,8 @@ class Family:
     head_dim: int
     activation: Literal["silu", "gelu_tanh"]
     scale: float  # the attention's query scaling
+    windows: tuple[int | None, ...]  # each layer's sliding window (None: global)
+    rope_keys: tuple[str | None, ...]  # each layer's entry of rope_parameters (Gemma 3)
     norm_plus_one: bool = False  # RMSNorm scales by (1 + w) (Gemma)
     embed_scale: float | None = None  # the embedding's factor (Gemma: sqrt(hidden))
     qk_norm: bool = False  # an RMSNorm over each query and key head (Qwen3, Gemma 3)
@@ -43,8 +45,6 @@ class Family:
     fused: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
     attn_softcap: float | None = None
     final_softcap: float | None = None
-    windows: tuple[int | None, ...] = ()  # each layer's sliding window (None: global)
-    rope_keys: tuple[str | None, ...] = ()  # each layer's entry of rope_parameters (Gemma 3)
 
 
 def head_dim(config: Any) -> int:
@@ -64,6 +64,11 @@ def rope_keys(config: Any) -> tuple[str | None, ...]:
 def rope_params(config: Any, key: str | None) -> dict[str, Any]:
     params = getattr(config, "rope_parameters", None) or {}
     return dict(params[key] if key is not None else params)
+
+
+def rope_type(config: Any, key: str | None) -> str:
+    """The RoPE variant of one entry of the configuration's rope_parameters."""
+    return str(rope_params(config, key).get("rope_type", "default"))
 
 
 def _windows(config: Any) -> tuple[int | None, ...]:

@@ -13,6 +13,7 @@ gives, and the quantized forward computes the float32 forward's numbers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -115,12 +116,14 @@ def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     cache = converted.with_name(f"{converted.name}.blocks.safetensors")
     if not cache.is_file():
         weights = read_weights(path, skeleton)
+        tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
             _write_cache(weights, tmp)
             os.replace(tmp, cache)
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             log.warning("could not cache the GGUF blocks (%s): reading the file each start", exc)
             return served(weights)
         del weights  # the file's mapping: the cache is read instead

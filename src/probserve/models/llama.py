@@ -28,19 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, QuantizedWeight
-from probserve.models.family import (
-    STATIC_ROPE,
-    SUPPORTED_TYPES,
-    Family,
-    Unsupported,
-    family,
-    rope_params,
-)
+from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Kernel, Linear, choose_kernel
 from probserve.models.skeleton import Rotary
-
-__all__ = ["SUPPORTED_TYPES", "AttentionPlan", "KVCache", "LlamaForward", "PrefillGroup"]
 
 ROPE_BLOCK = 1024  # positions per block of the deterministic cos/sin table
 
@@ -61,7 +52,7 @@ def deterministic_blocker(model: Any) -> str | None:
     except Unsupported as exc:
         return f"{type(model).__name__}: {exc}"
     for key in set(fam.rope_keys):
-        rope = rope_params(model.config, key).get("rope_type", "default")
+        rope = rope_type(model.config, key)
         if rope not in STATIC_ROPE:
             return f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
     return None
@@ -123,6 +114,37 @@ class AttentionPlan:
     tables: torch.Tensor | None = None  # [S, width] block ids
     token_seq: torch.Tensor | None = None  # [T] row of `tables`
     token_len: torch.Tensor | None = None  # [T] keys it attends to (its position + 1)
+    # the SDPA path's masks of windowed or soft-capped layers, built once per step and window
+    _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The decode tokens' mask [B, 1, 1, L], within the last `window` keys where given."""
+        if not window or self.decode_len is None or self.decode_keys is None:
+            return self.decode_mask
+        if (-1, window) not in self._masks:
+            length = self.decode_keys.shape[1]
+            first = (self.decode_len - window).view(-1, 1, 1, 1)
+            inside = torch.arange(length).view(1, 1, 1, -1) >= first
+            self._masks[(-1, window)] = self.decode_mask & inside  # type: ignore[operator]
+        return self._masks[(-1, window)]
+
+    def prefill_mask_for(
+        self, index: int, window: int | None, explicit: bool
+    ) -> tuple[torch.Tensor | None, bool]:
+        """Prefill group `index`'s (mask, is_causal): its own, or (`explicit`: a windowed or
+        soft-capped layer, which SDPA's causal flag cannot express) causal within `window`."""
+        group = self.prefills[index]
+        if not explicit:
+            return group.mask, group.mask is None
+        if (index, window) not in self._masks:
+            n = group.rows.stop - group.rows.start
+            q_pos = torch.arange(group.start, group.start + n).unsqueeze(1)
+            k_pos = torch.arange(group.keys.numel()).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if window:
+                mask = mask & (k_pos > q_pos - window)
+            self._masks[(index, window)] = mask
+        return self._masks[(index, window)], False
 
 
 class _Layer:
@@ -168,8 +190,8 @@ class _Layer:
         self.o = linear("self_attn.o_proj")
         self.down = linear("mlp.down_proj")
         self.intermediate = int(config.intermediate_size)
-        self.window = fam.windows[index] if fam.windows else None
-        self.rope_key = fam.rope_keys[index] if fam.rope_keys else None
+        self.window = fam.windows[index]
+        self.rope_key = fam.rope_keys[index]
 
 
 def _form(weight: Weight) -> int | None:
@@ -252,7 +274,7 @@ class LlamaForward:
         # model's own module where its variant is not static (dynamic: torch's path only)
         self.rotary: dict[str | None, Any] = {}
         for key in set(fam.rope_keys):
-            static = rope_params(cfg, key).get("rope_type", "default") in STATIC_ROPE
+            static = rope_type(cfg, key) in STATIC_ROPE
             self.rotary[key] = Rotary(cfg, key) if static else model.model.rotary_emb
         self.intermediate = self.layers[0].intermediate
         # the deterministic cos/sin tables, grown ROPE_BLOCK positions at a time
@@ -389,25 +411,14 @@ class LlamaForward:
             keys = kc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             vals = vc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, nq, 1, d]
-            mask = plan.decode_mask
-            if window and plan.decode_len is not None:  # the last `window` keys
-                first = (plan.decode_len - window).view(b, 1, 1, 1)
-                mask = mask & (torch.arange(length).view(1, 1, 1, -1) >= first)  # type: ignore[operator]
+            mask = plan.decode_mask_for(window)
             o = _sdpa(qd, keys, vals, mask, False, scale, softcap)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, nq * d))
-        for group in plan.prefills:
+        for i, group in enumerate(plan.prefills):
             qp = q[group.rows].transpose(0, 1).unsqueeze(0)  # [1, nq, n, d]
             keys = kc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
             vals = vc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
-            mask, causal = group.mask, group.mask is None
-            if window or softcap:  # an explicit mask: causal, within the window
-                n, length = qp.shape[2], keys.shape[2]
-                q_pos = torch.arange(group.start, group.start + n).unsqueeze(1)
-                k_pos = torch.arange(length).unsqueeze(0)
-                mask = k_pos <= q_pos
-                if window:
-                    mask = mask & (k_pos > q_pos - window)
-                causal = False
+            mask, causal = plan.prefill_mask_for(i, window, bool(window or softcap))
             o = _sdpa(qp, keys, vals, mask, causal, scale, softcap)
             out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)
         return out

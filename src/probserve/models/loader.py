@@ -351,8 +351,9 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
 def float32_directory(spec: str | None) -> str:
     """A plain Hugging Face directory of `spec` with float32 weights (what another server or
     lm-evaluation-harness's `hf` backend reads)."""
-    where, kwargs = float32_weights(prepared_source(spec), {})
-    if kwargs:
+    source = prepared_source(spec)
+    where, kwargs = float32_weights(source, {})
+    if kwargs or source.gguf_file:  # the cache could not be written: the GGUF file alone
         raise ModelLoadError(f"no float32 directory of {spec} could be written")
     return where
 

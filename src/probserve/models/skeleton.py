@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from probserve.models.family import Family, family, head_dim, rope_params
+from probserve.models.family import Family, family, head_dim, rope_params, rope_type
 
 # transformers' q/k/v and o projection biases, by model type
 _ATTENTION_BIAS = {"qwen2": (True, False), "mistral": (False, False), "phi3": (False, False)}
@@ -33,7 +33,7 @@ class Rotary(nn.Module):
     def __init__(self, config: Any, key: str | None = None) -> None:
         super().__init__()
         params = rope_params(config, key)
-        self.rope_type = params.get("rope_type", "default")
+        self.rope_type = rope_type(config, key)
         self.original: int | None = None
         if self.rope_type == "default":
             dim = head_dim(config)
@@ -133,7 +133,7 @@ class _Body(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
         self.layers = nn.ModuleList(_Layer(config, fam) for _ in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = Rotary(config, fam.rope_keys[0] if fam.rope_keys else None)
+        self.rotary_emb = Rotary(config, fam.rope_keys[0])
 
 
 class Skeleton(nn.Module):

@@ -50,6 +50,7 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     from probserve.engine.core.runners.hf import HFRunner
     from probserve.engine.core.runners.paged import PagedRunner
     from probserve.models import ModelLoadError, llama
+    from probserve.models.family import SUPPORTED_TYPES
 
     supported = llama.supports(loaded.model)
     if config.runner == "paged" and not supported:
@@ -57,7 +58,7 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
         raise ModelLoadError(
             f"--runner paged cannot run {loaded.name} ({kind}): "
             f"{llama.deterministic_blocker(loaded.model)}; the paged forward serves "
-            f"{', '.join(sorted(llama.SUPPORTED_TYPES))}; use --runner auto or hf"
+            f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
         return PagedRunner  # type: ignore[return-value]
