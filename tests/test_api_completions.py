@@ -229,6 +229,10 @@ def test_n_best_of_and_seed(client: openai.OpenAI):
     )
     best = client.completions.create(**kw, n=2, best_of=3)
     assert [c.text for c in best.choices] == [t for _, t in means[:2]]
+    # best_of ranks by mean logprob even where the answer shows no logprobs
+    unshown = client.completions.create(**{**kw, "logprobs": None}, n=2, best_of=3)
+    assert [c.text for c in unshown.choices] == [t for _, t in means[:2]]
+    assert all(c.logprobs is None for c in unshown.choices)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(**{**kw, "n": 2, "best_of": 1})
     with pytest.raises(openai.BadRequestError) as err:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from typing import Annotated
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from probserve.api.chat_plan import chat_plan
-from probserve.api.errors import ERRORS, bad_request
+from probserve.api.errors import ERRORS
 from probserve.api.generation import Delta
 from probserve.api.json_out import dump_json
+from probserve.api.lookup import serving_of
+from probserve.api.plans.chat import chat_completion_plan
 from probserve.api.prompts import ChatPrompt, off_loop
 from probserve.api.protocol import (
     AssistantMessage,
@@ -33,22 +34,6 @@ from probserve.api.text_stream import Piece
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
-
-
-def _check(state: Serving, body: ChatCompletionRequest) -> int | None:
-    cap = state.config.max_top_logprobs
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-        if body.top_logprobs > cap:
-            raise bad_request(
-                f"top_logprobs must be at most {cap} (got {body.top_logprobs})", "top_logprobs"
-            )
-    if body.prompt_logprobs is not None and body.prompt_logprobs > state.config.max_logprobs:
-        raise bad_request(
-            f"prompt_logprobs must be at most {state.config.max_logprobs}", "prompt_logprobs"
-        )
-    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 def _logprobs(state: Serving, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
@@ -83,49 +68,26 @@ def _prompt_extras(
 
 
 def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> ContinuationScore:
-    """Chat echo: the final assistant message's tokens, scored (row t-1 predicts token t)."""
+    """Chat echo: the final assistant message's tokens, scored."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt) and scores is not None
-    first = len(prompt.ids) - prompt.continuation
-    pieces = [
-        replace(p, logprobs=scores, row=first + j - 1) for j, p in enumerate(prompt.pieces[first:])
-    ]
-    rows = range(first - 1, len(prompt.ids) - 1)
+    pieces = prompt.scored(scores, len(prompt.ids) - prompt.continuation)
     return ContinuationScore(
         content=run.state.fmt.chat(pieces, k),
-        logprob_sum=float(sum(float(scores.logprobs[r]) for r in rows)),
-        is_greedy=all(int(scores.ranks[r]) == 1 for r in rows),
+        logprob_sum=float(sum(float(scores.logprobs[p.row]) for p in pieces)),
+        is_greedy=all(int(scores.ranks[p.row]) == 1 for p in pieces),
     )
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state: Serving = request.app.state.probserve.serving(body.model)
+async def create_chat_completion(
+    body: ChatCompletionRequest,
+    request: Request,
+    state: Annotated[Serving, Depends(serving_of(ChatCompletionRequest))],
+) -> Response:
     model = state.name
-    k = _check(state, body)
-    max_tokens = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    prompt_top_k = body.prompt_logprobs
-    if body.echo:
-        if max_tokens:
-            raise bad_request("echo scores the final message: max_tokens must be 0", "max_tokens")
-        if body.stream:
-            raise bad_request("echo is not supported with stream", "stream")
-        max_tokens, k = 0, k or 0
-        prompt_top_k = max(prompt_top_k or 0, k)
-    plan = await chat_plan(
-        state,
-        body,
-        body.messages,
-        max_tokens,
-        top_k=k,
-        prompt_top_k=prompt_top_k,
-        add_generation_prompt=body.add_generation_prompt,
-        template_kwargs=body.chat_template_kwargs,
-        echo=body.echo,
-        continue_final=body.continue_final_message,
-    )
+    plan, ask = await chat_completion_plan(state, body)
+    k = ask.alternatives
     run = await Run(state, request, plan, "chatcmpl").start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -3,8 +3,8 @@ vocabulary, exact, raw) at requested positions of a prompt, as a compact array.
 
 Position p is the distribution after the prompt's tokens 0..p, so p = len(prompt) - 1 is the
 distribution of the token that would follow the prompt. The engine scores the prompt with one
-placeholder token appended (causal attention: it changes no row before it), and returns the
-requested rows whole. The answer is float32 or float16, row-major [positions, vocab]: raw bytes
+placeholder token appended (api/plans/distributions.py), and returns the requested rows
+whole. The answer is float32 or float16, row-major [positions, vocab]: raw bytes
 (`application/octet-stream`, shape and dtype in headers) when `encoding` is "binary" or the
 client accepts only octet-stream, else base64 inside JSON.
 
@@ -20,51 +20,37 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size, off_loop
+from probserve.api.lookup import serving_of
+from probserve.api.plans.distributions import distributions_plan, prompt_ids
+from probserve.api.prompts import off_loop
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
-from probserve.api.run import Plan, Run
+from probserve.api.run import Run
 from probserve.api.state import RowBudget, Serving
-from probserve.engine import LogprobsSpec, SamplingParams
 
 router = APIRouter()
 
 
-def _positions(body: DistributionsRequest, n: int, cap: int) -> list[int]:
-    positions = list(range(n)) if body.positions is None else body.positions
-    if not positions or len(positions) > cap:
-        raise bad_request(f"positions must hold 1 to {cap} positions (got {len(positions)})",
-                          "positions")  # fmt: skip
-    bad = next((p for p in positions if not 0 <= p < n), None)
-    if bad is not None:
-        raise bad_request(f"position {bad} is outside the prompt (0..{n - 1})", "positions")
-    if positions != sorted(set(positions)):
-        raise bad_request("positions must be distinct and increasing", "positions")
-    return positions
-
-
 @router.post("/v1/distributions", response_model=DistributionsResponse, responses=ERRORS)
-async def distributions(body: DistributionsRequest, request: Request) -> Response:
-    state: Serving = request.app.state.probserve.serving(body.model)
+async def distributions(
+    body: DistributionsRequest,
+    request: Request,
+    state: Annotated[Serving, Depends(serving_of(DistributionsRequest))],
+) -> Response:
     model = state.name
     limits = state.config.limits
-    if isinstance(body.prompt, str):
-        check_text_size(limits, [body.prompt])
-    max_context = state.engine.info.max_context - 1  # room for the placeholder token
-    (prompt,) = await off_loop(
-        build_completion_prompts, state.loaded, state.table, [body.prompt], max_context
-    )
-    ids = prompt.ids
-    positions = _positions(body, len(ids), limits.max_distribution_positions)
-    scored = Prompt([*ids, 0], prompt.text, prompt.pieces)  # the placeholder: token 0
-    spec = LogprobsSpec(top_k=0, prompt_top_k=0, full_positions=tuple(positions))
-    plan = Plan([scored], [SamplingParams(temperature=0.0, max_tokens=0)], spec)
+    plan = await distributions_plan(state, body)
+    ids = prompt_ids(plan)
+    spec = plan.spec
+    assert spec is not None
+    positions = list(spec.full_positions)
     budget = state.distribution_rows
     budget.take(len(positions))  # all requests' rows together are bounded
     try:

@@ -50,6 +50,7 @@ class Candidate:
     finish_reason: str | None = None
     num_tokens: int = 0  # tokens the engine generated (billed), stop strings aside
     logprob_sum: float = 0.0
+    token_scores: list[TokenLogprobs] = field(default_factory=list)  # each output's rows, in order
     # prompt scores shared among the candidates of one prompt: the first candidate's engine
     # request scores the prompt and publishes the result; its siblings wait for it
     publish_prompt: asyncio.Future[TokenLogprobs | None] | None = None
@@ -78,6 +79,7 @@ class Candidate:
                     self.text.add(tid, out.logprobs, j, hidden=hidden)
                 self.num_tokens += n
                 if out.logprobs is not None:
+                    self.token_scores.append(out.logprobs)
                     self.logprob_sum += float(out.logprobs.logprobs.astype("float64").sum())
                 if out.prompt_logprobs is not None:
                     self.prompt_scores = out.prompt_logprobs

@@ -13,7 +13,7 @@ import inspect
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from probserve.api.errors import APIError, bad_request
@@ -21,6 +21,7 @@ from probserve.api.limits import Limits
 from probserve.api.protocol import ChatMessage
 from probserve.api.text_stream import Piece, TextStream
 from probserve.api.tokens import TokenTable
+from probserve.engine import TokenLogprobs
 from probserve.models import LoadedModel
 
 T = TypeVar("T")
@@ -36,6 +37,17 @@ class Prompt:
     ids: list[int]
     text: str  # the prompt's text as its tokens decode (what echo returns)
     pieces: list[Piece]  # one per prompt token, offsets from 0
+
+    def scored(self, scores: TokenLogprobs | None, start: int = 1) -> list[Piece]:
+        """The pieces of tokens `start`.. joined to their rows of the prompt's `scores`: row
+        t - 1 is the distribution that predicts token t (the first token has none). Without
+        scores: the pieces alone."""
+        if scores is None:
+            return self.pieces[start:]
+        assert start >= 1, "the first token has no row"
+        return [
+            replace(p, logprobs=scores, row=t - 1) for t, p in enumerate(self.pieces[start:], start)
+        ]
 
 
 def check_ids(ids: list[int], vocab_size: int, max_tokens: int, param: str = "prompt") -> None:

@@ -1,31 +1,29 @@
 """POST /v1/responses: OpenAI's Responses API, with logprobs, streamed or not.
 
 `input` (text or messages) and `instructions` go through the model's chat template, as chat
-messages do. Logprobs are on when `include` holds "message.output_text.logprobs" or
-`top_logprobs` is set (an explicit `"top_logprobs": null` with the include gives 0
-alternatives, never none); they ride on the `output_text` part, and on each
-`response.output_text.delta` event for that delta's tokens. A reply cut by `max_output_tokens`
-(or the context) is `incomplete`. Responses are not stored: `previous_response_id` is a 400.
+messages do (api/plans/responses.py). Logprobs, when asked for, ride on the `output_text`
+part, and on each `response.output_text.delta` event for that delta's tokens. A reply cut by
+`max_output_tokens` (or the context) is `incomplete`. Responses are not stored:
+`previous_response_id` is a 400.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from probserve.api.chat_plan import chat_plan
-from probserve.api.errors import ERRORS, APIError, bad_request, error_body
+from probserve.api.errors import ERRORS, APIError, error_body
 from probserve.api.generation import Candidate
 from probserve.api.json_out import dump_json
+from probserve.api.lookup import serving_of
+from probserve.api.plans.responses import in_responses_terms, responses_plan
 from probserve.api.prompts import off_loop
 from probserve.api.protocol import (
-    LOGPROBS_INCLUDE,
     ChatLogprobEntry,
-    ChatMessage,
     IncompleteDetails,
     ResponseObject,
     ResponseOutputMessage,
@@ -40,49 +38,6 @@ from probserve.api.text_stream import Piece
 from probserve.engine import RequestError
 
 router = APIRouter()
-
-
-def _messages(body: ResponsesRequest) -> list[ChatMessage]:
-    out: list[ChatMessage] = []
-    if body.instructions:
-        out.append(ChatMessage(role="system", content=body.instructions))
-    if isinstance(body.input, str):
-        out.append(ChatMessage(role="user", content=body.input))
-        return out
-    for item in body.input:
-        content = item.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        out.append(ChatMessage(role=item.role, content=text))
-    if not out:
-        raise bad_request("input holds no message", "input")
-    return out
-
-
-def _check(state: Serving, body: ResponsesRequest) -> int | None:
-    """Refuse what is not served; returns the alternatives per token (None: no logprobs)."""
-    if body.previous_response_id is not None:
-        raise bad_request(
-            "previous_response_id is not supported: this server stores no responses; send the "
-            "whole conversation as input",
-            "previous_response_id",
-        )
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
-    fmt = (body.text or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise bad_request("only text output is supported (text.format.type: text)", "text.format")
-    if body.n != 1:
-        raise bad_request("n must be 1 for responses", "n")
-    unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]
-    if unknown:
-        raise bad_request(f"include {unknown[0]!r} is not supported", "include")
-    cap = state.config.max_top_logprobs
-    if body.top_logprobs is not None and body.top_logprobs > cap:
-        raise bad_request(
-            f"top_logprobs must be at most {cap} (got {body.top_logprobs})", "top_logprobs"
-        )
-    wants = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
-    return (body.top_logprobs or 0) if wants else None
 
 
 class _Reply:
@@ -150,32 +105,19 @@ class _Reply:
         )
 
 
-# the shared chat pipeline names chat's fields; a Responses request has these instead
-_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
-
-
-def _in_our_terms(exc: APIError | RequestError) -> APIError:
-    """An error of the chat pipeline (or the engine's check) naming the Responses fields."""
-    if isinstance(exc, RequestError):
-        exc = APIError(400, str(exc), exc.param)
-    if exc.param in _FIELDS:
-        if exc.param == "max_tokens":  # the engine's message quotes the field
-            exc.message = exc.message.replace("max_tokens", "max_output_tokens")
-        exc.param = _FIELDS[exc.param]
-    return exc
-
-
 @router.post("/v1/responses", response_model=ResponseObject, responses=ERRORS)
-async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state: Serving = request.app.state.probserve.serving(body.model)
+async def create_response(
+    body: ResponsesRequest,
+    request: Request,
+    state: Annotated[Serving, Depends(serving_of(ResponsesRequest))],
+) -> Response:
     model = state.name
-    k = _check(state, body)
+    plan, ask = await responses_plan(state, body)
     try:
-        plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, top_k=k)
         run = await Run(state, request, plan, "resp").start()
     except (APIError, RequestError) as exc:
-        raise _in_our_terms(exc) from None
-    reply = _Reply(run, body, model, k)
+        raise in_responses_terms(exc) from None
+    reply = _Reply(run, body, model, ask.alternatives)
     if body.stream:
         return sse_response(_stream(reply), done=False)
     (cand,) = await run.collect()

@@ -3,10 +3,13 @@ probes at the server root: GET /tokenizer_info, POST /tokenize, POST /detokenize
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from probserve.api.errors import ERRORS, bad_request
+from probserve.api.lookup import server_state, serving_of
 from probserve.api.metrics import CONTENT_TYPE
 from probserve.api.prompts import chat_prompt_ids, check_text_size, off_loop
 from probserve.api.protocol import (
@@ -18,14 +21,10 @@ from probserve.api.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from probserve.api.state import ServedModel, ServerState
+from probserve.api.state import ServedModel, Serving
 from probserve.engine.info import EngineInfo
 
 router = APIRouter()
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.probserve
 
 
 def model_health(model: ServedModel) -> dict[str, object]:
@@ -46,7 +45,7 @@ async def health(request: Request) -> JSONResponse:
     """200 while every model serves ("ok") or some do ("degraded"); 503 when none does (its
     engine has died, or one step has been running past --engine-stall-timeout): a load balancer
     must stop sending traffic. The first model's figures are also at the top level."""
-    st = _state(request)
+    st = server_state(request)
     models = {m.name: model_health(m) for m in st.models}
     statuses = [str(h["status"]) for h in models.values()]
     first = models[st.default.name]
@@ -63,7 +62,7 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/metrics", responses=ERRORS)
 async def metrics(request: Request) -> Response:
     """Prometheus text format, vLLM's metric names (behind --api-key unless --open-metrics)."""
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
 def serving_facts(info: EngineInfo) -> dict[str, object]:
@@ -94,17 +93,17 @@ def _card(model: ServedModel, name: str) -> ModelCard:
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
     """Every name of every model (an alias's `root` is its model's own name)."""
-    return ModelList(data=[_card(m, n) for m in _state(request).models for n in m.names])
+    return ModelList(data=[_card(m, n) for m in server_state(request).models for n in m.names])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    return _card(*_state(request).model(model_id))
+    return _card(*server_state(request).model(model_id))
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
 async def tokenizer_info(request: Request, model: str | None = Query(None)) -> TokenizerInfo:
-    st = _state(request).serving(model)
+    st = server_state(request).serving(model)
     tok = st.loaded.tokenizer
     return TokenizerInfo(
         tokenizer_class=type(tok).__name__,
@@ -121,8 +120,9 @@ async def tokenizer_info(request: Request, model: str | None = Query(None)) -> T
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
-async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    st = _state(request).serving(body.model)
+async def tokenize(
+    body: TokenizeRequest, st: Annotated[Serving, Depends(serving_of(TokenizeRequest))]
+) -> TokenizeResponse:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
@@ -140,8 +140,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    st = _state(request).serving(body.model)
+async def detokenize(
+    body: DetokenizeRequest, st: Annotated[Serving, Depends(serving_of(DetokenizeRequest))]
+) -> DetokenizeResponse:
     bad = next((t for t in body.tokens if t >= st.loaded.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary", "tokens")

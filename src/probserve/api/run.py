@@ -1,10 +1,11 @@
 """One request pipeline for every route.
 
-A route validates its request and builds a `Plan`: the prompts, the candidates per prompt and
-their sampling, what logprobs to compute, stop strings. A `Run` does the rest the same way for
-every route: it submits all engine requests or none, streams the candidates' deltas or collects
-them, enforces the request deadline, counts usage (and the metrics), and closes every engine
-stream whatever happens. The route only turns candidates and deltas into its own shapes.
+A route's plan (api/plans/) validates its request and builds a `Plan`: the prompts, the
+candidates per prompt and their sampling, what logprobs to compute, stop strings. A `Run`
+does the rest the same way for every route: it submits all engine requests or none, streams
+the candidates' deltas or collects them, enforces the request deadline, counts usage (and the
+metrics), and closes every engine stream whatever happens. The route only turns candidates
+and deltas into its own shapes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -25,27 +25,12 @@ from probserve.api.generation import (
     share_prompt_scores,
     submit_all,
 )
+from probserve.api.plans.plan import Plan
 from probserve.api.prompts import Prompt
 from probserve.api.protocol import Usage
 from probserve.api.state import Serving
 from probserve.api.text_stream import TextStream
-from probserve.engine import EngineClient, EngineRequest, LogprobsSpec, SamplingParams
-
-
-@dataclass
-class Plan:
-    """What a request asks of the engine."""
-
-    prompts: list[Prompt]
-    sampling: list[SamplingParams]  # one per candidate of a prompt (candidate i: seed + i)
-    spec: LogprobsSpec | None
-    stops: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
-    offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
-
-    @property
-    def per_prompt(self) -> int:
-        return len(self.sampling)
+from probserve.engine import EngineClient, EngineRequest
 
 
 class Run:

@@ -1,4 +1,4 @@
-"""OpenAI request fields -> the engine's SamplingParams and LogprobsSpec."""
+"""OpenAI request fields -> the engine's SamplingParams (the request limits they need first)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from probserve.api.errors import bad_request
 from probserve.api.limits import Limits
 from probserve.api.protocol import SamplingFields
-from probserve.engine import LogprobsMode, LogprobsSpec, SamplingParams
+from probserve.engine import SamplingParams
 
 
 def check_request(req: SamplingFields, limits: Limits) -> tuple[str, ...]:
@@ -63,39 +63,6 @@ def sampling_params(
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
     )
-
-
-def logprobs_spec(
-    top_k: int | None,
-    prompt_top_k: int | None,
-    req: SamplingFields,
-    default: LogprobsMode,
-    vocab_size: int,
-    limits: Limits,
-) -> LogprobsSpec | None:
-    """Generated tokens get `top_k` alternatives, scored prompt positions `prompt_top_k`; None
-    for both: no logprobs are computed at all. The request's target ids and entropy ride along
-    (a 400 when they are asked for without logprobs)."""
-    targets = tuple(req.logprob_token_ids or ())
-    if len(targets) > limits.max_logprob_token_ids:
-        raise bad_request(
-            f"logprob_token_ids may have at most {limits.max_logprob_token_ids} entries "
-            f"(got {len(targets)})",
-            "logprob_token_ids",
-        )
-    bad = next((t for t in targets if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise bad_request(
-            f"logprob_token_ids: {bad} is outside the vocabulary", "logprob_token_ids"
-        )
-    if top_k is None and prompt_top_k is None:
-        asked = {"logprob_token_ids": targets, "return_entropy": req.return_entropy}
-        for field, value in asked.items():
-            if value:
-                raise bad_request(f"{field} needs logprobs to be requested", field)
-        return None
-    mode = LogprobsMode(req.logprobs_mode or default)
-    return LogprobsSpec(top_k or 0, prompt_top_k, mode, targets, req.return_entropy)
 
 
 def candidate_params(

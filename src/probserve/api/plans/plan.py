@@ -1,0 +1,24 @@
+"""The `Plan`: what one API request asks of the engine, whichever route built it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from probserve.api.prompts import Prompt
+from probserve.engine import LogprobsSpec, SamplingParams
+
+
+@dataclass
+class Plan:
+    """What a request asks of the engine."""
+
+    prompts: list[Prompt]
+    sampling: list[SamplingParams]  # one per candidate of a prompt (candidate i: seed + i)
+    spec: LogprobsSpec | None
+    stops: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
+
+    @property
+    def per_prompt(self) -> int:
+        return len(self.sampling)

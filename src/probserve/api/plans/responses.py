@@ -1,0 +1,81 @@
+"""The plan of POST /v1/responses: `input` and `instructions` as chat messages, what this
+server does not serve refused, and the errors of the shared chat pipeline named in Responses
+terms. Logprobs are on when `include` holds "message.output_text.logprobs" or `top_logprobs`
+is set (an explicit `"top_logprobs": null` with the include gives 0 alternatives)."""
+
+from __future__ import annotations
+
+from probserve.api.errors import APIError, bad_request
+from probserve.api.plans.chat import chat_plan
+from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
+from probserve.api.plans.plan import Plan
+from probserve.api.protocol import LOGPROBS_INCLUDE, ChatMessage, ResponsesRequest
+from probserve.api.state import Serving
+from probserve.engine import RequestError
+
+
+def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
+    if body.instructions:
+        out.append(ChatMessage(role="system", content=body.instructions))
+    if isinstance(body.input, str):
+        out.append(ChatMessage(role="user", content=body.input))
+        return out
+    for item in body.input:
+        content = item.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        out.append(ChatMessage(role=item.role, content=text))
+    if not out:
+        raise bad_request("input holds no message", "input")
+    return out
+
+
+def _refuse_unserved(body: ResponsesRequest) -> None:
+    if body.previous_response_id is not None:
+        raise bad_request(
+            "previous_response_id is not supported: this server stores no responses; send the "
+            "whole conversation as input",
+            "previous_response_id",
+        )
+    if body.tools:
+        raise bad_request("tools are not supported", "tools")
+    fmt = (body.text or {}).get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise bad_request("only text output is supported (text.format.type: text)", "text.format")
+    if body.n != 1:
+        raise bad_request("n must be 1 for responses", "n")
+    unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]
+    if unknown:
+        raise bad_request(f"include {unknown[0]!r} is not supported", "include")
+
+
+def responses_ask(state: Serving, body: ResponsesRequest) -> LogprobsAsk:
+    top = capped(body.top_logprobs, state.config.max_top_logprobs, "top_logprobs")
+    wants = LOGPROBS_INCLUDE in (body.include or ()) or body.top_logprobs is not None
+    return LogprobsAsk.of(state, body, (top or 0) if wants else None)
+
+
+async def responses_plan(state: Serving, body: ResponsesRequest) -> tuple[Plan, LogprobsAsk]:
+    """The plan (errors already in Responses terms) and the logprobs ask of the answer."""
+    _refuse_unserved(body)
+    try:
+        ask = responses_ask(state, body)
+        plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, ask)
+    except (APIError, RequestError) as exc:
+        raise in_responses_terms(exc) from None
+    return plan, ask
+
+
+# the shared chat pipeline names chat's fields; a Responses request has these instead
+_FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+
+
+def in_responses_terms(exc: APIError | RequestError) -> APIError:
+    """An error of the chat pipeline (or the engine's check) naming the Responses fields."""
+    if isinstance(exc, RequestError):
+        exc = APIError(400, str(exc), exc.param)
+    if exc.param in _FIELDS:
+        if exc.param == "max_tokens":  # the engine's message quotes the field
+            exc.message = exc.message.replace("max_tokens", "max_output_tokens")
+        exc.param = _FIELDS[exc.param]
+    return exc
