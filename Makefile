@@ -36,16 +36,20 @@ RAY_SUITES := tests/test_api_completions.py tests/test_api_chat.py tests/test_ap
 # the tests that start no server and run no external client (a few minutes)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	PROBSERVE_TEST_SERVER=ray $(BIN)/python -m pytest -q $(RAY_SUITES)
 
+# the package's types: mypy over src/probserve (pyproject.toml [tool.mypy])
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV)

@@ -106,9 +106,9 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
                 index=i,
                 message=AssistantMessage(content="".join(p.text for p in cand.pieces)),
                 logprobs=_logprobs(run.state, cand.pieces, k),
-                finish_reason=cand.finish_reason,  # type: ignore[arg-type]
+                finish_reason=cand.finish_reason,
                 continuation=_continuation(run, cand.prompt_scores, k or 0) if body.echo else None,
-                **_prompt_extras(run, body, cand.prompt_scores),  # type: ignore[arg-type]
+                **_prompt_extras(run, body, cand.prompt_scores),
             )
         )
     resp = ChatCompletionResponse(
@@ -134,10 +134,10 @@ def _delta_events(
     extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
     if delta.text or (lp and lp.content) or extras:
         content = ChatDelta(content=delta.text)
-        choice = ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)  # type: ignore[arg-type]
+        choice = ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)
         events.append(_chunk(run, model, [choice]))
     if delta.finish_reason:
-        done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)  # type: ignore[arg-type]
+        done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)
         events.append(_chunk(run, model, [done]))
     return events
 

@@ -79,7 +79,7 @@ def _answer(run: Run, shape: CompletionShape, model: str) -> bytes:
                     logprobs=_choice_logprobs(
                         state, shape, prompt, cand.pieces, cand.prompt_scores, shape.echo
                     ),
-                    finish_reason=cand.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=cand.finish_reason,
                 )
             )
     resp = CompletionResponse(
@@ -128,7 +128,7 @@ def _chunk(
                 logprobs=_choice_logprobs(
                     run.state, shape, prompt, delta.pieces, delta.prompt_scores, echo_now
                 ),
-                finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+                finish_reason=delta.finish_reason,
             )
         ],
     )

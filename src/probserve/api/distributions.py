@@ -163,7 +163,7 @@ def _answer(
     release: Callable[[], None],
 ) -> RowsResponse:
     shape = [int(array.shape[0]), int(array.shape[1])]
-    data = memoryview(array).cast("B")
+    data = array.data.cast("B")  # array.data: memoryview(array)
     accept = request.headers.get("accept", "")
     binary = body.encoding == "binary" or (
         body.encoding is None and "application/octet-stream" in accept and "json" not in accept

@@ -60,10 +60,10 @@ class DrainingServer(uvicorn.Server):
             self._captured_signals.pop()
 
     def _busy(self) -> bool:
-        return any(
-            getattr(conn, "cycle", None) is not None and not conn.cycle.response_complete
-            for conn in self.server_state.connections
-        )
+        # each connection's request cycle: None before its first request, absent where the
+        # protocol has none (WebSocket)
+        cycles = (getattr(conn, "cycle", None) for conn in self.server_state.connections)
+        return any(cycle is not None and not cycle.response_complete for cycle in cycles)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:

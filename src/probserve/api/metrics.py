@@ -24,16 +24,24 @@ from prometheus_client.registry import Collector
 class Served(Protocol):
     """A served model as the metrics read it (api/state.py's ServedModel)."""
 
-    name: str
-    engine: Any  # its EngineClient: `stats()`
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def engine(self) -> Any: ...  # its EngineClient: `stats()`
 
 
 class Finished(Protocol):
     """One finished candidate of a run, as the metrics read it (api/run.py's candidates)."""
 
-    finish_reason: str | None
-    queue_time: float | None
-    token_times: Sequence[float]
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def queue_time(self) -> float | None: ...
+
+    @property
+    def token_times(self) -> Sequence[float]: ...
 
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -69,7 +77,7 @@ class _EngineCollector(Collector):
     """Gauges and counters each model's engine keeps, read at scrape time (an engine replaced
     by a restart is read as it is now)."""
 
-    def __init__(self, models: list[Served]) -> None:
+    def __init__(self, models: Sequence[Served]) -> None:
         self.models = models
 
     def collect(self) -> Iterator[Metric]:
@@ -83,7 +91,7 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, models: list[Served]) -> None:
+    def __init__(self, models: Sequence[Served]) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", m, registry=r)

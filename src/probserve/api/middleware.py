@@ -112,8 +112,8 @@ class BodyLimitMiddleware:
                 async with asyncio.timeout_at(deadline):
                     message = await receive()
             except TimeoutError:
-                message = f"the request body did not arrive within {self.timeout:g} s"
-                await send_error(send, 408, message, "body_timeout", [(b"connection", b"close")])
+                text = f"the request body did not arrive within {self.timeout:g} s"
+                await send_error(send, 408, text, "body_timeout", [(b"connection", b"close")])
                 return
             if message["type"] != "http.request":
                 break

@@ -73,7 +73,7 @@ class _Reply:
         done = self.finish is not None
         return ResponseOutputMessage(
             id=self.item_id, status=self.status, content=[self.part()] if done else []
-        )  # type: ignore[arg-type]
+        )
 
     def response(self) -> ResponseObject:
         b = self.body
@@ -83,7 +83,7 @@ class _Reply:
         return ResponseObject(
             id=self.id,
             created_at=self.run.created,
-            status=self.status,  # type: ignore[arg-type]
+            status=self.status,
             incomplete_details=incomplete if self.status == "incomplete" else None,
             model=self.model,
             output=[self.item()] if done else [],

@@ -86,7 +86,7 @@ def _card(model: ServedModel, name: str) -> ModelCard:
         max_model_len=model.loaded.context_length,
         status=model.health()[0],
         replicas=None if replicas is None else int(replicas),
-        **(serving_facts(info) if info is not None else {}),  # type: ignore[arg-type]
+        **(serving_facts(info) if info is not None else {}),
     )
 
 

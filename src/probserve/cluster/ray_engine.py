@@ -151,9 +151,9 @@ class RayEngine(EngineClient):
             self._tasks[request.request_id] = task
             task.add_done_callback(functools.partial(self._forget, request.request_id))
         for rid in aborts:
-            task = self._tasks.get(rid)
-            if task is not None:
-                loop.call_soon_threadsafe(task.cancel)
+            running = self._tasks.get(rid)
+            if running is not None:
+                loop.call_soon_threadsafe(running.cancel)
 
     async def _run(self, request: EngineRequest, accepted: asyncio.Future[None]) -> None:
         """Carry one request to a replica and its outputs back; move it when a replica fails."""

@@ -49,11 +49,12 @@ class EngineReplica:
         started = time.monotonic()
         torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
 
+        self.engine: AsyncEngine  # set by `warm`, on the engine's thread
+
         def warm(core: EngineCore) -> None:  # the engine's own thread warms it up
             self.engine = AsyncEngine(core, max_pending=max_pending)
             self.engine.start()
 
-        self.engine: AsyncEngine
         self.tokenizer_class = start_engine(spec, config, warm).tokenizer_class
         self.name = f"{os.uname().nodename}:{os.getpid()}"
         log.info("replica %s of %s ready in %.1f s", self.name, spec, time.monotonic() - started)

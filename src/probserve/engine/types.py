@@ -27,7 +27,6 @@ class LogprobsMode(enum.StrEnum):
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS or stop token id was generated
     LENGTH = "length"  # max_tokens (or the context) reached
-    ABORT = "abort"  # aborted by the caller
     ERROR = "error"  # the engine failed this request
 
 
@@ -171,7 +170,6 @@ class EngineOutput:
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first being scheduled
 

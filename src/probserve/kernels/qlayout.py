@@ -60,7 +60,8 @@ def quants(raw: np.ndarray, ggml_type: int) -> np.ndarray:
         return _nibbles(raw[..., 2 if ggml_type == 2 else 4 :])
     if ggml_type in (6, 7):  # Q5_0: d | qh u32 | qs[16]; Q5_1: d | m | qh u32 | qs[16]
         at = 2 if ggml_type == 6 else 4
-        high = np.unpackbits(raw[..., at : at + 4], axis=-1, bitorder="little")  # bit j: weight j
+        # bit j: weight j
+        high: np.ndarray = np.unpackbits(raw[..., at : at + 4], axis=-1, bitorder="little")
         return _nibbles(raw[..., at + 4 : at + 20]) | (high << 4)
     if ggml_type in (12, 13):  # Q4_K: d | dmin | scales[12] | qs[128]; Q5_K: ... | qh[32] | qs
         qs = raw[..., 16:144] if ggml_type == 12 else raw[..., 48:176]
@@ -105,7 +106,7 @@ def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     if f.bits == 8:
         rows = q
     else:
-        planes = [(q[..., :half] & 15) | ((q[..., half:] & 15) << 4)]
+        planes: list[np.ndarray] = [(q[..., :half] & 15) | ((q[..., half:] & 15) << 4)]
         planes += [
             np.packbits((q >> bit) & 1, axis=-1, bitorder="little") for bit in range(4, f.bits)
         ]

@@ -18,7 +18,10 @@ from typing import Any, Literal
 
 SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"})
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACTIVATIONS: dict[str, Literal["silu", "gelu_tanh"]] = {
+    "silu": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
 # RoPE variants whose cos/sin depend on the position alone (models/skeleton.py's `Rotary`;
 # longrope's short/long factor is chosen per position there); dynamic rescales with the batch
 STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "longrope"})
@@ -93,7 +96,7 @@ def family(config: Any) -> Family:
     gemma = kind in _GEMMA
     act_name = getattr(config, "hidden_activation", None) if gemma else None
     act_name = act_name or getattr(config, "hidden_act", "silu")
-    activation = _ACTIVATIONS.get(act_name)
+    activation = _ACTIVATIONS.get(act_name) if act_name is not None else None
     if activation is None:
         raise Unsupported(f"its activation {act_name!r} is not one the paged forward has")
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
@@ -108,7 +111,7 @@ def family(config: Any) -> Family:
     return Family(
         model_type=kind,
         head_dim=d,
-        activation=activation,  # type: ignore[arg-type]
+        activation=activation,
         scale=scale,
         norm_plus_one=gemma,
         embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,

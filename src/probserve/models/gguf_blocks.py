@@ -78,9 +78,10 @@ class QuantizedTensor:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, as gguf (and so transformers) computes it."""
-        from gguf import dequantize
+        from gguf import GGMLQuantizationType, dequantize
 
-        values = dequantize(self.blocks, self.ggml_type).astype(np.float32, copy=False)
+        kind = GGMLQuantizationType(self.ggml_type)
+        values = dequantize(self.blocks, kind).astype(np.float32, copy=False)
         return torch.from_numpy(np.ascontiguousarray(values).reshape(self.n, self.k))
 
 

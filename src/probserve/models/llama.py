@@ -162,12 +162,14 @@ class _Layer:
 
         def linear(*names: str) -> Linear | Joined:
             parts = [weights[f"{prefix}{n}.weight"] for n in names]
-            biases = [weights.get(f"{prefix}{n}.bias") for n in names]
+            found = [weights.get(f"{prefix}{n}.bias") for n in names]
+            biases = [None if b is None else as_float(b) for b in found]  # vectors: float32 already
             if kernels is not None and len({_form(w) for w in parts}) > 1:
                 # parts in different formats: each in its own blocks, never a float32 copy
                 pairs = zip(parts, biases, strict=True)
                 return Joined([Linear(w, b, kernel, kernels) for w, b in pairs])
-            bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[misc]
+            present = [b for b in biases if b is not None]
+            bias = torch.cat(present) if len(present) == len(biases) else None
             return Linear(stack_rows(parts), bias, kernel, kernels)
 
         def norm(name: str) -> torch.Tensor | None:

@@ -59,7 +59,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     sampling = candidate_params(body, body.max_tokens, state.loaded.vocab_size, best_of)
     prompts = completion_id_lists(body.prompt)
     if isinstance(prompts[0], str):
-        check_text_size(limits, prompts)  # type: ignore[arg-type]
+        check_text_size(limits, prompts)
     built = await off_loop(
         build_completion_prompts, state.loaded, state.table, prompts, state.engine.info.max_context
     )

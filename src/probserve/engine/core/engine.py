@@ -113,14 +113,11 @@ class EngineCore:
             stop |= self.eos_ids
         self.scheduler.add(Sequence(req, max_total, frozenset(stop)))
 
-    def abort_request(self, request_id: str) -> EngineOutput | None:
+    def abort_request(self, request_id: str) -> None:
+        """Drop the request (its caller has stopped listening: nothing is sent for it)."""
         seq = self.scheduler.find(request_id)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq)
-        return EngineOutput(
-            request_id, finish_reason=FinishReason.ABORT, num_prompt_tokens=seq.num_prompt_tokens
-        )
+        if seq is not None:
+            self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -255,7 +252,6 @@ class EngineCore:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             finish_reason=finish,
-            num_prompt_tokens=seq.num_prompt_tokens,
             error=error,
             queue_time=seq.queue_time,
         )

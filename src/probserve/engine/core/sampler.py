@@ -18,7 +18,7 @@ distribution; masked tokens -inf), per request.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,20 +157,20 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
 
     results: list[TokenLogprobs | None] = [None] * len(rows)
     ok = [i for i in range(len(rows)) if errors[i] is None and rows[i].logprobs]
-    specs = {i: rows[i].logprobs for i in ok}
-    raw_idx = [i for i in ok if specs[i].mode != LogprobsMode.PROCESSED]  # type: ignore[union-attr]
-    proc_idx = [i for i in ok if specs[i].mode != LogprobsMode.RAW]  # type: ignore[union-attr]
+    specs = {i: spec for i in ok if (spec := rows[i].logprobs) is not None}
+    raw_idx = [i for i in ok if specs[i].mode != LogprobsMode.PROCESSED]
+    proc_idx = [i for i in ok if specs[i].mode != LogprobsMode.RAW]
     raw = _logprobs_rows(math, logits[raw_idx] if raw_idx else None, raw_idx, chosen, specs)
     proc_rows = torch.stack([processed[i] for i in proc_idx]) if proc_idx else None
-    proc = _logprobs_rows(math, proc_rows, proc_idx, chosen, specs)
+    proc_lp = _logprobs_rows(math, proc_rows, proc_idx, chosen, specs)
     for i in ok:
-        mode = specs[i].mode  # type: ignore[union-attr]
+        mode = specs[i].mode
         if mode == LogprobsMode.RAW:
             results[i] = raw[i]
         elif mode == LogprobsMode.PROCESSED:
-            results[i] = proc[i]
+            results[i] = proc_lp[i]
         else:
-            results[i] = dataclasses.replace(raw[i], processed=proc[i])
+            results[i] = dataclasses.replace(raw[i], processed=proc_lp[i])
     return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results, errors=errors)
 
 
@@ -189,18 +189,17 @@ def _logprobs_rows(
     sources: torch.Tensor | None,
     idx: list[int],
     chosen: torch.Tensor,
-    specs: dict[int, LogprobsSpec | None],
+    specs: Mapping[int, LogprobsSpec],
 ) -> dict[int, TokenLogprobs]:
     """The logprobs of rows `idx` (whose logits are `sources`), scored together with the largest
     k any of them asks; each row then takes its own k, target ids and entropy."""
     if not idx or sources is None:
         return {}
-    k_max = max(specs[i].top_k for i in idx)  # type: ignore[union-attr]
+    k_max = max(specs[i].top_k for i in idx)
     block = token_logprobs(math, sources, chosen[idx], k_max)
     out: dict[int, TokenLogprobs] = {}
     for j, i in enumerate(idx):
         spec = specs[i]
-        assert spec is not None
         row = block.row(j, spec.top_k)
         if spec.target_ids or spec.entropy:
             extra = token_logprobs(math, sources[j : j + 1], chosen[i : i + 1], 0,

@@ -61,8 +61,8 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
             f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
-        return PagedRunner  # type: ignore[return-value]
-    return HFRunner  # type: ignore[return-value]
+        return PagedRunner
+    return HFRunner
 
 
 def _effective(loaded: LoadedModel, config: EngineConfig, cls: RunnerClass) -> EngineConfig:

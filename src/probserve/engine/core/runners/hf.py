@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from probserve.engine.core import prompt_scoring
-from probserve.engine.core.row_math import TorchRowMath
+from probserve.engine.core.row_math import RowMath, TorchRowMath
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
 from probserve.models.loader import LoadedModel
 
@@ -38,7 +38,7 @@ class HFRunner:
         # transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
-        self.row_math = TorchRowMath()
+        self.row_math: RowMath = TorchRowMath()
 
     def release_source_weights(self) -> None:
         """Nothing to drop: transformers' forward runs on the model's own weights."""
