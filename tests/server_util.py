@@ -39,7 +39,7 @@ def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, Serve
     state, supervisor = build_state(serve_args(*extra), loaded)
     app = create_app(state)
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, state.config.limits, "127.0.0.1", port))
+    server = uvicorn.Server(uvicorn_config(app, state.config.http, "127.0.0.1", port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

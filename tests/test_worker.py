@@ -88,7 +88,6 @@ def test_every_message_round_trips_bit_for_bit():
             _logprobs(1, 3, rng),
             _logprobs(2, 0, rng),
             FinishReason.STOP,
-            num_prompt_tokens=3,
             queue_time=0.25,
         ),
         EngineOutput.failure("r-2", "a lone \ud800 surrogate, and ✓"),

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import sys
+from dataclasses import dataclass
 
 from probserve.engine import (
     EngineConfig,
@@ -16,17 +17,37 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
-from probserve.flags import add_args, from_args
+from probserve.flags import add_args, from_args, setting
 from probserve.models import DEFAULT_MODEL, ModelLoadError, load_model
 
+_MODEL = (
+    "smollm2-135m-instruct (embedded, default), a local HF directory, a .gguf file, or a hub "
+    "id such as org/name"
+)
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
-        help="smollm2-135m-instruct (embedded, default), a local HF directory, a .gguf file, "
-        "or a hub id such as org/name",
+
+@dataclass(frozen=True)
+class GenerateFlags:
+    """`probserve generate`'s flags (the engine's too: EngineConfig)."""
+
+    prompt: str = setting("", "the prompt to complete", positional=True)
+    model: str = setting(DEFAULT_MODEL, _MODEL)
+    max_tokens: int = setting(16, "tokens to generate at most")
+    temperature: float = setting(0.0, "0: greedy")
+    top_p: float = setting(1.0, "nucleus sampling's probability mass")
+    seed: int | None = setting(None, "the sampling seed")
+    logprobs: int = setting(5, "alternatives shown per token")
+    logprobs_mode: LogprobsMode = setting(
+        LogprobsMode.RAW, "raw (the model's distribution), processed (the sampled one), both"
     )
+
+
+@dataclass(frozen=True)
+class ExportFlags:
+    """`probserve export`'s flags."""
+
+    model: str = setting(DEFAULT_MODEL, _MODEL)
+    directory: str = setting("", "where to write the HF directory", positional=True)
 
 
 def _fmt(lp: float) -> str:
@@ -36,23 +57,23 @@ def _fmt(lp: float) -> str:
 async def _generate(args: argparse.Namespace) -> int:
     from probserve.api.prompts import build_completion_prompts
     from probserve.api.tokens import TokenTable, token_text
-    from probserve.engine import AsyncEngine, EngineCore
+    from probserve.engine import AsyncEngine
 
-    loaded = load_model(args.model)
+    flags, config = from_args(GenerateFlags, args), from_args(EngineConfig, args)
+    loaded = load_model(flags.model, config.weights_to_load())
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
-    engine = AsyncEngine(EngineCore(loaded, from_args(EngineConfig, args)))
-    (prompt,) = build_completion_prompts(loaded, table, [args.prompt], engine.info.max_context)
-    prompt_ids = tuple(prompt.ids)
+    engine = AsyncEngine.over(loaded, config)
+    (prompt,) = build_completion_prompts(loaded, table, [flags.prompt], engine.info.max_context)
     request = EngineRequest(
         request_id=AsyncEngine.new_request_id("cli"),
-        prompt_token_ids=prompt_ids,
+        prompt_token_ids=tuple(prompt.ids),
         sampling=SamplingParams(
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
+            temperature=flags.temperature,
+            top_p=flags.top_p,
+            seed=flags.seed,
+            max_tokens=flags.max_tokens,
         ),
-        logprobs=LogprobsSpec(top_k=args.logprobs, mode=LogprobsMode(args.logprobs_mode)),
+        logprobs=LogprobsSpec(top_k=flags.logprobs, mode=flags.logprobs_mode),
     )
     try:
         outputs = await engine.generate(request)
@@ -60,9 +81,9 @@ async def _generate(args: argparse.Namespace) -> int:
         engine.stop()
     ids = [t for out in outputs for t in out.new_token_ids]
     out_text = table.decode([t for t in ids if t not in loaded.eos_token_ids])
-    print(args.prompt + out_text)
+    print(flags.prompt + out_text)
     print()
-    print(f"{'token':<20} {'logprob':>10}  top-{args.logprobs}")
+    print(f"{'token':<20} {'logprob':>10}  top-{flags.logprobs}")
     for out in outputs:
         if out.logprobs is None:
             continue
@@ -81,107 +102,44 @@ async def _generate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from probserve.models import save_hf_directory
 
-    out = save_hf_directory(load_model(args.model), args.directory)
+    flags = from_args(ExportFlags, args)
+    out = save_hf_directory(load_model(flags.model), flags.directory)
     print(f"wrote {out}")
     return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.ray:
+    from probserve.serving import ServeFlags, run_server
+
+    flags = from_args(ServeFlags, args)
+    if flags.ray:
         from probserve.cluster.app import run_cluster
 
-        if getattr(args, "chat_template", None):
+        if flags.chat_template:
             raise ModelLoadError("--chat-template is not available with --ray")
-
         return run_cluster(args)
-    from probserve.serving import run_server
-
     return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from probserve.api.limits import Limits
+    from probserve.serving import add_serve_args
 
     parser = argparse.ArgumentParser(prog="probserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one prompt and print each token's logprobs")
-    _add_model_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--logprobs", type=int, default=5, help="alternatives shown per token")
-    gen.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
+    add_args(gen, GenerateFlags)
     add_args(gen, EngineConfig)
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
     export = sub.add_parser(
         "export", help="write the model's float32 weights and tokenizer as a plain HF directory"
     )
-    _add_model_args(export)
-    export.add_argument("directory")
+    add_args(export, ExportFlags)
     export.set_defaults(func=_export)
 
     serve = sub.add_parser("serve", help="serve the OpenAI API")
-    serve.add_argument(
-        "--model",
-        action="append",
-        default=None,
-        help="a model to serve (repeat for several, each in its own engine worker): "
-        "smollm2-135m-instruct (embedded, the default), a local HF directory, a .gguf file, "
-        "or a hub id such as org/name",
-    )
-    serve.add_argument(
-        "--served-model-name",
-        action="append",
-        default=None,
-        help="the name clients use for the model of the same position (it also answers to its own)",
-    )
-    serve.add_argument(
-        "--chat-template",
-        action="append",
-        default=None,
-        metavar="FILE",
-        help="a Jinja chat template file for the model of the same position (for a model file "
-        "that ships none, or to replace its own); clients can never send one",
-    )
-    serve.add_argument(
-        "--worker-restarts",
-        type=int,
-        default=3,
-        help="restarts of a model's dead engine worker in any 10 minutes before it is given up "
-        "(the server exits non-zero once no model can serve)",
-    )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` (or set PROBSERVE_API_KEY)",
-    )
-    serve.add_argument("--api-key-file", default=None, help="a file with one API key per line")
-    serve.add_argument(
-        "--open-metrics", action="store_true", help="serve /metrics without an API key"
-    )
-    add_args(serve, Limits)
-    serve.add_argument("--max-logprobs", type=int, default=20)
-    serve.add_argument("--max-top-logprobs", type=int, default=20, help="chat top_logprobs cap")
-    serve.add_argument("--logprobs-mode", choices=["raw", "processed", "both"], default="raw")
-    add_args(serve, EngineConfig)
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve on a Ray Serve cluster: replicas of each model's engine, prefix-aware "
-        "routing, failover (pip install 'probserve[ray]'; docs/scale-out.md)",
-    )
-    serve.add_argument("--config", default=None, help="--ray: the cluster configuration file")
-    serve.add_argument("--replicas", type=int, default=1, help="--ray without --config: per model")
-    serve.add_argument(
-        "--ray-address", default=None, help="--ray: the Ray cluster to join (default: start one)"
-    )
+    add_serve_args(serve)
     serve.set_defaults(func=_serve)
     return parser
 

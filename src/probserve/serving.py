@@ -12,19 +12,28 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from probserve.api.app import create_app
 from probserve.api.http_server import DrainingServer, uvicorn_config
-from probserve.api.limits import Limits
+from probserve.api.limits import HttpLimits, Limits
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.api.supervisor import Supervisor
-from probserve.engine import EngineClient, EngineConfig, LogprobsMode, WorkerEngine
-from probserve.flags import from_args
+from probserve.engine import (
+    ClientLimits,
+    EngineClient,
+    EngineConfig,
+    EngineInfo,
+    WorkerEngine,
+)
+from probserve.flags import add_args, from_args, setting
 from probserve.models import (
     DEFAULT_MODEL,
     LoadedModel,
     ModelLoadError,
+    ModelSource,
     load_model,
     load_tokenizer,
     resolve_model,
@@ -33,6 +42,62 @@ from probserve.models import (
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PROBSERVE_API_KEY"
+_MODEL_HELP = (
+    "smollm2-135m-instruct (embedded, the default), a local HF directory, a .gguf file, or a "
+    "hub id such as org/name"
+)
+
+
+@dataclass(frozen=True)
+class ServeFlags:
+    """`probserve serve`'s own flags: what to serve, where, and (`ray`...) on what. The rest
+    are the API's (ServerConfig and its limits), the engine clients' and the engine's."""
+
+    model: tuple[str, ...] = setting(
+        (), f"a model to serve (repeat for several, each in its own engine worker): {_MODEL_HELP}"
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (), "the name clients use for the model of the same position (it also answers to its own)"
+    )
+    chat_template: tuple[str, ...] = setting(
+        (),
+        "a Jinja chat template file for the model of the same position (for a model file that "
+        "ships none, or to replace its own); clients can never send one",
+        metavar="FILE",
+    )
+    worker_restarts: int = setting(
+        3,
+        "restarts of a model's dead engine worker in any 10 minutes before it is given up (the "
+        "server exits non-zero once no model can serve)",
+    )
+    host: str = setting("127.0.0.1", "the address to listen on")
+    port: int = setting(8000, "the port to listen on")
+    api_key: str | None = setting(
+        None, "require `Authorization: Bearer KEY` (comma-separated; or set PROBSERVE_API_KEY)"
+    )
+    api_key_file: str | None = setting(None, "a file with one API key per line")
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = setting(
+        "info", "the server's and its workers' log level"
+    )
+    ray: bool = setting(
+        False,
+        "serve on a Ray Serve cluster: replicas of each model's engine, prefix-aware routing, "
+        "failover (pip install 'probserve[ray]'; docs/scale-out.md)",
+    )
+    config: str | None = setting(None, "--ray: the cluster configuration file")
+    replicas: int = setting(1, "--ray without --config: replicas per model")
+    ray_address: str | None = setting(None, "--ray: the Ray cluster to join (default: start one)")
+
+
+# every setting of `probserve serve`, each class's fields its flags (probserve.flags)
+SERVE_SETTINGS: tuple[type, ...] = (
+    ServeFlags, ServerConfig, Limits, HttpLimits, ClientLimits, EngineConfig,
+)  # fmt: skip
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    for cls in SERVE_SETTINGS:
+        add_args(parser, cls)
 
 
 def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
@@ -49,7 +114,7 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
 def chat_template_flag(args: argparse.Namespace, index: int) -> str | None:
     """The text of the `--chat-template` file given for model `index` (in `--model` order), or
     None; a missing file or a template Jinja cannot compile is a ModelLoadError."""
-    files = getattr(args, "chat_template", None) or []
+    files = from_args(ServeFlags, args).chat_template
     if len(files) > len(model_flags(args)):
         raise ModelLoadError(
             f"{len(files)} --chat-template flags for {len(model_flags(args))} models"
@@ -81,10 +146,9 @@ def with_chat_template(loaded: LoadedModel, template: str) -> LoadedModel:
 def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(model spec, served name or None) for each `--model` (the embedded model when none is
     given), paired in order with the `--served-model-name` flags."""
-    specs = args.model if isinstance(args.model, list) else [args.model] if args.model else []
-    specs = specs or [DEFAULT_MODEL]
-    names = args.served_model_name or []
-    names = names if isinstance(names, list) else [names]
+    flags = from_args(ServeFlags, args)
+    specs = flags.model or (DEFAULT_MODEL,)
+    names = flags.served_model_name
     if len(names) > len(specs):
         raise ModelLoadError(f"{len(names)} --served-model-name flags for {len(specs)} models")
     return [(spec, names[i] if i < len(names) else None) for i, spec in enumerate(specs)]
@@ -96,27 +160,41 @@ def engine_factory(
     """What builds (unstarted) engines for the model `spec` as the flags ask: a worker process
     (the default), or an engine on a thread of this process over `loaded` (`--worker inline`)."""
     config = from_args(EngineConfig, args)
-    limits = from_args(Limits, args)
+    limits = from_args(ClientLimits, args)
+    log_level = from_args(ServeFlags, args).log_level
 
     def make() -> EngineClient:
         if config.worker == "inline":
-            from probserve.engine import AsyncEngine, EngineCore
+            from probserve.engine import AsyncEngine  # torch, in this process: inline only
 
             assert loaded is not None
-            return AsyncEngine(
-                EngineCore(loaded, config),
-                max_pending=limits.max_queued,
-                stall_timeout=limits.engine_stall_timeout,
-            )
+            return AsyncEngine.over(loaded, config, limits)
         return WorkerEngine(
             spec,
             config,
             max_pending=limits.max_queued,
             stall_timeout=limits.engine_stall_timeout,
-            log_level=args.log_level,
+            log_level=log_level,
         )
 
     return make
+
+
+def served_record(
+    info: EngineInfo, tokenizer: Any, name: str, source: ModelSource | None
+) -> LoadedModel:
+    """The model as the API process holds it when its engine runs elsewhere (a worker, a Ray
+    replica): the tokenizer, and the engine's figures from its `info`; no weights."""
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        name=name,
+        eos_token_ids=frozenset(info.eos_token_ids),
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        chat_template=getattr(tokenizer, "chat_template", None),
+        source=source,
+    )
 
 
 def start_model(
@@ -150,17 +228,7 @@ def start_model(
     if inline:
         assert loaded is not None
         return ServedModel(served_names(served_name, loaded.name), loaded, engine), make
-    info = engine.info  # the model as this process holds it: tokenizer and the worker's figures
-    served = LoadedModel(
-        model=None,
-        tokenizer=tokenizer,
-        name=name,
-        eos_token_ids=frozenset(info.eos_token_ids),
-        context_length=info.context_length,
-        vocab_size=info.vocab_size,
-        chat_template=getattr(tokenizer, "chat_template", None),
-        source=source,
-    )
+    served = served_record(engine.info, tokenizer, name, source)
     return ServedModel(served_names(served_name, name), served, engine), make
 
 
@@ -171,13 +239,14 @@ def served_names(served_name: str | None, own: str) -> tuple[str, ...]:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     """The API's settings from the serve flags (every model's server, Ray's ingress too)."""
-    return ServerConfig(
-        max_logprobs=args.max_logprobs,
-        max_top_logprobs=args.max_top_logprobs,
-        logprobs_mode=LogprobsMode(args.logprobs_mode),
-        api_keys=api_keys(args.api_key, args.api_key_file),
-        open_metrics=args.open_metrics,
+    flags = from_args(ServeFlags, args)
+    return from_args(
+        ServerConfig,
+        args,
+        api_keys=api_keys(flags.api_key, flags.api_key_file),
         limits=from_args(Limits, args),
+        http=from_args(HttpLimits, args),
+        client=from_args(ClientLimits, args),
     )
 
 
@@ -202,7 +271,8 @@ def build_state(
         for m in models:
             m.engine.stop()
         raise
-    supervisor = Supervisor(state, lambda m: factories[m.name](), args.worker_restarts)
+    restarts = from_args(ServeFlags, args).worker_restarts
+    supervisor = Supervisor(state, lambda m: factories[m.name](), restarts)
     return state, supervisor
 
 
@@ -218,11 +288,10 @@ def run_server(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     app = create_app(state)
     names = ", ".join(m.name for m in state.models)
-    log.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
+    flags, http = from_args(ServeFlags, args), state.config.http
+    log.info("serving %s on http://%s:%d/v1", names, flags.host, flags.port)
     server = DrainingServer(
-        uvicorn_config(app, state.config.limits, args.host, args.port),
-        args.drain_timeout,
-        on_exit=supervisor.stop,
+        uvicorn_config(app, http, flags.host, flags.port), http.drain_timeout, supervisor.stop
     )
 
     def every_engine_died(reason: str) -> None:

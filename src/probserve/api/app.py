@@ -49,7 +49,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(playground.router)
     app.include_router(routes_misc.router)
     install_error_handlers(app)
-    limits = state.config.limits
+    limits = state.config.http
     # the last added runs first: scope guard, access log, auth, body limits, then the routes
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout

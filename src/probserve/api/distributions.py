@@ -45,7 +45,6 @@ async def distributions(
     state: Annotated[Serving, Depends(serving_of(DistributionsRequest))],
 ) -> Response:
     model = state.name
-    limits = state.config.limits
     plan = await distributions_plan(state, body)
     ids = prompt_ids(plan)
     spec = plan.spec
@@ -64,7 +63,7 @@ async def distributions(
         response = _answer(
             request, body, model, ids, positions, array, release_once(budget, len(positions))
         )
-        response.send_timeout = limits.send_timeout
+        response.send_timeout = state.config.http.send_timeout
         return response
     except BaseException:
         budget.give_back(len(positions))

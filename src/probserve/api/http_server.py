@@ -15,12 +15,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from probserve.api.connections import guarded_protocol
-from probserve.api.limits import Limits
+from probserve.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 
 
-def uvicorn_config(app: FastAPI, limits: Limits, host: str, port: int) -> uvicorn.Config:
+def uvicorn_config(app: FastAPI, limits: HttpLimits, host: str, port: int) -> uvicorn.Config:
     """uvicorn for probserve: header deadline, bounded connections, our own access log."""
     return uvicorn.Config(
         app,

@@ -1,5 +1,9 @@
-"""Request limits: each a `probserve serve` flag; a violation is a 400 naming the field (413 for
-the body). docs/operations.md lists them all and what a client sees."""
+"""The limits of a running server, split by who enforces them; each field is a `probserve
+serve` flag of the same name (`--max-body-bytes`, ...). `Limits`: what one request may ask,
+checked by the routes (a 400 naming the field; 429 past the distribution-row budget).
+`HttpLimits`: what a connection may do, enforced by the HTTP server and its middleware (413,
+408, 503). The engine client's own (`--max-queued`, `--engine-stall-timeout`) are
+engine.ClientLimits. docs/operations.md lists them all and what a client sees."""
 
 from __future__ import annotations
 
@@ -11,16 +15,33 @@ from probserve.flags import setting
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Each field is a `probserve serve` flag of the same name (`--max-body-bytes`, ...)."""
+class HttpLimits:
+    """Enforced by the HTTP server (api/http_server.py) and the body middleware."""
 
     max_body_bytes: int = setting(4 * 2**20, "larger request bodies get 413")
+    header_timeout: float = setting(10.0, "seconds a client may take to send a request's headers")
+    body_timeout: float = setting(30.0, "seconds a client may take to send a request's body (408)")
+    send_timeout: float = setting(
+        30.0,
+        "seconds a client may leave a large answer's next slice unread before it is cut "
+        "(/v1/distributions: its rows go back to the budget)",
+    )
+    max_connections: int = setting(1024, "open connections; past it new requests get 503")
+    drain_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask: checked by the routes before any work is done."""
+
     max_sequences: int = setting(64, "prompts x best_of (or n) per request")
     max_stop_strings: int = setting(16, "stop strings per request")
     max_stop_chars: int = setting(256, "characters per stop string")
     max_stop_token_ids: int = setting(1024, "entries in stop_token_ids")
     max_logit_bias: int = setting(1024, "entries in logit_bias")
-    max_logprob_token_ids: int = setting(256, "entries in logprob_token_ids")
+    max_logprob_token_ids: int = setting(
+        256, "entries in logprob_token_ids (and /v1/score's label_token_ids)"
+    )
     max_distribution_positions: int = setting(
         512, "positions per /v1/distributions request (each a full vocabulary row)"
     )
@@ -30,20 +51,7 @@ class Limits:
     max_messages: int = setting(512, "messages per chat request")
     max_message_chars: int = setting(1_000_000, "characters in all messages of a chat request")
     max_prompt_chars: int = setting(1_000_000, "characters in a request's text prompts")
-    max_queued: int = setting(1024, "engine requests queued or running; past it new ones get 429")
     request_timeout: float = setting(600.0, "seconds before a request is aborted (0: never)")
-    drain_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM")
-    header_timeout: float = setting(10.0, "seconds a client may take to send a request's headers")
-    body_timeout: float = setting(30.0, "seconds a client may take to send a request's body (408)")
-    send_timeout: float = setting(
-        30.0,
-        "seconds a client may leave a large answer's next slice unread before it is cut "
-        "(/v1/distributions: its rows go back to the budget)",
-    )
-    max_connections: int = setting(1024, "open connections; past it new requests get 503")
-    engine_stall_timeout: float = setting(
-        120.0, "seconds one engine step may run before /health reports the engine stuck (503)"
-    )
 
     def check_sequences(self, prompts: int, per_prompt: int, param: str) -> None:
         total = prompts * per_prompt

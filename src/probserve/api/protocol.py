@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-LogprobsModeName = Literal["raw", "processed", "both"]
+from probserve.engine import LogprobsMode
 
 # the range of a 64-bit signed integer: seeds and other integers past it are a 400
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -121,7 +121,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: ShortIds | None = None
-    logprobs_mode: LogprobsModeName | None = None
+    logprobs_mode: LogprobsMode | None = None
     skip_special_tokens: bool = True
     # probserve's extensions: the logprobs of exactly these ids at every position, and the
     # exact entropy of every position's full distribution

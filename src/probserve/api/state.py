@@ -10,22 +10,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from probserve.api.errors import APIError
-from probserve.api.limits import Limits
+from probserve.api.limits import HttpLimits, Limits
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.metrics import Metrics
 from probserve.api.tokens import TokenTable
-from probserve.engine import EngineClient, LogprobsMode
+from probserve.engine import ClientLimits, EngineClient, LogprobsMode
+from probserve.flags import setting
 from probserve.models import LoadedModel
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    max_logprobs: int = 20  # completions `logprobs` cap
-    max_top_logprobs: int = 20  # chat `top_logprobs` cap
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW
-    api_keys: tuple[str, ...] = ()
-    open_metrics: bool = False  # /metrics without a key
-    limits: Limits = field(default_factory=Limits)
+    """The API's settings: the `setting` fields are `probserve serve` flags (probserve.flags);
+    the keys and limits are given by the composition root (serving.py)."""
+
+    max_logprobs: int = setting(
+        20, "the most alternatives per position of completions' logprobs and chat's prompt_logprobs"
+    )
+    max_top_logprobs: int = setting(
+        20, "the most alternatives per token of chat's and responses' top_logprobs"
+    )
+    logprobs_mode: LogprobsMode = setting(
+        LogprobsMode.RAW,
+        "the distribution logprobs describe where a request names none: raw (the model's), "
+        "processed (the one sampled from), both",
+    )
+    open_metrics: bool = setting(False, "serve /metrics without an API key")
+    api_keys: tuple[str, ...] = ()  # none: no key asked (serving.api_keys)
+    limits: Limits = field(default_factory=Limits)  # the routes enforce these
+    http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP server
+    client: ClientLimits = field(default_factory=ClientLimits)  # each model's engine client
 
 
 @dataclass

@@ -26,7 +26,8 @@ from probserve.cluster.replica import EngineReplica
 from probserve.cluster.router import PrefixAffinityRouter
 from probserve.engine import EngineConfig
 from probserve.flags import from_args
-from probserve.models import LoadedModel, load_tokenizer, resolve_model
+from probserve.models import load_tokenizer, resolve_model
+from probserve.serving import served_names, served_record
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +52,12 @@ class Ingress:
         from probserve.models.loader import prepared_source
 
         served = []
-        limits = config.limits
+        limits = config.client
         for entry in models:
             info = await entry.handle.info.remote()
             source = prepared_source(entry.spec)  # a GGUF file: its converted directory
             tokenizer = load_tokenizer(source, await entry.handle.tokenizer.remote())
-            loaded = LoadedModel(
-                model=None,
-                tokenizer=tokenizer,
-                name=entry.own_name,
-                eos_token_ids=frozenset(info.eos_token_ids),
-                context_length=info.context_length,
-                vocab_size=info.vocab_size,
-                chat_template=getattr(tokenizer, "chat_template", None),
-                source=source,
-            )
+            loaded = served_record(info, tokenizer, entry.own_name, source)
             engine = RayEngine(
                 entry.handle, info, limits.max_queued, limits.engine_stall_timeout, retries
             )
@@ -84,8 +76,6 @@ def deployment_name(index: int, name: str) -> str:
 
 def _names(m: ModelDeployment) -> tuple[str, ...]:
     """The model's served name (if given), then its own: serving.served_names."""
-    from probserve.serving import served_names
-
     return served_names(m.served_model_name, resolve_model(m.model).served_name or m.model)
 
 
@@ -123,13 +113,13 @@ def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig
             options["num_replicas"] = m.num_replicas
         # serve.deployment(cls) is a Deployment; ray types it as the decorator factory
         replica = serve.deployment(EngineReplica).options(**options)  # type: ignore[attr-defined]
-        bound = replica.bind(m.model, config, max(m.max_ongoing_requests, server.limits.max_queued))
+        bound = replica.bind(m.model, config, max(m.max_ongoing_requests, server.client.max_queued))
         names = _names(m)
         entries.append(ModelEntry(names, names[-1], m.model, bound))
     ingress = serve.deployment(serve.ingress()(Ingress)).options(  # type: ignore[attr-defined]
         name="ingress",
         num_replicas=cluster.ingress.num_replicas,
-        max_ongoing_requests=server.limits.max_connections,
+        max_ongoing_requests=server.http.max_connections,
         ray_actor_options={
             "num_cpus": cluster.ingress.num_cpus,
             "resources": cluster.ingress.resources,
@@ -221,12 +211,13 @@ def run_cluster(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from probserve.serving import server_config
+    from probserve.serving import ServeFlags, server_config
 
+    flags = from_args(ServeFlags, args)
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
-    if not args.config:  # the flags' deployments: the replicas share the cores if they must
+    if not flags.config:  # the flags' deployments: the replicas share the cores if they must
         cluster = fit_to(cluster, cpus)
     problem = misfit(cluster, cpus)
     if problem is not None and cluster.address is not None:
@@ -242,7 +233,7 @@ def run_cluster(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": flags.host, "port": flags.port})
         app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
         asked, how = cpus_asked(cluster)
         log.info("deploying on Ray Serve: %g of %g CPUs (%s)", asked, cpus, how)
@@ -253,7 +244,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         if why == "":  # a signal while starting
             return 0
         names = ", ".join(n for m in cluster.models for n in _names(m)[:1])
-        log.info("serving %s on http://%s:%d/v1 (Ray Serve)", names, args.host, args.port)
+        log.info("serving %s on http://%s:%d/v1 (Ray Serve)", names, flags.host, flags.port)
         stop.wait()
     finally:
         log.info("taking the application down")

@@ -64,17 +64,19 @@ class ClusterConfig(_Strict):
 def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
     """The file of `--config`, else one deployment per `--model` with `--replicas` replicas;
     `--ray-address` overrides the file's address."""
-    from probserve.serving import model_flags
+    from probserve.flags import from_args
+    from probserve.serving import ServeFlags, model_flags
 
-    if args.config:
-        data = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}
+    flags = from_args(ServeFlags, args)
+    if flags.config:
+        data = yaml.safe_load(Path(flags.config).read_text(encoding="utf-8")) or {}
         config = ClusterConfig.model_validate(data)
     else:
         models = [
-            ModelDeployment(model=spec, served_model_name=name, num_replicas=args.replicas)
+            ModelDeployment(model=spec, served_model_name=name, num_replicas=flags.replicas)
             for spec, name in model_flags(args)
         ]
         config = ClusterConfig(models=models)
-    if args.ray_address:
-        config = config.model_copy(update={"address": args.ray_address})
+    if flags.ray_address:
+        config = config.model_copy(update={"address": flags.ray_address})
     return config

@@ -41,14 +41,10 @@ class ReplicaEvent:
 
 class EngineReplica:
     def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
-        import torch
-
         from probserve.engine import AsyncEngine
         from probserve.engine.core.host import start_engine
 
         started = time.monotonic()
-        torch.set_num_threads(config.threads or len(os.sched_getaffinity(0)))
-
         self.engine: AsyncEngine  # set by `warm`, on the engine's thread
 
         def warm(core: EngineCore) -> None:  # the engine's own thread warms it up

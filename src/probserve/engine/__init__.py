@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from probserve.engine.client import EngineClient, RequestStream
-from probserve.engine.config import EngineConfig
+from probserve.engine.config import ClientLimits, EngineConfig
 from probserve.engine.info import EngineInfo
 from probserve.engine.types import (
     EngineDead,
@@ -46,6 +46,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AsyncEngine",
+    "ClientLimits",
     "EngineClient",
     "EngineConfig",
     "EngineCore",

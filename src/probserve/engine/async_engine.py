@@ -13,8 +13,10 @@ import logging
 import threading
 
 from probserve.engine.client import EngineClient
+from probserve.engine.config import ClientLimits, EngineConfig
 from probserve.engine.core.engine import EngineCore
 from probserve.engine.types import EngineDead, EngineRequest
+from probserve.models import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,16 @@ class AsyncEngine(EngineClient):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._snapshot = core.stats()
+
+    @classmethod
+    def over(
+        cls, loaded: LoadedModel, config: EngineConfig, limits: ClientLimits | None = None
+    ) -> AsyncEngine:
+        """An (unstarted) engine over a model its caller holds and may share (`--worker
+        inline`, `probserve generate`, tests): its source weights stay where they are."""
+        limits = limits or ClientLimits()
+        core = EngineCore(loaded, config)
+        return cls(core, max_pending=limits.max_queued, stall_timeout=limits.engine_stall_timeout)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:

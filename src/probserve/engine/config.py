@@ -1,4 +1,6 @@
-"""Engine settings: each field is a `probserve serve` flag of the same name (probserve.flags)."""
+"""Engine settings (`EngineConfig`: how the engine runs; `ClientLimits`: what its client in the
+API process enforces): each field is a `probserve serve` flag of the same name
+(probserve.flags)."""
 
 from __future__ import annotations
 
@@ -60,3 +62,13 @@ class EngineConfig:
         if self.runner == "hf" or not self.deterministic:
             return "float32"
         return self.weights
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """Enforced by the engine's client (a worker's, an inline engine's, a Ray replica's)."""
+
+    max_queued: int = setting(1024, "engine requests queued or running; past it new ones get 429")
+    engine_stall_timeout: float = setting(
+        120.0, "seconds one engine step may run before /health reports the engine stuck (503)"
+    )

@@ -65,15 +65,6 @@ def follow_parent(parent: int) -> bool:
     return os.getppid() == parent
 
 
-def configure_threads(threads: int) -> int:
-    """The engine's torch threads, fixed for the life of the process (0: one per usable core)."""
-    import torch
-
-    n = threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(n)
-    return n
-
-
 class Worker:
     def __init__(
         self, core: EngineCore, commands: zmq.Socket, events: zmq.Socket, parent: int
@@ -135,7 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("the server (pid %d) was gone before this worker started: exiting", parent)
         return 0
     config = EngineConfig(**json.loads(args.config))
-    threads = configure_threads(config.threads)
     ctx = zmq.Context()
     commands = ctx.socket(zmq.PULL)
     events = ctx.socket(zmq.PUSH)
@@ -151,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = start_engine(args.model, config)
         worker = Worker(engine.core, commands, events, parent)
         elapsed = time.monotonic() - started
-        log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, threads)
+        log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, engine.threads)
         hello = wire.Hello(
             info=engine.core.info,
             model=engine.source.directory,

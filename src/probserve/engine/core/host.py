@@ -1,11 +1,13 @@
-"""Starting an engine where it will run (the worker process, a Ray replica): the model loaded as
-the configuration asks, its `EngineCore` built and warmed up on the thread that steps it, and
-the source weights released once the runner holds its own copy. One place, so every host
-starts an engine the same way."""
+"""Starting an engine in a process of its own (the worker process, a Ray replica): the torch
+threads fixed, the model loaded as the configuration asks, its `EngineCore` built and warmed up
+on the thread that steps it, and the source weights released once the runner holds its own
+copy. One place, so both hosts start an engine the same way (an engine inside the server's
+process, over a model its caller holds: `AsyncEngine.over`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +24,17 @@ class StartedEngine:
     core: EngineCore
     source: ModelSource  # what was loaded (a GGUF file: its metadata directory)
     tokenizer_class: str  # loader.tokenizer_class: the API side loads the same class
+    threads: int  # torch threads of this process
     seconds: float  # from the call to ready
+
+
+def configure_threads(threads: int) -> int:
+    """The engine's torch threads, fixed for the life of the process (0: one per usable core)."""
+    import torch
+
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    return n
 
 
 def start_engine(
@@ -32,6 +44,7 @@ def start_engine(
     the thread that will step it; an AsyncEngine's start does it on its own thread), then drop
     the transformers model and the file's blocks: the runner holds what it needs."""
     started = time.monotonic()
+    threads = configure_threads(config.threads)
     source = prepared_source(spec)
     loaded = load_source(source, config.weights_to_load())
     core = EngineCore(loaded, config)
@@ -40,4 +53,4 @@ def start_engine(
     core.runner.release_source_weights()
     tokenizer = tokenizer_class(loaded.tokenizer)
     loaded.model = loaded.weights = None
-    return StartedEngine(core, source, tokenizer, time.monotonic() - started)
+    return StartedEngine(core, source, tokenizer, threads, time.monotonic() - started)
