@@ -18,12 +18,7 @@ from probserve.engine import (
     SamplingParams,
 )
 from probserve.flags import add_args, from_args, setting
-from probserve.models import DEFAULT_MODEL, ModelLoadError, load_model
-
-_MODEL = (
-    "smollm2-135m-instruct (embedded, default), a local HF directory, a .gguf file, or a hub "
-    "id such as org/name"
-)
+from probserve.models import DEFAULT_MODEL, MODEL_HELP, ModelLoadError, load_model
 
 
 @dataclass(frozen=True)
@@ -31,7 +26,7 @@ class GenerateFlags:
     """`probserve generate`'s flags (the engine's too: EngineConfig)."""
 
     prompt: str = setting("", "the prompt to complete", positional=True)
-    model: str = setting(DEFAULT_MODEL, _MODEL)
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
     max_tokens: int = setting(16, "tokens to generate at most")
     temperature: float = setting(0.0, "0: greedy")
     top_p: float = setting(1.0, "nucleus sampling's probability mass")
@@ -46,7 +41,7 @@ class GenerateFlags:
 class ExportFlags:
     """`probserve export`'s flags."""
 
-    model: str = setting(DEFAULT_MODEL, _MODEL)
+    model: str = setting(DEFAULT_MODEL, MODEL_HELP)
     directory: str = setting("", "where to write the HF directory", positional=True)
 
 

@@ -31,6 +31,7 @@ from probserve.engine import (
 from probserve.flags import add_args, from_args, setting
 from probserve.models import (
     DEFAULT_MODEL,
+    MODEL_HELP,
     LoadedModel,
     ModelLoadError,
     ModelSource,
@@ -42,10 +43,6 @@ from probserve.models import (
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "PROBSERVE_API_KEY"
-_MODEL_HELP = (
-    "smollm2-135m-instruct (embedded, the default), a local HF directory, a .gguf file, or a "
-    "hub id such as org/name"
-)
 
 
 @dataclass(frozen=True)
@@ -54,7 +51,7 @@ class ServeFlags:
     are the API's (ServerConfig and its limits), the engine clients' and the engine's."""
 
     model: tuple[str, ...] = setting(
-        (), f"a model to serve (repeat for several, each in its own engine worker): {_MODEL_HELP}"
+        (), f"a model to serve (repeat for several, each in its own engine worker): {MODEL_HELP}"
     )
     served_model_name: tuple[str, ...] = setting(
         (), "the name clients use for the model of the same position (it also answers to its own)"

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         worker.serve()
         return 0
     except BaseException as exc:
-        from probserve.models.loader import ModelLoadError
+        from probserve.models.sources import ModelLoadError
 
         if isinstance(exc, ModelLoadError):  # the user's model, not a bug: one line
             reason = str(exc)

