@@ -23,6 +23,12 @@ same-run A/B of its own settings; the first variant is the base of every ratio:
 
     .venv/bin/python bench/race.py --peers --variant off=--no-deterministic \
         --variant deterministic=--deterministic
+
+`--tree LABEL=DIR` (repeatable) adds a probserve of another checkout (its `src/` first on
+PYTHONPATH, for the server and its workers), after this tree's, for a same-run A/B of two
+commits (`git worktree add /tmp/before COMMIT`):
+
+    .venv/bin/python bench/race.py --peers --no-sweep --alternate 2 --tree before=/tmp/before
 """
 
 from __future__ import annotations
@@ -168,17 +174,23 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 
 
 def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
-    variants = [v.split("=", 1) for v in args.variant] or [["", ""]]
+    variants = [v.split("=", 1) for v in args.variant] or [["now" if args.tree else "", ""]]
+    here = [str(Path(sys.executable).parent / "probserve")]
+    # (label, the command that runs `probserve`, flags): this tree's variants, then other trees
+    runs = [(label, here, flags) for label, flags in variants] + [
+        (label, ["env", f"PYTHONPATH={Path(tree).resolve() / 'src'}", sys.executable, "-m",
+                 "probserve.cli"], "")
+        for label, tree in (t.split("=", 1) for t in args.tree)
+    ]  # fmt: skip
     servers = [
         Server(
             f"probserve ({label})" if label else "probserve",
-            [str(Path(sys.executable).parent / "probserve"), "serve", "--port", str(8020 + i),
-             "--log-level", "warning", *model_flags(args), *args.probserve_args.split(),
-             *flags.split()],
+            [*exe, "serve", "--port", str(8020 + i), "--log-level", "warning",
+             *model_flags(args), *args.probserve_args.split(), *flags.split()],
             8020 + i, "bench" if args.model else "smollm2-135m-instruct",
             logs / f"probserve{i}.log",
         )
-        for i, (label, flags) in enumerate(variants)
+        for i, (label, exe, flags) in enumerate(runs)
     ]  # fmt: skip
     if "vllm" in args.peers:
         cmd = ["bash", str(PEERS / "vllm_cpu.sh"), hf_dir, "8012"]
@@ -284,6 +296,8 @@ def main() -> None:
     ap.add_argument("--probserve-args", default="", help="extra flags for probserve serve")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                     help="run probserve once per variant with these extra flags")  # fmt: skip
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
+                    help="also run the probserve of another checkout")  # fmt: skip
     ap.add_argument("--no-scoring", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--logs", default="/tmp/probserve-race")
@@ -346,12 +360,13 @@ PAUSE = 3.0  # seconds between alternated rounds
 
 
 def alternate(args: argparse.Namespace, pools: dict, logs: Path, hf_dir: str, scoring: bool) -> str:
-    """Rounds of one workload, server after server, with every server up at once (idle while
-    another is measured): a ratio that the machine's drift over the sweep (minutes apart)
-    cannot move. One stream (`--alternate`): vLLM sits out (it takes minutes to start, and the
-    sweep has its one-stream figure). Scoring (`--alternate-scoring`): llama-server sits out (no
-    prompt logprobs); each round's 64 prompts are new to every server, so no prefix cache
-    helps, and every server scores the same ones."""
+    """Rounds of one workload, server after server (the order reversed every other round,
+    after one unmeasured request each), with every server up at once (idle while another is
+    measured): a ratio that the machine's drift over the sweep (minutes apart) cannot move.
+    One stream (`--alternate`): vLLM sits out (it takes minutes to start, and the sweep has its
+    one-stream figure). Scoring (`--alternate-scoring`): llama-server sits out (no prompt
+    logprobs); each round's 64 prompts are new to every server, so no prefix cache helps, and
+    every server scores the same ones."""
     rounds = args.alternate_scoring if scoring else args.alternate
     skip = "llama-server" if scoring else "vllm-cpu"
     servers = [s for s in build_servers(args, hf_dir, logs) if s.name != skip]
@@ -360,8 +375,12 @@ def alternate(args: argparse.Namespace, pools: dict, logs: Path, hf_dir: str, sc
     try:
         for server in servers:
             server.start()
+        for server in servers:  # a first request each, unmeasured: no round pays a warm-up
+            asyncio.run(run_level(server.url, server.model, pools["unrelated"][:1], 1, 16, None,
+                                  args.timeout))  # fmt: skip
         for r in range(rounds):
-            for server in servers:
+            # A B, then B A: neither server always runs first (or right after the other)
+            for server in servers if r % 2 == 0 else servers[::-1]:
                 time.sleep(PAUSE)  # the last server's threads stop spinning (llama's --poll)
                 before = {s.name: sum(tree_cpu_seconds(s.proc.pid).values()) for s in servers}  # type: ignore[union-attr]
                 if scoring:

@@ -12,7 +12,7 @@ import numpy as np
 
 
 class LogprobsMode(enum.StrEnum):
-    """Which distribution logprobs describe (see ../shared/spec/logprobs-contract.md).
+    """Which distribution logprobs describe (docs/logprobs.md).
 
     RAW: log_softmax of the model's logits. PROCESSED: log_softmax of the distribution actually
     sampled from, after logit_bias, penalties, temperature and top-k/top-p/min-p (masked: -inf).

@@ -16,9 +16,10 @@ from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.runners.choice import Runner, choose_runner
-from probserve.engine.core.sampler import SamplerRow, sample
+from probserve.engine.core.sampler import SamplerResult, SamplerRow, sample
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.info import EngineInfo, validate
 from probserve.engine.types import (
     EngineOutput,
@@ -143,20 +144,33 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
+        """Schedule, run, sample, update."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            return outputs
+            return []
         run = self.runner.run(chunks)
         self.scheduler.computed(chunks)
+        to_sample, prompt_scores, outputs = self._scored(chunks, run)
+        if not to_sample:
+            return outputs
+        rows = [self._sampler_row(seq) for seq in to_sample]
+        result = sample(run.sample_logits, rows, self.runner.row_math)
+        return outputs + self._update(to_sample, result, prompt_scores)
+
+    def _scored(
+        self, chunks: list[Chunk], run: RunOutput
+    ) -> tuple[list[Sequence], dict[str, TokenLogprobs], list[EngineOutput]]:
+        """Each chunk's prompt scores collected; the sequences to sample (in the runner's row
+        order), their prompt scores when complete, and the outputs of score-only sequences
+        whose prompt is done."""
         to_sample: list[Sequence] = []
         prompt_scores: dict[str, TokenLogprobs] = {}
+        outputs: list[EngineOutput] = []
         for ch in chunks:
             seq = ch.seq
-            prompt_lp = prompt_scoring.collect(
-                ch, run.prompt_rows.get(seq.request_id), self.runner.row_math
-            )
-            if seq.request.sampling.max_tokens == 0:
+            rows = run.prompt_rows.get(seq.request_id)
+            prompt_lp = prompt_scoring.collect(ch, rows, self.runner.row_math)
+            if seq.score_only:
                 if ch.end >= seq.num_tokens:
                     self.scheduler.finish(seq)
                     outputs.append(
@@ -166,11 +180,17 @@ class EngineCore:
                 to_sample.append(seq)
                 if prompt_lp is not None:
                     prompt_scores[seq.request_id] = prompt_lp
-        if not to_sample:
-            return outputs
-        rows = [self._sampler_row(seq) for seq in to_sample]
-        result = sample(run.sample_logits, rows, self.runner.row_math)
-        for j, seq in enumerate(to_sample):
+        return to_sample, prompt_scores, outputs
+
+    def _update(
+        self,
+        sampled: list[Sequence],
+        result: SamplerResult,
+        prompt_scores: dict[str, TokenLogprobs],
+    ) -> list[EngineOutput]:
+        """Each sampled token appended (finishing its sequence on a stop id or its length)."""
+        outputs: list[EngineOutput] = []
+        for j, seq in enumerate(sampled):
             error = result.errors[j]
             if error is not None:
                 outputs.append(self._fail(seq, error))

@@ -66,6 +66,11 @@ class Sequence:
         return self.request.group or self.request.request_id
 
     @property
+    def score_only(self) -> bool:
+        """max_tokens 0: the prompt is scored, nothing is generated (echo, /v1/distributions)."""
+        return self.request.sampling.max_tokens == 0
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 

@@ -28,7 +28,7 @@ class Chunk:
     @property
     def samples(self) -> bool:
         """The chunk reaches the sequence's last token: its logits row is sampled."""
-        return self.end == self.seq.num_tokens and self.seq.request.sampling.max_tokens != 0
+        return self.end == self.seq.num_tokens and not self.seq.score_only
 
 
 @dataclass
