@@ -129,6 +129,9 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {msg}", None)
+        if first.get("type") == "extra_forbidden":  # never ignored: OpenAI's 400 for it
+            msg = f"{param} is not a field this server implements (docs/logprobs.md lists them)"
+            return error_response(400, msg, param, "unknown_parameter")
         where = f" ({param})" if param else ""
         return error_response(400, f"{msg}{where}", param)
 

@@ -90,7 +90,9 @@ class Candidate:
                 if self.text.stopped:
                     finish = "stop"
                 elif out.finished:
-                    finish = "stop" if out.finish_reason == FinishReason.STOP else "length"
+                    # OpenAI's "stop": a stop token, or a grammar complete
+                    stopped = out.finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
+                    finish = "stop" if stopped else "length"
                 pieces = self.text.release(final=finish is not None)
                 self.pieces += pieces
                 if pieces or finish or (first and self.prompt_scores is not None):

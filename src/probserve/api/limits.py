@@ -51,6 +51,10 @@ class Limits:
     max_messages: int = setting(512, "messages per chat request")
     max_message_chars: int = setting(1_000_000, "characters in all messages of a chat request")
     max_prompt_chars: int = setting(1_000_000, "characters in a request's text prompts")
+    max_grammar_chars: int = setting(
+        65_536, "characters of a structured output's schema (as JSON), regex, grammar or choices"
+    )
+    max_grammar_choices: int = setting(1024, "strings of a structured output's choice")
     request_timeout: float = setting(600.0, "seconds before a request is aborted (0: never)")
 
     def check_sequences(self, prompts: int, per_prompt: int, param: str) -> None:

@@ -108,6 +108,8 @@ class LogprobsFormatter:
             if lp.processed is not None:
                 entry.processed_logprob = finite(lp.processed.logprobs[j])
                 entry.processed_top_logprobs = self._tops(lp.processed, j, k)
+            if lp.constraint_logmass is not None:
+                entry.constraint_logmass = finite(lp.constraint_logmass[j])
             entries.append(entry)
         return entries
 
@@ -158,13 +160,15 @@ class _Extras:
         self.entropy: list[float | None] = []
         self.proc_values: list[float | None] = []
         self.proc_tops: list[dict[str, float] | None] = []
-        self.has_targets = self.has_entropy = self.has_processed = False
+        self.logmass: list[float | None] = []
+        self.has_targets = self.has_entropy = self.has_processed = self.has_logmass = False
 
     def add_empty(self) -> None:
         self.targets.append(None)
         self.entropy.append(None)
         self.proc_values.append(None)
         self.proc_tops.append(None)
+        self.logmass.append(None)
 
     def add(self, lp: TokenLogprobs, j: int, processed_top: dict[str, float] | None) -> None:
         if lp.target_logprobs is not None:
@@ -189,6 +193,11 @@ class _Extras:
         else:
             self.proc_values.append(None)
             self.proc_tops.append(None)
+        if lp.constraint_logmass is not None:
+            self.used = self.has_logmass = True
+            self.logmass.append(finite(lp.constraint_logmass[j]))
+        else:
+            self.logmass.append(None)
 
     def fill(self, out: CompletionLogprobs) -> CompletionLogprobs:
         if self.has_targets:
@@ -199,4 +208,6 @@ class _Extras:
             out.processed = ProcessedLogprobs.model_construct(
                 token_logprobs=self.proc_values, top_logprobs=self.proc_tops
             )
+        if self.has_logmass:
+            out.constraint_logmass = self.logmass
         return out

@@ -2,7 +2,9 @@
 
 Field names and types follow OpenAI's API reference. Vendor fields vLLM users send are accepted
 too (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, logprobs_mode,
-prompt_logprobs, skip_special_tokens). Unknown fields are ignored, as OpenAI-compatible servers do.
+prompt_logprobs, skip_special_tokens, structured_outputs and the older guided_*). A field this
+server does not implement is a 400 naming it, as OpenAI answers unknown arguments: never
+silently ignored (docs/logprobs.md lists the few accepted with no effect).
 """
 
 from __future__ import annotations
@@ -91,8 +93,38 @@ ShortIds = Annotated[list[int], _bounded(MAX_ITEMS)]  # stop, target and label i
 
 
 class _Request(BaseModel):
-    # JSON's non-standard NaN/Infinity literals are refused: every float is finite
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # JSON's non-standard NaN/Infinity literals are refused: every float is finite; a field
+    # this server does not implement is refused, never ignored
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+JsonValue = Annotated[Any, AfterValidator(_json_utf8)]  # bounded in size and depth
+
+
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema` (and the Responses API's `text.format`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: Text = "response"
+    description: Text | None = None
+    schema_: JsonValue = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a choice of strings or a
+    grammar (Lark, llguidance's dialect; GBNF is converted)."""
+
+    json_: JsonValue = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Texts | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
 
 
 class StreamOptions(BaseModel):
@@ -113,7 +145,17 @@ class SamplingFields(_Request):
     stop: Text | Texts | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted with no effect (docs/logprobs.md): who asked, and what OpenAI would keep
     user: Text | None = None
+    metadata: Annotated[dict[Text, Text], _entries(MAX_FEW)] | None = None
+    store: Literal[False] | None = None  # nothing is stored: store true is a 400
+    # structured outputs (api/plans/grammar.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonValue = None
+    guided_regex: Text | None = None
+    guided_choice: Texts | None = None
+    guided_grammar: Text | None = None
     # vendor extensions (vLLM's names)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -150,6 +192,12 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
     content: Text | Annotated[list[TextPart], _bounded(MAX_ITEMS)] | None = None
     name: Text | None = None
+    # what an SDK sends back with an assistant message it received: accepted when empty
+    refusal: None = None
+    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
+    function_call: None = None
+    audio: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -211,6 +259,7 @@ class CompletionLogprobs(BaseModel):
     target_logprobs: list[dict[str, float] | None] | None = Extension()  # id -> logprob
     entropy: list[float | None] | None = Extension()
     processed: ProcessedLogprobs | None = Extension()
+    constraint_logmass: list[float | None] | None = Extension()  # a grammar's requests
 
 
 class CompletionChoice(BaseModel):
@@ -252,6 +301,7 @@ class ChatLogprobEntry(TopLogprob):
     entropy: float | None = Extension()
     processed_logprob: float | None = Extension()
     processed_top_logprobs: list[TopLogprob] | None = Extension()
+    constraint_logmass: float | None = Extension()  # a grammar's requests
 
 
 class ChatLogprobs(BaseModel):
@@ -415,6 +465,17 @@ class InputMessage(_Request):
     content: Text | Annotated[list[InputText], _bounded(MAX_ITEMS)]
 
 
+class ResponseTextFormat(JsonSchemaFormat):
+    """The Responses API's `text.format`: text, json_object, or a json_schema inline."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class ResponseText(_Request):
+    format: ResponseTextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the one a model without the notion has
+
+
 class ResponsesRequest(SamplingFields):
     input: Text | Annotated[list[InputMessage], _bounded(MAX_ITEMS)]
     instructions: Text | None = None
@@ -422,10 +483,8 @@ class ResponsesRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0)
     include: Annotated[list[Text], _bounded(MAX_FEW)] | None = None
     previous_response_id: Text | None = None
-    store: bool | None = None
     tools: Annotated[list[dict[str, Any]], _bounded(MAX_FEW)] | None = None
-    text: Annotated[dict[str, Any], _entries(MAX_FEW)] | None = None
-    metadata: Annotated[dict[Text, Text], _entries(MAX_FEW)] | None = None
+    text: ResponseText | None = None
 
 
 class ResponseOutputText(BaseModel):

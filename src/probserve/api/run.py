@@ -57,7 +57,10 @@ class Run:
             for c, sampling in enumerate(plan.sampling):
                 rid = EngineClient.new_request_id(self.prefix)
                 spec = sibling if c else plan.spec
-                requests.append(EngineRequest(rid, tuple(prompt.ids), sampling, spec, self.id))
+                ids = tuple(prompt.ids)
+                requests.append(
+                    EngineRequest(rid, ids, sampling, spec, self.id, grammar=plan.grammar)
+                )
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)
         self.candidates = [

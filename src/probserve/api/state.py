@@ -8,6 +8,7 @@ that request works with (the model's engine and tables, the server's config and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from probserve.api.errors import APIError
 from probserve.api.limits import HttpLimits, Limits
@@ -15,6 +16,7 @@ from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.metrics import Metrics
 from probserve.api.tokens import TokenTable
 from probserve.engine import ClientLimits, EngineClient, LogprobsMode
+from probserve.engine.grammar import llguidance_tokenizer
 from probserve.flags import setting
 from probserve.models import LoadedModel
 
@@ -53,10 +55,20 @@ class ServedModel:
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
     restarting: str | None = field(default=None, init=False)  # why, while a restart runs
+    _grammar_tokenizer: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer, built on the first structured output (blocking:
+        a fraction of a second; a race builds it twice, harmlessly)."""
+        if self._grammar_tokenizer is None:
+            eos = sorted(self.loaded.eos_token_ids)
+            tok = llguidance_tokenizer(self.loaded.tokenizer, self.loaded.vocab_size, eos)
+            self._grammar_tokenizer = tok
+        return self._grammar_tokenizer
 
     @property
     def name(self) -> str:

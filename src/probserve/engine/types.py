@@ -25,7 +25,8 @@ class LogprobsMode(enum.StrEnum):
 
 
 class FinishReason(enum.StrEnum):
-    STOP = "stop"  # an EOS or stop token id was generated
+    STOP = "stop"  # an EOS or stop token id was generated (the last token: that id)
+    GRAMMAR = "grammar"  # the request's grammar is complete (the last token is its last)
     LENGTH = "length"  # max_tokens (or the context) reached
     ERROR = "error"  # the engine failed this request
 
@@ -99,6 +100,9 @@ class EngineRequest:
     # requests of one group (the candidates of one API request) share the batch fairly with
     # other groups: no group can hold every running slot while another waits ("": its own id)
     group: str = ""
+    # constrained decoding: an llguidance grammar (its JSON form; the client compiled and
+    # checked it, the engine checks it again); the sampled tokens are those it allows
+    grammar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class TokenLogprobs:
     entropy: np.ndarray | None = None  # float32 [n], nats
     processed: TokenLogprobs | None = None  # mode BOTH: the processed figures, same rows
     full: np.ndarray | None = None  # float32 [m, V]: the rows of LogprobsSpec.full_positions
+    # a grammar's requests: log of the raw probability mass of the tokens it allowed [n]
+    constraint_logmass: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -137,6 +143,7 @@ class TokenLogprobs:
             target_ids=self.target_ids,
             entropy=cut(self.entropy),
             processed=None if self.processed is None else self.processed.row(j, k),
+            constraint_logmass=cut(self.constraint_logmass),
         )
 
     @staticmethod
@@ -155,6 +162,7 @@ class TokenLogprobs:
             target_ids=parts[0].target_ids,
             entropy=cat([p.entropy for p in parts]),
             full=cat([p.full for p in parts]),
+            constraint_logmass=cat([p.constraint_logmass for p in parts]),
             processed=None if processed[0] is None else TokenLogprobs.concat(processed),  # type: ignore[arg-type]
         )
 

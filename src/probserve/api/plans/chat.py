@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from probserve.api.errors import bad_request
+from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
@@ -30,6 +31,7 @@ async def chat_plan(
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
+    asked = grammar_ask(body)
     sampling = candidate_params(body, max_tokens, state.loaded.vocab_size, body.n)
     dicts = check_messages(limits, messages)
     kwargs = check_template_kwargs(template_kwargs)
@@ -37,7 +39,8 @@ async def chat_plan(
         chat_prompt, state.loaded, state.table, dicts, add_generation_prompt, kwargs, echo,
         continue_final,
     )  # fmt: skip
-    return Plan([prompt], sampling, ask.spec(), stops, body.skip_special_tokens)
+    grammar = await compiled_grammar(state, asked)
+    return Plan([prompt], sampling, ask.spec(), stops, body.skip_special_tokens, grammar=grammar)
 
 
 def chat_ask(state: Serving, body: ChatCompletionRequest) -> LogprobsAsk:

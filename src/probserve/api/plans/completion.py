@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probserve.api.errors import bad_request
+from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
@@ -56,6 +57,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
         limits.check_sequences(len(body.prompt), best_of, "prompt")
     limits.check_sequences(1, best_of, "best_of" if body.best_of else "n")
     stops = check_request(body, limits)
+    asked = grammar_ask(body)
     sampling = candidate_params(body, body.max_tokens, state.loaded.vocab_size, best_of)
     prompts = completion_id_lists(body.prompt)
     if isinstance(prompts[0], str):
@@ -63,7 +65,6 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     built = await off_loop(
         build_completion_prompts, state.loaded, state.table, prompts, state.engine.info.max_context
     )
-    plan = Plan(
-        built, sampling, ask.spec(), stops, body.skip_special_tokens, offsets_from_prompt=True
-    )
+    grammar = await compiled_grammar(state, asked)
+    plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
     return plan, CompletionShape(body.n, best_of, body.echo, ask)

@@ -18,6 +18,7 @@ class Plan:
     stops: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
+    grammar: str | None = None  # every candidate's tokens follow it (plans/grammar.py)
 
     @property
     def per_prompt(self) -> int:

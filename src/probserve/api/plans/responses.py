@@ -39,9 +39,6 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         )
     if body.tools:
         raise bad_request("tools are not supported", "tools")
-    fmt = (body.text or {}).get("format") or {"type": "text"}
-    if not isinstance(fmt, dict) or fmt.get("type") != "text":
-        raise bad_request("only text output is supported (text.format.type: text)", "text.format")
     if body.n != 1:
         raise bad_request("n must be 1 for responses", "n")
     unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]

@@ -15,6 +15,7 @@ import logging
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
+from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
 from probserve.engine.core.sampler import SamplerResult, SamplerRow, sample
 from probserve.engine.core.scheduler import Scheduler
@@ -44,6 +45,7 @@ class EngineCore:
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
         self.eos_ids = loaded.eos_token_ids
+        self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_ids)
         num_blocks = self.choice.num_blocks
         # the runner (weights packed, KV cache allocated) is built by the thread that steps the
         # engine: torch runs markedly slower on a thread other than the one that first used it
@@ -112,7 +114,10 @@ class EngineCore:
         stop = set(sp.stop_token_ids)
         if not sp.ignore_eos:
             stop |= self.eos_ids
-        self.scheduler.add(Sequence(req, max_total, frozenset(stop)))
+        seq = Sequence(req, max_total, frozenset(stop))
+        if req.grammar is not None:
+            seq.matcher = self.grammars.matcher(req.grammar)
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Drop the request (its caller has stopped listening: nothing is sent for it)."""
@@ -196,7 +201,15 @@ class EngineCore:
                 outputs.append(self._fail(seq, error))
                 continue
             token = int(result.token_ids[j])
+            matcher = seq.matcher
+            consumed = matcher is None or token in seq.stop_ids or matcher.consume_token(token)
+            if not consumed:
+                outputs.append(self._fail(seq, f"the grammar: {matcher.get_error()}"))
+                continue
             finish = self.scheduler.append_token(seq, token)
+            if finish is None and matcher is not None and matcher.is_stopped():
+                self.scheduler.finish(seq)  # the grammar is complete: nothing more may follow
+                finish = FinishReason.GRAMMAR
             outputs.append(
                 self._output(
                     seq,
@@ -255,6 +268,9 @@ class EngineCore:
             prompt_ids=seq.prompt_tensor,
             output_ids=seq.output_ids,
             stop_ids=seq.stop_ids,
+            allowed=None
+            if seq.matcher is None
+            else self.grammars.allowed(seq.matcher, seq.stop_ids),
         )
 
     @staticmethod

@@ -11,8 +11,10 @@ Processors apply in this order (each only when the request asks for it):
 
 Sampling draws one uniform number from a per-request `torch.Generator` and inverts the row's
 cumulative distribution, so a seeded request gives the same tokens whatever else shares the batch.
-Logprobs are raw (log_softmax of the model's logits) or processed (log_softmax of the final
-distribution; masked tokens -inf), per request.
+A grammar's mask (core/grammar.py) comes before every processor: the tokens it does not allow
+are -inf. Logprobs are raw (log_softmax of the model's logits, grammar or not) or processed
+(log_softmax of the final distribution, grammar included; masked tokens -inf), per request;
+a grammar's rows also carry `constraint_logmass`, the log of the raw mass it allowed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ class SamplerRow:
     prompt_ids: torch.Tensor  # int64 [p]
     output_ids: Sequence[int]
     stop_ids: frozenset[int]  # ids min_tokens holds back (EOS unless ignored, stop_token_ids)
+    allowed: torch.Tensor | None = None  # bool [V]: what a grammar allows next (None: no grammar)
+
+    @property
+    def needs_processing(self) -> bool:
+        return self.allowed is not None or self.params.needs_processing
 
 
 @dataclass
@@ -93,6 +100,10 @@ def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
     """The processed logits of one row (a new tensor; `logits` is left as it is)."""
     p = row.params
     out = logits.clone()
+    if row.allowed is not None:  # the grammar first: the rest processes what it allows
+        if not bool(row.allowed.any()):
+            raise ValueError("the grammar allows no token here")
+        out.masked_fill_(~row.allowed, float("-inf"))
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
         out.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=out.dtype))
@@ -136,7 +147,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
     processed: list[torch.Tensor] = []
     chosen = torch.zeros(len(rows), dtype=torch.long)
     # greedy rows without processors: one argmax for all of them (ties: the lowest id, as per row)
-    plain = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.needs_processing]
+    plain = [i for i, r in enumerate(rows) if r.params.greedy and not r.needs_processing]
     plain = [i for i in plain if not bad[i]]
     if plain:
         chosen[plain] = torch.argmax(logits[plain], dim=1)
@@ -148,7 +159,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
         try:
             if bad[i]:
                 raise FloatingPointError("the model produced NaN logits")
-            proc = process_row(logits[i], row) if row.params.needs_processing else logits[i]
+            proc = process_row(logits[i], row) if row.needs_processing else logits[i]
             chosen[i] = _choose(row, proc)
         except Exception as exc:  # one request's failure must not fail the batch
             errors[i] = f"{type(exc).__name__}: {exc}"
@@ -166,12 +177,28 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
     for i in ok:
         mode = specs[i].mode
         if mode == LogprobsMode.RAW:
-            results[i] = raw[i]
+            result = raw[i]
         elif mode == LogprobsMode.PROCESSED:
-            results[i] = proc_lp[i]
+            result = proc_lp[i]
         else:
-            results[i] = dataclasses.replace(raw[i], processed=proc_lp[i])
+            result = dataclasses.replace(raw[i], processed=proc_lp[i])
+        allowed = rows[i].allowed
+        if allowed is not None:
+            mass = constraint_logmass(math, logits[i], allowed)
+            result = dataclasses.replace(result, constraint_logmass=mass)
+        results[i] = result
     return SamplerResult(token_ids=chosen.numpy().copy(), logprobs=results, errors=errors)
+
+
+def constraint_logmass(math: RowMath, logits: torch.Tensor, allowed: torch.Tensor) -> np.ndarray:
+    """float32 [1]: log of the raw distribution's mass on the tokens a grammar allowed (0: it
+    allowed them all), from the row's log-softmax through `math` (row-invariant where its
+    kernels are)."""
+    lsm = math.log_softmax(logits.unsqueeze(0))[0]
+    if bool(allowed.all()):
+        return np.zeros(1, dtype=np.float32)
+    mass = torch.logsumexp(lsm[allowed].double(), dim=0).float()
+    return np.array([min(float(mass), 0.0)], dtype=np.float32)
 
 
 def _nan_rows(logits: torch.Tensor) -> list[bool]:

@@ -42,6 +42,7 @@ class Sequence:
     last_block_hash: bytes | None = None
     prompt_scores: PromptScores = field(default_factory=PromptScores)
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
+    matcher: Any = None  # the grammar's llguidance matcher, at the output so far (core/grammar.py)
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first being scheduled

@@ -1,0 +1,148 @@
+"""Structured outputs: the one grammar a request asks for, from whichever field it used
+(OpenAI's `response_format`, the Responses API's `text.format`, vLLM's `structured_outputs`
+or its older `guided_*`), compiled to llguidance's form and checked against the model's
+tokenizer here, in the API process, before anything is queued: a bad schema, regex or grammar
+is a 400 naming its field. The engine gets the compiled grammar (EngineRequest.grammar)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from probserve.api.errors import bad_request
+from probserve.api.prompts import off_loop
+from probserve.api.protocol import JsonSchemaFormat, ResponsesRequest, SamplingFields
+from probserve.api.state import Serving
+from probserve.engine.grammar import grammar_error
+
+# JSON as models write it, one way: ", " between items, ": " after keys, no other whitespace
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarAsk:
+    """What the request asked for (`kind`: json_schema, json_object, regex, choice, grammar),
+    the field that asked (`param`), and the source before it is compiled."""
+
+    kind: str
+    param: str
+    source: Any
+
+
+def grammar_ask(body: SamplingFields) -> GrammarAsk | None:
+    """The one grammar the body asks for (None: none); two ways of asking at once is a 400."""
+    asks: list[GrammarAsk] = []
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        asks.append(_format_ask(rf.type, rf.json_schema, "response_format"))
+    if isinstance(body, ResponsesRequest) and body.text and body.text.format:
+        fmt = body.text.format
+        if fmt.type != "text":
+            asks.append(_format_ask(fmt.type, fmt, "text.format"))
+    so = body.structured_outputs
+    if so is not None:
+        given = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": so.json_object or None,
+        }
+        picked = [(k, v) for k, v in given.items() if v is not None]
+        if len(picked) != 1:
+            raise bad_request(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object",
+                "structured_outputs",
+            )
+        key, value = picked[0]
+        kind = {"json": "json_schema"}.get(key, key)
+        asks.append(GrammarAsk(kind, f"structured_outputs.{key}", value))
+    guided = {
+        "guided_json": ("json_schema", body.guided_json),
+        "guided_regex": ("regex", body.guided_regex),
+        "guided_choice": ("choice", body.guided_choice),
+        "guided_grammar": ("grammar", body.guided_grammar),
+    }
+    asks += [GrammarAsk(kind, field, v) for field, (kind, v) in guided.items() if v is not None]
+    if len(asks) > 1:
+        fields = ", ".join(a.param for a in asks)
+        raise bad_request(f"ask for one structured output, not several ({fields})", asks[1].param)
+    return asks[0] if asks else None
+
+
+def _format_ask(kind: str, schema: JsonSchemaFormat | None, param: str) -> GrammarAsk:
+    if kind == "json_object":
+        return GrammarAsk("json_object", param, {"type": "object"})
+    if schema is None or schema.schema_ is None:
+        raise bad_request(f"{param} of type json_schema needs its schema", param)
+    return GrammarAsk("json_schema", param, schema.schema_)
+
+
+def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int) -> str:
+    """The grammar in llguidance's form (the cheap size checks first)."""
+    import llguidance
+
+    source = ask.source
+    if ask.kind in ("json_schema", "json_object"):
+        if isinstance(source, str):
+            try:
+                source = json.loads(source)
+            except ValueError:
+                raise bad_request(
+                    f"{ask.param} is not a JSON schema (not JSON)", ask.param
+                ) from None
+        if not isinstance(source, (dict, bool)):
+            raise bad_request(f"{ask.param} must be a JSON schema (an object)", ask.param)
+        text = json.dumps(source)
+        _check_size(len(text), max_chars, ask.param)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+        except ValueError as exc:
+            raise bad_request(f"{ask.param}: {exc}", ask.param) from None
+    if ask.kind == "choice":
+        choices: list[str] = source
+        if not 1 <= len(choices) <= max_choices:
+            raise bad_request(
+                f"{ask.param} must hold 1 to {max_choices} strings (got {len(choices)})", ask.param
+            )
+        _check_size(sum(len(c) for c in choices), max_chars, ask.param)
+        if any(c == "" for c in choices):
+            raise bad_request(f"{ask.param} holds an empty string", ask.param)
+        # each choice a Lark string literal (JSON's escapes), duplicates once
+        alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    _check_size(len(source), max_chars, ask.param)
+    if ask.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(source)
+    if "::=" in source:  # GBNF, converted
+        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+        try:
+            source = gbnf_to_lark(source)
+        except (GbnfToLarkError, ValueError) as exc:
+            raise bad_request(f"{ask.param}: {exc}", ask.param) from None
+    lark = source
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def _check_size(chars: int, cap: int, param: str) -> None:
+    if chars > cap:
+        raise bad_request(f"{param} holds {chars} characters; the limit is {cap}", param)
+
+
+def _checked(ask: GrammarAsk, state: Serving) -> str:
+    """Compiled and checked against the model's tokenizer: blocking, run it `off_loop`."""
+    limits = state.config.limits
+    grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices)
+    error = grammar_error(grammar, state.model.grammar_tokenizer())
+    if error:
+        raise bad_request(f"{ask.param}: {error.strip()[:2000]}", ask.param)
+    return grammar
+
+
+async def compiled_grammar(state: Serving, ask: GrammarAsk | None) -> str | None:
+    """The grammar the engine gets (None: the request asked for none)."""
+    if ask is None:
+        return None
+    return await off_loop(_checked, ask, state)

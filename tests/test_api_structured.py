@@ -1,0 +1,190 @@
+"""Structured outputs over HTTP: every way of asking (OpenAI's response_format, the Responses
+API's text.format, vLLM's structured_outputs and guided_*), the openai SDK's parse helpers,
+logprobs that name their distribution against the reference, hostile grammars, and no field
+silently ignored."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+from reference import full_logprobs
+
+from probserve.api.plans.grammar import GrammarAsk, compile_grammar
+from probserve.engine.core.grammar import Grammars
+from probserve.models import LoadedModel
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+LABELS = ["sports", "politics", "science", "music", "cooking"]
+
+
+def _err(r, param: str) -> dict:  # type: ignore[no-untyped-def]
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    return error
+
+
+def test_unknown_fields_are_400s_naming_them(http):
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    error = _err(http.post("/v1/completions", json={**base, "frobnicate": 1}), "frobnicate")
+    assert error["code"] == "unknown_parameter"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    _err(http.post("/v1/chat/completions", json={**chat, "tools": []}), "tools")
+    _err(http.post("/v1/chat/completions", json={**chat, "store": True}), "store")
+    message = {"role": "user", "content": "Hi", "tool_call_id": "x"}
+    _err(
+        http.post("/v1/chat/completions", json={**chat, "messages": [message]}),
+        "messages[0].tool_call_id",
+    )
+    _err(http.post("/v1/responses", json={"model": MODEL, "input": "Hi", "modalities": []}),
+         "modalities")  # fmt: skip
+    # accepted with no effect, and said so in docs/logprobs.md
+    ok = {**chat, "user": "u1", "metadata": {"k": "v"}, "store": False}
+    ok["messages"] = [*chat["messages"], {"role": "assistant", "content": "Hello",
+                                          "refusal": None, "tool_calls": None}]  # fmt: skip
+    assert http.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=12)
+    age: int
+
+
+def test_sdk_parse_helpers(client: openai.OpenAI):
+    messages = [{"role": "user", "content": "Describe a person called Ada, aged 36, as JSON."}]
+    done = client.chat.completions.parse(
+        model=MODEL, messages=messages, response_format=Person, temperature=0, max_tokens=60
+    )
+    person = done.choices[0].message.parsed
+    assert isinstance(person, Person) and len(person.name) <= 12
+    reply = client.responses.parse(
+        model=MODEL, input=messages[0]["content"], text_format=Person, temperature=0,
+        max_output_tokens=60,
+    )  # fmt: skip
+    assert isinstance(reply.output_parsed, Person)
+
+
+def test_every_way_of_asking_gives_the_same_constrained_answer(http):
+    body = {"model": MODEL, "prompt": "Topic of 'the match ended 2-1':", "max_tokens": 8,
+            "temperature": 0}  # fmt: skip
+    asks = [
+        {"structured_outputs": {"choice": LABELS}},
+        {"guided_choice": LABELS},
+        {"structured_outputs": {"regex": "|".join(LABELS)}},
+        {"guided_grammar": "start: " + " | ".join(json.dumps(x) for x in LABELS)},
+        {"guided_grammar": "root ::= " + " | ".join(json.dumps(x) for x in LABELS)},  # GBNF
+    ]
+    texts = set()
+    for ask in asks:
+        r = http.post("/v1/completions", json={**body, **ask})
+        assert r.status_code == 200, (ask, r.text)
+        texts.add(r.json()["choices"][0]["text"])
+    assert len(texts) == 1 and texts.pop() in LABELS
+    chat = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Give me a JSON object."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": {"type": "json_object"},
+    }
+    answer = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    content = answer["message"]["content"]
+    assert content.startswith("{")  # an object, complete when the grammar ended it
+    if answer["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+def test_choice_logprobs_name_their_distribution(http, smol: LoadedModel):
+    """`both`: raw is the model's own row, processed the row masked to what the grammar allows
+    and renormalised; constraint_logmass the raw mass allowed (every token that starts a
+    label: "m", "mu", "music"...), so processed = raw - constraint_logmass."""
+    prompt = smol.tokenizer("Article: the orchestra played Mahler. Topic:").input_ids
+    body = {
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 5,
+        "logprobs_mode": "both", "structured_outputs": {"choice": LABELS},
+    }  # fmt: skip
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] in LABELS
+    lp = choice["logprobs"]
+    ids = smol.tokenizer(choice["text"], add_special_tokens=False).input_ids
+    rows = full_logprobs(smol.model, [*prompt, *ids])
+    first = rows[len(prompt) - 1]
+    grammars = Grammars(smol.tokenizer, smol.vocab_size, smol.eos_token_ids)
+    grammar = compile_grammar(GrammarAsk("choice", "choice", LABELS), 65_536, 1024)
+    allowed = grammars.allowed(grammars.matcher(grammar), frozenset(smol.eos_token_ids))
+    mass = float(torch.logsumexp(first[allowed].double(), 0))
+    assert abs(lp["token_logprobs"][0] - float(first[ids[0]])) < 1e-4
+    assert abs(lp["constraint_logmass"][0] - mass) < 1e-4
+    assert abs(lp["processed"]["token_logprobs"][0] - (float(first[ids[0]]) - mass)) < 1e-4
+    assert all(v <= 1e-6 for v in lp["constraint_logmass"])
+    # the processed alternatives: allowed tokens only, each the reference's raw minus the mass
+    by_text = {smol.tokenizer.decode([t]): t for t in allowed.nonzero().flatten().tolist()}
+    for text, value in lp["processed"]["top_logprobs"][0].items():
+        assert abs(value - (float(first[by_text[text]]) - mass)) < 1e-4
+    posterior = sum(math.exp(float(first[t]) - mass) for t in by_text.values())
+    assert abs(posterior - 1.0) < 1e-4
+
+
+def test_stream_equals_non_stream_under_a_schema(http):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Name a city, as JSON."}],
+        "max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }  # fmt: skip
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    text, entries = "", []
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    text += c["delta"].get("content") or ""
+                    entries += (c.get("logprobs") or {}).get("content") or []
+    assert text == whole["message"]["content"] and "city" in json.loads(text)
+    assert entries == whole["logprobs"]["content"]
+    assert all("constraint_logmass" in e for e in entries)
+
+
+def test_hostile_grammars_are_400s_and_leave_the_server_as_it_was(http):
+    canary = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 5,
+              "temperature": 0, "logprobs": 1}  # fmt: skip
+    before = http.post("/v1/completions", json=canary).json()["choices"][0]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
+    cases = [
+        ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        (
+            {"structured_outputs": {"choice": [f"c{i}" for i in range(2000)]}},
+            "structured_outputs.choice",
+        ),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+        ({"guided_json": "not json"}, "guided_json"),
+        (
+            {"guided_json": {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}},
+            "guided_json",
+        ),
+        ({"guided_json": {"type": "string", "pattern": "(((a"}}, "guided_json"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+        ({"guided_grammar": "start: " + "(" * 5000 + '"a"' + ")" * 5000}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ]
+    deep: dict = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    cases.append(({"guided_json": deep}, "guided_json"))
+    for extra, param in cases:
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400, (param, r.status_code, r.text[:300])
+        assert r.json()["error"]["param"] == param, (param, r.text[:300])
+    after = http.post("/v1/completions", json=canary).json()["choices"][0]
+    assert after == before
+    assert http.get("/health").status_code == 200

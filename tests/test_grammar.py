@@ -1,0 +1,117 @@
+"""Constrained decoding in the engine: the tokens follow the grammar, raw logprobs are the
+model's own (the reference's), processed ones the masked distribution renormalised, and
+`constraint_logmass` the raw mass the grammar allowed; the same bits alone or in a batch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_core
+from reference import full_logprobs
+
+from probserve.api.plans.grammar import GrammarAsk, compile_grammar
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    FinishReason,
+    LogprobsMode,
+    LogprobsSpec,
+    RequestError,
+    SamplingParams,
+)
+from probserve.engine.core.grammar import Grammars
+from probserve.models import LoadedModel
+
+CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def _grammar(kind: str, source: object) -> str:
+    return compile_grammar(GrammarAsk(kind, "test", source), 65_536, 1024)
+
+
+@pytest.fixture(scope="module")
+def core(smol: LoadedModel) -> EngineCore:
+    return EngineCore(smol, EngineConfig(kv_cache_gib=0.25))
+
+
+def _request(
+    smol: LoadedModel, rid: str, prompt: str, grammar: str | None, n: int = 24
+) -> EngineRequest:
+    ids = tuple(smol.tokenizer(prompt).input_ids)
+    spec = LogprobsSpec(top_k=3, mode=LogprobsMode.BOTH)
+    return EngineRequest(
+        rid, ids, SamplingParams(temperature=0.0, max_tokens=n), spec, grammar=grammar
+    )
+
+
+def _tokens(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_choice_follows_the_grammar_with_exact_logprobs(smol: LoadedModel, core: EngineCore):
+    grammar = _grammar("choice", CHOICES)
+    req = _request(smol, "c", "Review: I loved every minute of it. Sentiment:", grammar)
+    outs = run_core(core, [req])["c"]
+    ids = _tokens(outs)
+    assert smol.tokenizer.decode(ids) in CHOICES
+    assert outs[-1].finish_reason == FinishReason.GRAMMAR
+    # the reference, step by step: the grammar's mask from a matcher of the test's own
+    grammars = Grammars(smol.tokenizer, smol.vocab_size, smol.eos_token_ids)
+    matcher = grammars.matcher(grammar)
+    rows = full_logprobs(smol.model, [*req.prompt_token_ids, *ids])
+    for t, (out, tok) in enumerate(zip(outs, ids, strict=True)):
+        allowed = grammars.allowed(matcher, frozenset(smol.eos_token_ids))
+        ref = rows[len(req.prompt_token_ids) - 1 + t]
+        mass = float(torch.logsumexp(ref[allowed].double(), 0))
+        lp = out.logprobs
+        assert lp is not None and lp.processed is not None and lp.constraint_logmass is not None
+        assert abs(float(lp.logprobs[0]) - float(ref[tok])) < 1e-4  # raw: the model's own
+        assert abs(float(lp.constraint_logmass[0]) - mass) < 1e-4
+        # processed: the masked distribution renormalised (greedy: nothing else processes it)
+        assert abs(float(lp.processed.logprobs[0]) - (float(ref[tok]) - mass)) < 1e-4
+        masked = lp.processed.top_ids[0][lp.processed.top_logprobs[0] > -1e30]
+        assert all(bool(allowed[int(a)]) for a in masked)
+        assert matcher.consume_token(tok)
+    assert matcher.is_stopped() or matcher.is_accepting()
+
+
+def test_json_schema_output_parses_and_is_the_same_in_a_batch(smol: LoadedModel, core: EngineCore):
+    grammar = _grammar("json_schema", SCHEMA)
+    prompt = "Write a JSON object describing a person called Ada, aged 36:"
+    alone = run_core(core, [_request(smol, "j", prompt, grammar, 48)])["j"]
+    value = json.loads(smol.tokenizer.decode(_tokens(alone)))
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    assert len(value["name"]) <= 12
+    # among others (constrained and free): the same tokens and the same bits
+    others = [
+        _request(smol, "free", "Once upon a time", None, 20),
+        _request(smol, "choice", "The weather today is", _grammar("choice", CHOICES)),
+        _request(smol, "regex", "Phone:", _grammar("regex", r"\+?[0-9]{3}-[0-9]{4}")),
+        _request(smol, "j", prompt, grammar, 48),
+    ]
+    together = run_core(core, others)
+    assert _tokens(together["j"]) == _tokens(alone)
+    for a, b in zip(alone, together["j"], strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        for name in ("logprobs", "top_ids", "top_logprobs", "constraint_logmass"):
+            assert np.array_equal(getattr(a.logprobs, name), getattr(b.logprobs, name)), name
+    phone = smol.tokenizer.decode(_tokens(together["regex"]))
+    assert phone.lstrip("+")[:3].isdigit() and phone[-5] == "-"
+    assert together["free"][-1].logprobs.constraint_logmass is None
+
+
+def test_the_engine_refuses_a_grammar_llguidance_refuses(smol: LoadedModel, core: EngineCore):
+    bad = EngineRequest("bad", (1, 2, 3), SamplingParams(max_tokens=4), grammar='{"grammars": 7}')
+    with pytest.raises(RequestError):
+        core.add_request(bad)
+    assert not core.has_work()
