@@ -17,7 +17,7 @@ from probserve.api.state import Serving
 from probserve.engine.grammar import grammar_error
 
 # JSON as models write it, one way: ", " between items, ": " after keys, no other whitespace
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

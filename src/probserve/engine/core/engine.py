@@ -149,16 +149,20 @@ class EngineCore:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Schedule, run, sample, update."""
+        """Schedule, run, sample, update (a grammar's masks computed while the model runs)."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        masks = self.grammars.start([ch.seq for ch in chunks if ch.samples])
         run = self.runner.run(chunks)
         self.scheduler.computed(chunks)
         to_sample, prompt_scores, outputs = self._scored(chunks, run)
+        allowed = masks.result()
         if not to_sample:
             return outputs
         rows = [self._sampler_row(seq) for seq in to_sample]
+        for row, seq in zip(rows, to_sample, strict=True):
+            row.allowed = allowed.get(seq.request_id)
         result = sample(run.sample_logits, rows, self.runner.row_math)
         return outputs + self._update(to_sample, result, prompt_scores)
 
@@ -268,9 +272,6 @@ class EngineCore:
             prompt_ids=seq.prompt_tensor,
             output_ids=seq.output_ids,
             stop_ids=seq.stop_ids,
-            allowed=None
-            if seq.matcher is None
-            else self.grammars.allowed(seq.matcher, seq.stop_ids),
         )
 
     @staticmethod

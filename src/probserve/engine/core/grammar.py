@@ -8,6 +8,7 @@ wherever the grammar may end."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,26 @@ class Grammars:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_ids)
         self._lltok: Any = None
+        self._pool: ThreadPoolExecutor | None = None  # the masks' thread, started on first use
+
+    def start(self, seqs: list[Any]) -> Future[dict[str, torch.Tensor]]:
+        """The masks of `seqs` that have a grammar (by request id), computed on a thread of
+        their own while the caller runs the model: llguidance and the kernels both run without
+        the GIL. The matchers are not touched until the result is taken."""
+        constrained = [s for s in seqs if s.matcher is not None]
+        if not constrained:
+            done: Future[dict[str, torch.Tensor]] = Future()
+            done.set_result({})
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="probserve-grammar")
+
+        def masks() -> dict[str, torch.Tensor]:
+            rows = self.allowed_rows([s.matcher for s in constrained],
+                                     [s.stop_ids for s in constrained])  # fmt: skip
+            return {s.request_id: rows[i] for i, s in enumerate(constrained)}
+
+        return self._pool.submit(masks)
 
     def tokenizer(self) -> Any:
         if self._lltok is None:
@@ -42,8 +63,17 @@ class Grammars:
 
     def allowed(self, matcher: Any, stop_ids: frozenset[int]) -> torch.Tensor:
         """bool [vocab]: the tokens the grammar allows next (the stop ids where it may end)."""
-        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        mask = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
-        if matcher.is_accepting():
-            mask[[t for t in stop_ids if t < self.vocab_size]] = True
+        return self.allowed_rows([matcher], [stop_ids])[0]
+
+    def allowed_rows(self, matchers: list[Any], stop_ids: list[frozenset[int]]) -> torch.Tensor:
+        """bool [n, vocab]: `allowed` for several matchers at once (one buffer, one unpack)."""
+        words = (self.vocab_size + 31) // 32
+        bits = np.empty((len(matchers), words), dtype=np.int32)
+        for i, matcher in enumerate(matchers):  # each call runs without the GIL
+            matcher.unsafe_compute_mask_ptr(bits[i].ctypes.data, words * 4)
+        unpacked = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        mask = unpacked[:, : self.vocab_size].astype(bool)
+        for i, matcher in enumerate(matchers):
+            if matcher.is_accepting():
+                mask[i, [t for t in stop_ids[i] if t < self.vocab_size]] = True
         return torch.from_numpy(mask)

@@ -152,9 +152,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
     if plain:
         chosen[plain] = torch.argmax(logits[plain], dim=1)
     done = set(plain)
+    # greedy rows whose one processor is a grammar's mask: masked and chosen together
+    masked = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.needs_processing
+              and r.allowed is not None and not bad[i] and bool(r.allowed.any())]  # fmt: skip
+    masked_rows: dict[int, torch.Tensor] = {}
+    if masked:
+        masks = torch.stack([rows[i].allowed for i in masked])  # type: ignore[misc]
+        block = logits[masked].masked_fill(~masks, float("-inf"))
+        chosen[masked] = torch.argmax(block, dim=1)
+        masked_rows = {i: block[j] for j, i in enumerate(masked)}
+        done |= set(masked)
     for i, row in enumerate(rows):
         if i in done:
-            processed.append(logits[i])
+            processed.append(masked_rows.get(i, logits[i]))
             continue
         try:
             if bad[i]:
