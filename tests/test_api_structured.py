@@ -162,6 +162,19 @@ def test_hostile_grammars_are_400s_and_leave_the_server_as_it_was(http):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 4}
     cases = [
         ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"regex": "[^\\x00-\\U0010ffff]"}}, "structured_outputs.regex"),
+        (
+            {
+                "guided_json": {
+                    "type": "object",
+                    "required": ["a"],
+                    "properties": {},
+                    "additionalProperties": False,
+                }
+            },
+            "guided_json",
+        ),  # unsatisfiable
+        ({"guided_json": True}, "guided_json"),
         (
             {"structured_outputs": {"choice": [f"c{i}" for i in range(2000)]}},
             "structured_outputs.choice",

@@ -31,3 +31,13 @@ def grammar_error(grammar: str, lltok: Any, limits: Any = None) -> str:
 
     ok_or_error: str = llguidance.LLMatcher.validate_grammar(grammar, lltok, limits=limits)
     return "" if ok_or_error.startswith("WARNING") else ok_or_error
+
+
+def matcher_error(grammar: str, lltok: Any) -> str:
+    """Why a matcher of `grammar` fails at its start ("" when it does not): what the check of
+    the grammar alone passes and the engine would still refuse (a regex that matches nothing)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+    matcher.compute_bitmask()  # some grammars fail only at their first mask
+    return matcher.get_error().split("\n")[0] if matcher.is_error() else ""

@@ -14,7 +14,7 @@ from probserve.api.errors import bad_request
 from probserve.api.prompts import off_loop
 from probserve.api.protocol import JsonSchemaFormat, ResponsesRequest, SamplingFields
 from probserve.api.state import Serving
-from probserve.engine.grammar import grammar_error
+from probserve.engine.grammar import grammar_error, matcher_error
 
 # JSON as models write it, one way: ", " between items, ": " after keys, no other whitespace
 _JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -136,6 +136,7 @@ def _checked(ask: GrammarAsk, state: Serving) -> str:
     limits = state.config.limits
     grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices)
     error = grammar_error(grammar, state.model.grammar_tokenizer())
+    error = error or matcher_error(grammar, state.model.grammar_tokenizer())
     if error:
         raise bad_request(f"{ask.param}: {error.strip()[:2000]}", ask.param)
     return grammar
