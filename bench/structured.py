@@ -16,12 +16,12 @@ import argparse
 import asyncio
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from bench_serve import start_server
 
 SCHEMA = {
     "type": "object",
@@ -97,15 +97,7 @@ def main() -> None:
     proc = None
     url = args.url or f"http://127.0.0.1:{args.port}"
     if args.start:
-        exe = str(Path(sys.executable).parent / "probserve")
-        proc = subprocess.Popen([exe, "serve", "--port", str(args.port), "--log-level", "warning"])
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        proc = start_server(args.port, [])
     try:
         figures: dict[str, list[float]] = {"free": [], "schema": []}
         words = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "with", "as", "by"]
