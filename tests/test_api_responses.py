@@ -141,7 +141,7 @@ def test_messages_input_and_errors(client: openai.OpenAI, http):  # type: ignore
         ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema"}}}, "text.format"),  # no schema
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ):
         resp = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **extra})
