@@ -24,13 +24,18 @@ from probserve.api.protocol import (
     ChatDelta,
     ChatLogprobs,
     ContinuationScore,
+    FunctionCall,
+    FunctionCallDelta,
     PromptTokenSource,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 from probserve.api.run import Run
 from probserve.api.sse import event, sse_response
 from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
+from probserve.api.tools.reply import ReplyParser, finish_reason, whole_reply
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
@@ -97,16 +102,30 @@ async def create_chat_completion(
     return Response(await off_loop(_answer, run, body, model, k), media_type="application/json")
 
 
+def _message(run: Run, text: str) -> tuple[AssistantMessage, ReplyParser | None]:
+    """The reply: its text, or (a request with tools) its content and calls."""
+    tools = run.plan.tools
+    if tools is None:
+        return AssistantMessage(content=text), None
+    reply = whole_reply(tools.fmt, text)
+    calls = [
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in reply.calls
+    ]
+    return AssistantMessage(content=reply.content, tool_calls=calls or None), reply
+
+
 def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
     choices = []
     for i, cand in enumerate(run.candidates):
+        message, reply = _message(run, "".join(p.text for p in cand.pieces))
         choices.append(
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content="".join(p.text for p in cand.pieces)),
+                message=message,
                 logprobs=_logprobs(run.state, cand.pieces, k),
-                finish_reason=cand.finish_reason,
+                finish_reason=finish_reason(reply, cand.finish_reason),
                 continuation=_continuation(run, cand.prompt_scores, k or 0) if body.echo else None,
                 **_prompt_extras(run, body, cand.prompt_scores),
             )
@@ -125,19 +144,50 @@ def _chunk(run: Run, model: str, choices: list[ChatChunkChoice], usage: Usage | 
     )
 
 
+def _chat_delta(reply: ReplyParser | None, delta: Delta) -> ChatDelta:
+    """The text a delta adds, or (with tools) the content and call parts it lets out."""
+    if reply is None:
+        return ChatDelta(content=delta.text)
+    part = reply.feed(delta.text)
+    if delta.finish_reason:
+        rest = reply.close()
+        part.content += rest.content
+        part.calls += rest.calls
+    calls = [
+        ToolCallDelta(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=FunctionCallDelta(name=c.name, arguments=c.arguments),
+        )
+        for c in part.calls
+    ]
+    return ChatDelta(content=part.content or None, tool_calls=calls or None)
+
+
 def _delta_events(
-    run: Run, body: ChatCompletionRequest, model: str, k: int | None, i: int, delta: Delta
+    run: Run,
+    body: ChatCompletionRequest,
+    model: str,
+    k: int | None,
+    i: int,
+    delta: Delta,
+    reply: ReplyParser | None,
 ) -> list[str]:
-    """The events of one delta of candidate i (the first may carry the prompt's scores)."""
+    """The events of one delta of candidate i (the first may carry the prompt's scores). With
+    tools, `reply` splits the text into content and calls; the logprobs are every token's."""
     events = []
     lp = _logprobs(run.state, delta.pieces, k)
     extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
-    if delta.text or (lp and lp.content) or extras:
-        content = ChatDelta(content=delta.text)
-        choice = ChatChunkChoice(index=i, delta=content, logprobs=lp, **extras)
+    said = _chat_delta(reply, delta)
+    if said.content or said.tool_calls or (lp and lp.content) or extras:
+        if reply is not None and said.content is None and not said.tool_calls:
+            said = ChatDelta(content="")  # the logprobs of tokens held back (or of calls)
+        choice = ChatChunkChoice(index=i, delta=said, logprobs=lp, **extras)
         events.append(_chunk(run, model, [choice]))
     if delta.finish_reason:
-        done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=delta.finish_reason)
+        finish = finish_reason(reply, delta.finish_reason)
+        done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=finish)
         events.append(_chunk(run, model, [done]))
     return events
 
@@ -153,12 +203,14 @@ async def _stream(
             for i in range(len(run.candidates))
         ],
     )
+    tools = run.plan.tools
+    replies = [ReplyParser(tools.fmt) if tools else None for _ in run.candidates]
     async for i, delta in run.deltas():
         if delta.prompt_scores is not None and body.prompt_logprobs is not None:
             # the prompt's scores: formatted off the loop, as the non-streamed answer is
-            events = await off_loop(_delta_events, run, body, model, k, i, delta)
+            events = await off_loop(_delta_events, run, body, model, k, i, delta, replies[i])
         else:
-            events = _delta_events(run, body, model, k, i, delta)
+            events = _delta_events(run, body, model, k, i, delta, replies[i])
         for e in events:
             yield e
     if include_usage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import re
 import uuid
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from probserve.api.errors import APIError, bad_request
 from probserve.api.limits import Limits
-from probserve.api.protocol import ChatMessage
+from probserve.api.protocol import ChatMessage, ToolCall
 from probserve.api.text_stream import Piece, TextStream
 from probserve.api.tokens import TokenTable
 from probserve.engine import TokenLogprobs
@@ -118,9 +119,13 @@ def build_completion_prompts(
 # ---- chat -------------------------------------------------------------------------------------
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    out = []
-    for m in messages:
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as chat templates take them: role and content text, and the tool fields
+    (an assistant's calls with their arguments as a JSON value where they parse, as templates
+    expect; a tool result's call id and its function's name)."""
+    out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id -> function name, for the results that answer them
+    for i, m in enumerate(messages):
         if m.content is None:
             content = ""
         elif isinstance(m.content, str):
@@ -128,8 +133,45 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
         else:
             content = "".join(part.text for part in m.content)
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": content})
+        d: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request("only assistant messages hold tool_calls", f"messages[{i}]")
+            d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            names.update((c.id, c.function.name) for c in m.tool_calls)
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(
+                    "a tool message needs the tool_call_id it answers",
+                    f"messages[{i}].tool_call_id",
+                )
+            d["tool_call_id"] = m.tool_call_id
+            name = m.name or names.get(m.tool_call_id)
+            if name:
+                d["name"] = name
+        elif m.tool_call_id is not None:
+            raise bad_request("only tool messages hold tool_call_id", f"messages[{i}]")
+        out.append(d)
     return out
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
+
+
+def message_chars(dicts: list[dict[str, Any]]) -> int:
+    """The characters of the messages' contents and their calls' arguments."""
+    chars = sum(len(m["content"]) for m in dicts)
+    for m in dicts:
+        for c in m.get("tool_calls", ()):
+            arguments = c["function"]["arguments"]
+            chars += len(arguments if isinstance(arguments, str) else json.dumps(arguments))
+    return chars
 
 
 def _reserved_template_names() -> frozenset[str]:
@@ -156,15 +198,15 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def check_messages(limits: Limits, messages: list[ChatMessage]) -> list[dict[str, str]]:
+def check_messages(limits: Limits, messages: list[ChatMessage]) -> list[dict[str, Any]]:
     dicts = message_dicts(messages)
-    limits.check_messages(len(dicts), sum(len(m["content"]) for m in dicts))
+    limits.check_messages(len(dicts), message_chars(dicts))
     return dicts
 
 
 def render_chat_text(
     loaded: LoadedModel,
-    dicts: list[dict[str, str]],
+    dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
     continue_final: bool = False,
@@ -191,7 +233,7 @@ def render_chat_text(
 
 def render_chat(
     loaded: LoadedModel,
-    dicts: list[dict[str, str]],
+    dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
 ) -> list[int]:
@@ -214,7 +256,7 @@ Span = tuple[int, int, int]  # (start, end, message index): a message's content 
 
 def _content_spans(
     loaded: LoadedModel,
-    dicts: list[dict[str, str]],
+    dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
     continue_final: bool,
@@ -252,7 +294,7 @@ def _content_spans(
     return None
 
 
-def _search_spans(text: str, dicts: list[dict[str, str]]) -> list[Span]:
+def _search_spans(text: str, dicts: list[dict[str, Any]]) -> list[Span]:
     """The fallback for a template whose contents cannot be placed by markers: each content's
     first occurrence after the previous one's (it can land on template text that happens to
     hold the same characters)."""
@@ -267,7 +309,7 @@ def _search_spans(text: str, dicts: list[dict[str, str]]) -> list[Span]:
 
 
 def _sources(
-    pieces: list[Piece], spans: list[Span], dicts: list[dict[str, str]]
+    pieces: list[Piece], spans: list[Span], dicts: list[dict[str, Any]]
 ) -> list[tuple[int | None, str]]:
     """A token belongs to a message when its characters lie inside that message's content
     (a zero-width piece: its offset does); any other token is the template's, a token that
@@ -293,7 +335,7 @@ def _sources(
 def chat_prompt(
     loaded: LoadedModel,
     table: TokenTable,
-    dicts: list[dict[str, str]],
+    dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
     echo: bool = False,
@@ -325,15 +367,3 @@ def chat_prompt(
         spans.append((len(text), len(text) + len(answer), len(dicts) - 1))
     sources = _sources(built.pieces, spans, dicts)
     return ChatPrompt(ids, built.text, built.pieces, sources, len(cont))
-
-
-async def chat_prompt_ids(
-    loaded: LoadedModel,
-    limits: Limits,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    dicts = check_messages(limits, messages)
-    kwargs = check_template_kwargs(template_kwargs)
-    return await off_loop(render_chat, loaded, dicts, add_generation_prompt, kwargs)

@@ -188,13 +188,56 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    """A call's function: its name and its arguments as the model wrote them (JSON text)."""
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Request):
+    """A tool call: in an assistant message sent back, and in a reply."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(_Request):
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonValue = None  # a JSON schema of the arguments (None: no arguments)
+    strict: bool | None = None  # the arguments follow the schema (a grammar enforces it)
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart], _bounded(MAX_ITEMS)] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], _bounded(MAX_FEW)] | None = None  # an assistant's
+    tool_call_id: Text | None = None  # a tool message's: the call it answers
     # what an SDK sends back with an assistant message it received: accepted when empty
     refusal: None = None
-    tool_calls: Annotated[list[Any], Field(max_length=0)] | None = None
     function_call: None = None
     audio: None = None
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
@@ -216,6 +259,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: (
         Annotated[dict[str, Any], _entries(MAX_FEW), AfterValidator(_json_utf8)] | None
     ) = None
+    # tool calls (api/tools/): the functions the model may call, and whether it must
+    tools: Annotated[list[ChatTool], _bounded(MAX_FEW)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -313,6 +360,21 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Extension()
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = Extension()
+    arguments: str | None = Extension()
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: its first delta has id, type and name; the rest add arguments."""
+
+    index: int
+    id: str | None = Extension()
+    type: Literal["function"] | None = Extension()
+    function: FunctionCallDelta
 
 
 class PromptTokenSource(BaseModel):
@@ -334,7 +396,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()  # with return_entropy
@@ -355,13 +417,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Extension()
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Extension()
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()
@@ -406,6 +469,7 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], _bounded(MAX_ITEMS)] | None = None
+    tools: Annotated[list[ChatTool], _bounded(MAX_FEW)] | None = None  # with messages
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.lookup import server_state, serving_of
 from probserve.api.metrics import CONTENT_TYPE
-from probserve.api.prompts import chat_prompt_ids, check_text_size, off_loop
+from probserve.api.plans.chat import tool_format
+from probserve.api.prompts import check_messages, check_text_size, off_loop, render_chat
 from probserve.api.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,6 +23,8 @@ from probserve.api.protocol import (
     TokenizerInfo,
 )
 from probserve.api.state import ServedModel, Serving
+from probserve.api.tools.ask import tool_ask
+from probserve.api.tools.prompt import tool_prompt
 from probserve.engine.info import EngineInfo
 
 router = APIRouter()
@@ -126,9 +129,14 @@ async def tokenize(
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        ids = await chat_prompt_ids(
-            st.loaded, st.config.limits, body.messages, body.add_generation_prompt
-        )
+        dicts = check_messages(st.config.limits, body.messages)
+        fmt = tool_format(st)
+        functions = [t.function for t in body.tools] if body.tools else None
+        shown = tool_prompt(dicts, tool_ask(functions, None, None, fmt), fmt)
+        ids = await off_loop(
+            render_chat, st.loaded, shown.messages, body.add_generation_prompt,
+            shown.template_kwargs,
+        )  # fmt: skip
     else:
         prompt = body.prompt or ""
         check_text_size(st.config.limits, [prompt])

@@ -15,6 +15,7 @@ from probserve.api.limits import HttpLimits, Limits
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.metrics import Metrics
 from probserve.api.tokens import TokenTable
+from probserve.api.tools.formats import ToolParser
 from probserve.engine import ClientLimits, EngineClient, LogprobsMode
 from probserve.engine.grammar import llguidance_tokenizer
 from probserve.flags import setting
@@ -38,6 +39,12 @@ class ServerConfig:
         "processed (the one sampled from), both",
     )
     open_metrics: bool = setting(False, "serve /metrics without an API key")
+    tool_call_parser: ToolParser = setting(
+        ToolParser.AUTO,
+        "how models write tool calls: auto (each model's chat template says: Hermes' "
+        "<tool_call>, Llama 3's JSON, Mistral's [TOOL_CALLS]; generic where it knows no tools), "
+        "or one format for every model",
+    )
     api_keys: tuple[str, ...] = ()  # none: no key asked (serving.api_keys)
     limits: Limits = field(default_factory=Limits)  # the routes enforce these
     http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP server

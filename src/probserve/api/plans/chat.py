@@ -14,6 +14,10 @@ from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs, off_loop
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from probserve.api.state import Serving
+from probserve.api.tools.ask import ToolAsk, tool_ask
+from probserve.api.tools.formats import ToolFormat, detect_format
+from probserve.api.tools.grammar import tool_grammar
+from probserve.api.tools.prompt import tool_prompt
 
 
 async def chat_plan(
@@ -26,21 +30,50 @@ async def chat_plan(
     template_kwargs: dict[str, Any] | None = None,
     echo: bool = False,
     continue_final: bool = False,
+    tools: ToolAsk | None = None,
 ) -> Plan:
-    """`echo`: the final assistant message is appended as a continuation to score."""
+    """`echo`: the final assistant message is appended as a continuation to score. `tools`:
+    the functions the reply may (or must) call."""
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
     asked = grammar_ask(body)
     sampling = candidate_params(body, max_tokens, state.loaded.vocab_size, body.n)
     dicts = check_messages(limits, messages)
-    kwargs = check_template_kwargs(template_kwargs)
+    fmt = tool_format(state)
+    shown = tool_prompt(dicts, tools, fmt)
+    kwargs = {**check_template_kwargs(template_kwargs), **shown.template_kwargs}
     prompt = await off_loop(
-        chat_prompt, state.loaded, state.table, dicts, add_generation_prompt, kwargs, echo,
-        continue_final,
+        chat_prompt, state.loaded, state.table, shown.messages, add_generation_prompt, kwargs,
+        echo, continue_final,
     )  # fmt: skip
+    prompt.sources = shown.request_sources(prompt.sources, dicts)
+    if tools is not None and not echo:
+        called = tool_grammar(tools, _special_id(state, fmt))
+        if called is not None and asked is not None:
+            raise bad_request(
+                f"{asked.param} and tools both constrain the reply: ask for one", asked.param
+            )
+        asked = asked or called
     grammar = await compiled_grammar(state, asked)
-    return Plan([prompt], sampling, ask.spec(), stops, body.skip_special_tokens, grammar=grammar)
+    skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
+    return Plan([prompt], sampling, ask.spec(), stops, skip_special, grammar=grammar, tools=tools)
+
+
+def tool_format(state: Serving) -> ToolFormat:
+    """How this model writes tool calls (its template's format, or --tool-call-parser's)."""
+    template = getattr(state.loaded.tokenizer, "chat_template", None)
+    return detect_format(
+        template if isinstance(template, str) else None, state.config.tool_call_parser
+    )
+
+
+def _special_id(state: Serving, fmt: ToolFormat) -> int | None:
+    """The opener's id where it is one of the tokenizer's added tokens."""
+    if not fmt.special:
+        return None
+    found = state.loaded.tokenizer.get_added_vocab().get(fmt.opener)
+    return int(found) if found is not None else None
 
 
 def chat_ask(state: Serving, body: ChatCompletionRequest) -> LogprobsAsk:
@@ -87,5 +120,11 @@ async def chat_completion_plan(
         template_kwargs=body.chat_template_kwargs,
         echo=body.echo,
         continue_final=body.continue_final_message,
+        tools=tool_ask(
+            [t.function for t in body.tools] if body.tools else None,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            tool_format(state),
+        ),
     )
     return plan, ask

@@ -17,12 +17,13 @@ from probserve.api.state import Serving
 from probserve.engine.grammar import grammar_error, matcher_error
 
 # JSON as models write it, one way: ", " between items, ": " after keys, no other whitespace
-_JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
 class GrammarAsk:
-    """What the request asked for (`kind`: json_schema, json_object, regex, choice, grammar),
+    """What the request asked for (`kind`: json_schema, json_object, regex, choice, grammar;
+    lark: a grammar of the server's own, for tool calls),
     the field that asked (`param`), and the source before it is compiled."""
 
     kind: str
@@ -97,7 +98,7 @@ def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int) -> str:
         text = json.dumps(source)
         _check_size(len(text), max_chars, ask.param)
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as exc:
             raise bad_request(f"{ask.param}: {exc}", ask.param) from None
     if ask.kind == "choice":
@@ -113,6 +114,8 @@ def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int) -> str:
         alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
         return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     _check_size(len(source), max_chars, ask.param)
+    if ask.kind == "lark":  # built here (a tool call's), never a client's text
+        return llguidance.LLMatcher.grammar_from_lark(source)
     if ask.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(source)
     if "::=" in source:  # GBNF, converted

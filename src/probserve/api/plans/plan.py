@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probserve.api.prompts import Prompt
+from probserve.api.tools.ask import ToolAsk
 from probserve.engine import LogprobsSpec, SamplingParams
 
 
@@ -19,6 +20,7 @@ class Plan:
     skip_special_tokens: bool = True
     offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
     grammar: str | None = None  # every candidate's tokens follow it (plans/grammar.py)
+    tools: ToolAsk | None = None  # replies are parsed for calls (api/tools/)
 
     @property
     def per_prompt(self) -> int:

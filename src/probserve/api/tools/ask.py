@@ -1,0 +1,100 @@
+"""What a request asks of tools: the functions it offers, whether the model may, must or must
+not call them (`tool_choice`), and how many calls a reply may hold (`parallel_tool_calls`),
+checked against each other before anything else is done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from probserve.api.errors import bad_request
+from probserve.api.protocol import FunctionDefinition, NamedToolChoice, ToolChoice
+from probserve.api.tools.formats import ToolFormat
+
+
+@dataclass(frozen=True)
+class ToolAsk:
+    """`functions`: the tools offered; `choice`: "auto", "required", or "named" (`named` must
+    be called; "none" never gets here: the tools are kept out); `parallel`: a reply may hold
+    several calls; `fmt`: how this model writes calls."""
+
+    functions: tuple[FunctionDefinition, ...]
+    choice: Literal["auto", "required", "named"]
+    parallel: bool
+    fmt: ToolFormat
+    named: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        """The reply must be calls (required, or a named function)."""
+        return self.choice != "auto"
+
+    @property
+    def most_calls(self) -> int | None:
+        """The most calls a reply may hold (None: no bound)."""
+        return None if self.parallel and self.choice != "named" else 1
+
+    @property
+    def offered(self) -> tuple[FunctionDefinition, ...]:
+        """The functions a call may name (a named choice: that one)."""
+        if self.choice != "named":
+            return self.functions
+        return tuple(f for f in self.functions if f.name == self.named)
+
+    @property
+    def strict(self) -> bool:
+        """Some function asks for its arguments to follow its schema."""
+        return any(f.strict for f in self.functions)
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's shape)."""
+        return [{"type": "function", "function": _definition(f)} for f in self.functions]
+
+    def definitions(self) -> list[dict[str, Any]]:
+        return [_definition(f) for f in self.functions]
+
+
+def _definition(f: FunctionDefinition) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": f.name}
+    if f.description is not None:
+        out["description"] = f.description
+    out["parameters"] = f.parameters if f.parameters is not None else _NO_ARGUMENTS
+    return out
+
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+def tool_ask(
+    functions: list[FunctionDefinition] | None,
+    choice: ToolChoice | None,
+    parallel: bool | None,
+    fmt: ToolFormat,
+) -> ToolAsk | None:
+    """None: no tools for this reply (none offered, or tool_choice "none")."""
+    if not functions:
+        if choice is not None and choice != "none":
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if parallel is not None:
+            raise bad_request("parallel_tool_calls needs tools", "parallel_tool_calls")
+        return None
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise bad_request(f"two tools are named {dup!r}", "tools")
+    for i, f in enumerate(functions):
+        if f.parameters is not None and not isinstance(f.parameters, dict):
+            raise bad_request(
+                "a function's parameters must be a JSON schema (an object)",
+                f"tools[{i}].function.parameters",
+            )
+    if choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise bad_request(
+                f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
+            )
+        return ToolAsk(tuple(functions), "named", parallel is not False, fmt, name)
+    return ToolAsk(tuple(functions), choice or "auto", parallel is not False, fmt)

@@ -1,0 +1,62 @@
+"""Tool-call formats: how a model writes its calls, picked once per model from its chat template
+(or `--tool-call-parser`). Native formats are the model's own (its template renders the tools);
+`generic` is probserve's for templates with no tool support: the tools in the system message and
+the reply as one JSON object, always grammar-constrained (as llama.cpp's generic handler)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ToolParser(enum.StrEnum):
+    """`--tool-call-parser`'s choices (vLLM's names where vLLM has one)."""
+
+    AUTO = "auto"
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+    GENERIC = "generic"
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """`opener`: the text that starts the calls (Hermes: each call; Mistral: the list of them;
+    Llama 3: none, a reply that begins with "{" is a call); `closer`: what ends a Hermes call;
+    `arguments`: the key the arguments go under; `special`: the opener is a special token (the
+    reply is then decoded with special tokens, or the opener would vanish)."""
+
+    parser: ToolParser
+    opener: str = ""
+    closer: str = ""
+    arguments: str = "arguments"
+    special: bool = False
+
+    @property
+    def native(self) -> bool:
+        return self.parser is not ToolParser.GENERIC
+
+
+FORMATS = {
+    ToolParser.HERMES: ToolFormat(ToolParser.HERMES, "<tool_call>", "</tool_call>"),
+    ToolParser.LLAMA3_JSON: ToolFormat(ToolParser.LLAMA3_JSON, arguments="parameters"),
+    ToolParser.MISTRAL: ToolFormat(ToolParser.MISTRAL, "[TOOL_CALLS]", special=True),
+    ToolParser.GENERIC: ToolFormat(ToolParser.GENERIC),
+}
+
+
+def detect_format(template: str | None, asked: ToolParser = ToolParser.AUTO) -> ToolFormat:
+    """The format `asked` for, or (auto) the one the template writes: Hermes' `<tool_call>`
+    (Qwen2.5, Qwen3, Hermes), Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON calls
+    (`<|python_tag|>` or `"parameters"` beside `tools`); generic when the template knows no
+    tools."""
+    if asked is not ToolParser.AUTO:
+        return FORMATS[asked]
+    text = template or ""
+    if "<tool_call>" in text:
+        return FORMATS[ToolParser.HERMES]
+    if "[TOOL_CALLS]" in text:
+        return FORMATS[ToolParser.MISTRAL]
+    if "tools" in text and ("<|python_tag|>" in text or '"parameters"' in text):
+        return FORMATS[ToolParser.LLAMA3_JSON]
+    return FORMATS[ToolParser.GENERIC]

@@ -1,0 +1,88 @@
+"""The grammar a tool ask needs, in the model's own call syntax: calls only for tool_choice
+"required" or a named function (one call for a named one or parallel_tool_calls false); for
+"auto", content or calls, constrained only where the request needs it (a `strict` function,
+or at most one call), since free text needs no grammar. Generic-format replies are always
+constrained: they are one JSON object, calls or content. Each call's arguments follow its
+function's schema."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from probserve.api.plans.grammar import JSON_OPTIONS, GrammarAsk
+from probserve.api.tools.ask import ToolAsk
+from probserve.api.tools.formats import ToolParser
+
+
+def call_schema(ask: ToolAsk, arguments: str = "arguments") -> dict[str, Any]:
+    """One call: {"name": one of the offered functions, `arguments`: that one's schema}."""
+    options = []
+    for f in ask.offered:
+        schema = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, arguments: schema},
+                "required": ["name", arguments],
+                "additionalProperties": False,
+            }
+        )
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def generic_schema(ask: ToolAsk) -> dict[str, Any]:
+    """The generic format's reply: {"tool_calls": [calls]} or, for "auto", {"content": text}."""
+    calls: dict[str, Any] = {"type": "array", "items": call_schema(ask), "minItems": 1}
+    if ask.most_calls is not None:
+        calls["maxItems"] = ask.most_calls
+    reply = {
+        "type": "object",
+        "properties": {"tool_calls": calls},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
+    if ask.forced:
+        return reply
+    content = {
+        "type": "object",
+        "properties": {"content": {"type": "string"}},
+        "required": ["content"],
+        "additionalProperties": False,
+    }
+    return {"anyOf": [reply, content]}
+
+
+def tool_grammar(ask: ToolAsk, special_id: int | None) -> GrammarAsk | None:
+    """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
+    where it is a special token (Mistral's [TOOL_CALLS])."""
+    fmt = ask.fmt
+    if fmt.parser is ToolParser.GENERIC:
+        return GrammarAsk("json_schema", "tools", generic_schema(ask))
+    if not ask.forced and ask.parallel and not ask.strict:
+        return None
+    schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments)}
+    call = f"%json {json.dumps(schema)}"
+    if fmt.parser is ToolParser.HERMES:
+        first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'
+        text = r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
+        free = "start: TEXT | TEXT? calls"
+    elif fmt.parser is ToolParser.MISTRAL:
+        opener = f"<[{special_id}]>" if special_id is not None else json.dumps(fmt.opener)
+        first, then = f'{opener} "[" call', '", "'
+        text = r"TEXT: /(?s:.*)/ & ~/(?s:.*\[TOOL_CALLS\].*)/"
+        free = "start: TEXT | TEXT? calls"
+    else:  # Llama 3's JSON: a reply that is calls begins with "{"
+        first, then = "call", '"; "'
+        text = r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"
+        free = "start: TEXT | calls"
+    # the first call, then (where several may be) more after the format's separator
+    again = "call" if fmt.parser is not ToolParser.HERMES else first
+    calls = first if ask.most_calls == 1 else f"{first} ({then} {again})*"
+    if fmt.parser is ToolParser.MISTRAL:
+        calls += ' "]"'
+    rules = [f"calls: {calls}", f"call: {call}"]
+    start = "start: calls" if ask.forced else free
+    if not ask.forced:
+        rules.append(text)
+    return GrammarAsk("lark", "tools", "\n".join([start, *rules]))
