@@ -4,6 +4,7 @@ format's grammar driving the embedded model to calls that parse and follow their
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -63,7 +64,8 @@ REPLIES = [
     (L3, ' Hello {"name"}', ' Hello {"name"}', []),
     (
         M,
-        'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {"y": "z"}}]',
+        'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, '
+        '{"name": "g", "arguments": {"y": "z"}}]',
         "ok",
         [("f", '{"x": 1}'), ("g", '{"y": "z"}')],
     ),
@@ -83,7 +85,7 @@ def _streamed(fmt: ToolParser, text: str, cuts: list[int]) -> tuple[str | None, 
     parser = ReplyParser(FORMATS[fmt])
     content, calls = "", {}  # type: ignore[var-annotated]
     bounds = [0, *cuts, len(text)]
-    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    deltas = [parser.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
     for d in [*deltas, parser.close()]:
         content += d.content
         for c in d.calls:
@@ -176,7 +178,7 @@ def test_the_generic_prompt_tells_the_tools_and_replays_calls_and_results():
                     "function": {"name": "add", "arguments": {"a": 1, "b": 2}},
                 }
             ],
-        },  # fmt: skip
+        },
         {"role": "tool", "content": "3", "tool_call_id": "c1", "name": "add"},
     ]
     shown = tool_prompt(history, ask, FORMATS[G])
