@@ -260,7 +260,9 @@ class ChatCompletionRequest(SamplingFields):
         Annotated[dict[str, Any], _entries(MAX_FEW), AfterValidator(_json_utf8)] | None
     ) = None
     # tool calls (api/tools/): the functions the model may call, and whether it must
-    tools: Annotated[list[ChatTool], _bounded(MAX_FEW)] | None = None
+    tools: (
+        Annotated[list[ChatTool], Field(min_length=1, max_length=MAX_FEW, fail_fast=True)] | None
+    ) = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -535,19 +537,68 @@ class ResponseTextFormat(JsonSchemaFormat):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
+class FunctionCallInput(_Request):
+    """A call the model made earlier, sent back as an input item."""
+
+    type: Literal["function_call"]
+    call_id: Text
+    name: Text
+    arguments: Text
+    id: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputInput(_Request):
+    """A call's result, as an input item."""
+
+    type: Literal["function_call_output"]
+    call_id: Text
+    output: Text
+    id: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+InputItem = Annotated[
+    InputMessage | FunctionCallInput | FunctionCallOutputInput, Field(union_mode="left_to_right")
+]
+
+
+class ResponsesFunctionTool(_Request):
+    """The Responses API's function tool (the definition's fields at the top level)."""
+
+    type: Literal["function"]
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonValue = None
+    strict: bool | None = None
+
+    def definition(self) -> FunctionDefinition:
+        return FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters,
+            strict=self.strict,
+        )  # fmt: skip
+
+
+class ResponsesNamedToolChoice(_Request):
+    type: Literal["function"]
+    name: Text
+
+
 class ResponseText(_Request):
     format: ResponseTextFormat | None = None
     verbosity: Literal["medium"] | None = None  # the one a model without the notion has
 
 
 class ResponsesRequest(SamplingFields):
-    input: Text | Annotated[list[InputMessage], _bounded(MAX_ITEMS)]
+    input: Text | Annotated[list[InputItem], _bounded(MAX_ITEMS)]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0)
     include: Annotated[list[Text], _bounded(MAX_FEW)] | None = None
     previous_response_id: Text | None = None
-    tools: Annotated[list[dict[str, Any]], _bounded(MAX_FEW)] | None = None
+    tools: Annotated[list[ResponsesFunctionTool], _bounded(MAX_FEW)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     text: ResponseText | None = None
 
 
@@ -564,6 +615,18 @@ class ResponseOutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(BaseModel):
+    """A call the reply makes (an output item); `logprobs`: its tokens' (probserve's)."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    logprobs: list[ChatLogprobEntry] | None = Extension()
 
 
 class ResponseUsage(BaseModel):
@@ -586,7 +649,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     model: str
-    output: list[ResponseOutputMessage]
+    output: list[ResponseOutputMessage | ResponseFunctionCall]
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -594,7 +657,7 @@ class ResponseObject(BaseModel):
     top_p: float | None = None
     top_logprobs: int | None = None
     parallel_tool_calls: bool = True
-    tool_choice: Literal["auto", "none"] = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["disabled"] = "disabled"

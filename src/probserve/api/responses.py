@@ -25,6 +25,7 @@ from probserve.api.prompts import off_loop
 from probserve.api.protocol import (
     ChatLogprobEntry,
     IncompleteDetails,
+    ResponseFunctionCall,
     ResponseObject,
     ResponseOutputMessage,
     ResponseOutputText,
@@ -35,13 +36,31 @@ from probserve.api.run import Run
 from probserve.api.sse import sse_response
 from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
+from probserve.api.tools.reply import ReplyDelta, ReplyParser
 from probserve.engine import RequestError
 
 router = APIRouter()
 
 
+class _Call:
+    """A function_call output item as it grows."""
+
+    def __init__(self, call_id: str, name: str) -> None:
+        self.id = f"fc_{uuid.uuid4().hex}"
+        self.call_id, self.name = call_id, name
+        self.arguments = ""
+        self.logprobs: list[ChatLogprobEntry] = []
+
+
+# what a reply with tools did in one step: ("text", text, entries) for the message, ("call",
+# index) for a call begun, ("arguments", index, text) for a call's arguments
+Said = tuple[Any, ...]
+
+
 class _Reply:
-    """The response object as it grows: one assistant message with one output_text part."""
+    """The response object as it grows: an assistant message with one output_text part, and
+    (a request with tools) the calls the reply makes. Without tools the message is there from
+    the start; with tools each item appears when its text does, in the order of the output."""
 
     def __init__(self, run: Run, body: ResponsesRequest, model: str, k: int | None) -> None:
         self.run, self.body, self.model, self.k = run, body, model, k
@@ -50,13 +69,76 @@ class _Reply:
         self.text = ""
         self.logprobs: list[ChatLogprobEntry] = []
         self.finish: str | None = None
+        tools = run.plan.tools
+        self.parser = ReplyParser(tools.fmt) if tools is not None else None
+        self.calls: list[_Call] = []
+        self.order: list[int | None] = [] if tools is not None else [None]  # None: the message
+        self._pending: list[Piece] = []  # pieces whose text the parser still holds
+        self._owner: int | None = None  # where the last piece went (None: the message)
 
     def add(self, pieces: list[Piece]) -> tuple[str, list[ChatLogprobEntry]]:
         text = "".join(p.text for p in pieces)
-        entries = self.run.state.fmt.chat(pieces, self.k) if self.k is not None else []
+        entries = self._entries(pieces)
         self.text += text
         self.logprobs += entries
         return text, entries
+
+    def _entries(self, pieces: list[Piece]) -> list[ChatLogprobEntry]:
+        return self.run.state.fmt.chat(pieces, self.k) if self.k is not None and pieces else []
+
+    def add_with_tools(self, pieces: list[Piece], final: bool) -> list[Said]:
+        """Feed each piece to the reply's parser; each piece's logprobs go with the item its
+        text went into (a piece held back: with the next one's; at the end: the last item's)."""
+        assert self.parser is not None
+        said: list[Said] = []
+        for p in pieces:
+            self._pending.append(p)
+            said += self._parsed(self.parser.feed(p.text))
+        if final:
+            said += self._parsed(self.parser.close(), final=True)
+        return said
+
+    def _parsed(self, delta: ReplyDelta, final: bool = False) -> list[Said]:
+        said: list[Said] = []
+        if delta.content:
+            self._begin(None, said)
+        for c in delta.calls:
+            if c.id is not None and c.name is not None:
+                self.calls.append(_Call(c.id, c.name))
+                self._begin(len(self.calls) - 1, said)
+            if c.arguments:
+                self.calls[c.index].arguments += c.arguments
+                said.append(("arguments", c.index, c.arguments))
+        if delta or final:
+            owner = self._owner
+            if delta.calls:
+                owner = delta.calls[-1].index
+            elif delta.content:
+                owner = None
+            if owner is None and None not in self.order and self._pending:
+                self._begin(None, said)
+            entries = self._entries(self._pending)
+            self._pending = []
+            self._owner = owner
+            if owner is None:
+                self.text += delta.content
+                self.logprobs += entries
+                if delta.content or entries:
+                    said.append(("text", delta.content, entries))
+            else:
+                self.calls[owner].logprobs += entries
+                if delta.content:  # content and a call in one piece: the text is the message's
+                    self.text += delta.content
+                    said.append(("text", delta.content, []))
+        return said
+
+    def _begin(self, item: int | None, said: list[Said]) -> None:
+        if item not in self.order:
+            self.order.append(item)
+            said.append(("call", item) if item is not None else ("message",))
+
+    def output_index(self, item: int | None) -> int:
+        return self.order.index(item)
 
     @property
     def status(self) -> str:
@@ -75,18 +157,34 @@ class _Reply:
             id=self.item_id, status=self.status, content=[self.part()] if done else []
         )
 
+    def call_item(self, index: int) -> ResponseFunctionCall:
+        c = self.calls[index]
+        done = self.finish is not None
+        return ResponseFunctionCall(
+            id=c.id,
+            call_id=c.call_id,
+            name=c.name,
+            arguments=c.arguments if done else "",
+            status=self.status,
+            logprobs=c.logprobs if self.k is not None and done else None,
+        )
+
+    def items(self) -> list[ResponseOutputMessage | ResponseFunctionCall]:
+        return [self.item() if i is None else self.call_item(i) for i in self.order]
+
     def response(self) -> ResponseObject:
         b = self.body
         done = self.finish is not None
         usage = self.run.usage
         incomplete = IncompleteDetails(reason="max_output_tokens")
+        tools = self.run.plan.tools
         return ResponseObject(
             id=self.id,
             created_at=self.run.created,
             status=self.status,
             incomplete_details=incomplete if self.status == "incomplete" else None,
             model=self.model,
-            output=[self.item()] if done else [],
+            output=self.items() if done else [],
             usage=(
                 ResponseUsage(
                     input_tokens=usage.prompt_tokens,
@@ -101,8 +199,27 @@ class _Reply:
             temperature=b.temperature,
             top_p=b.top_p,
             top_logprobs=b.top_logprobs,
+            parallel_tool_calls=tools.parallel if tools is not None else True,
+            tool_choice=_echo_choice(b),
+            tools=[t.model_dump(exclude_none=True) for t in b.tools or ()],
+            text={"format": _echo_format(b)},
             metadata=b.metadata or {},
         )
+
+
+def _echo_choice(body: ResponsesRequest) -> str | dict[str, Any]:
+    choice = body.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def _echo_format(body: ResponsesRequest) -> dict[str, Any]:
+    """The text format the reply followed, as the request gave it."""
+    fmt = body.text.format if body.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return {"type": "text"}
+    return fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 @router.post("/v1/responses", response_model=ResponseObject, responses=ERRORS)
@@ -127,7 +244,10 @@ async def create_response(
 
 def _answer(reply: _Reply, cand: Candidate) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
-    reply.add(cand.pieces)
+    if reply.parser is None:
+        reply.add(cand.pieces)
+    else:
+        reply.add_with_tools(cand.pieces, final=True)
     reply.finish = cand.finish_reason or "stop"
     return dump_json(reply.response())
 
@@ -145,16 +265,46 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
         seq += 1
         return _event(kind, seq - 1, **fields)
 
-    where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+    def where() -> dict[str, Any]:  # the message's place in the output
+        return {
+            "item_id": reply.item_id,
+            "output_index": reply.output_index(None),
+            "content_index": 0,
+        }
+
+    def said(step: Said) -> list[str]:  # a reply with tools: what one step did, as events
+        kind = step[0]
+        if kind == "message":
+            at = reply.output_index(None)
+            return [
+                ev("response.output_item.added", output_index=at, item=reply.item()),
+                ev("response.content_part.added", **where(), part=ResponseOutputText(text="")),
+            ]
+        if kind == "text":
+            return [ev("response.output_text.delta", **where(), delta=step[1], logprobs=step[2])]
+        call, at = reply.calls[step[1]], reply.output_index(step[1])
+        if kind == "call":
+            return [
+                ev("response.output_item.added", output_index=at, item=reply.call_item(step[1]))
+            ]
+        return [ev("response.function_call_arguments.delta", item_id=call.id, output_index=at,
+                   delta=step[2])]  # fmt: skip
+
     yield ev("response.created", response=reply.response())
     yield ev("response.in_progress", response=reply.response())
-    yield ev("response.output_item.added", output_index=0, item=reply.item())
-    yield ev("response.content_part.added", **where, part=ResponseOutputText(text=""))
+    if reply.parser is None:
+        yield ev("response.output_item.added", output_index=0, item=reply.item())
+        yield ev("response.content_part.added", **where(), part=ResponseOutputText(text=""))
     try:
         async for _, delta in reply.run.deltas():
-            text, entries = reply.add(delta.pieces)
-            if text or entries:
-                yield ev("response.output_text.delta", **where, delta=text, logprobs=entries)
+            if reply.parser is not None:
+                for step in reply.add_with_tools(delta.pieces, final=bool(delta.finish_reason)):
+                    for e in said(step):
+                        yield e
+            else:
+                text, entries = reply.add(delta.pieces)
+                if text or entries:
+                    yield ev("response.output_text.delta", **where(), delta=text, logprobs=entries)
             if delta.finish_reason:
                 reply.finish = delta.finish_reason
     except APIError as exc:  # after the first event: an error event ends the stream
@@ -164,14 +314,30 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
         return
     reply.finish = reply.finish or "stop"
 
-    def closing() -> list[str]:  # the whole reply, four times over: written off the loop
+    def closing() -> list[str]:  # the whole reply, again: written off the loop
+        events = []
+        for item in reply.order:
+            if item is None:
+                at = reply.output_index(None)
+                events += [
+                    ev(
+                        "response.output_text.done",
+                        **where(),
+                        text=reply.text,
+                        logprobs=reply.logprobs,
+                    ),
+                    ev("response.content_part.done", **where(), part=reply.part()),
+                    ev("response.output_item.done", output_index=at, item=reply.item()),
+                ]
+            else:
+                call, at = reply.calls[item], reply.output_index(item)
+                events += [
+                    ev("response.function_call_arguments.done", item_id=call.id, output_index=at,
+                       arguments=call.arguments),
+                    ev("response.output_item.done", output_index=at, item=reply.call_item(item)),
+                ]  # fmt: skip
         final = "response.incomplete" if reply.status == "incomplete" else "response.completed"
-        return [
-            ev("response.output_text.done", **where, text=reply.text, logprobs=reply.logprobs),
-            ev("response.content_part.done", **where, part=reply.part()),
-            ev("response.output_item.done", output_index=0, item=reply.item()),
-            ev(final, response=reply.response()),
-        ]
+        return [*events, ev(final, response=reply.response())]
 
     for e in await off_loop(closing):
         yield e

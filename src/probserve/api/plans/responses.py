@@ -6,15 +6,30 @@ is set (an explicit `"top_logprobs": null` with the include gives 0 alternatives
 from __future__ import annotations
 
 from probserve.api.errors import APIError, bad_request
-from probserve.api.plans.chat import chat_plan
+from probserve.api.plans.chat import chat_plan, tool_format
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
-from probserve.api.protocol import LOGPROBS_INCLUDE, ChatMessage, ResponsesRequest
+from probserve.api.protocol import (
+    LOGPROBS_INCLUDE,
+    ChatMessage,
+    FunctionCall,
+    FunctionCallInput,
+    FunctionCallOutputInput,
+    NamedFunction,
+    NamedToolChoice,
+    ResponsesNamedToolChoice,
+    ResponsesRequest,
+    ToolCall,
+    ToolChoice,
+)
 from probserve.api.state import Serving
+from probserve.api.tools.ask import ToolAsk, tool_ask
 from probserve.engine import RequestError
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """`instructions` and `input` as chat messages: a run of function_call items is one
+    assistant message with those calls, a function_call_output a tool message."""
     out: list[ChatMessage] = []
     if body.instructions:
         out.append(ChatMessage(role="system", content=body.instructions))
@@ -22,12 +37,35 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         out.append(ChatMessage(role="user", content=body.input))
         return out
     for item in body.input:
-        content = item.content
-        text = content if isinstance(content, str) else "".join(p.text for p in content)
-        out.append(ChatMessage(role=item.role, content=text))
+        if isinstance(item, FunctionCallInput):
+            call = ToolCall(
+                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+            )
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)
+            else:
+                out.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif isinstance(item, FunctionCallOutputInput):
+            out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            content = item.content
+            text = content if isinstance(content, str) else "".join(p.text for p in content)
+            out.append(ChatMessage(role=item.role, content=text))
     if not out:
         raise bad_request("input holds no message", "input")
     return out
+
+
+def _tools(state: Serving, body: ResponsesRequest) -> ToolAsk | None:
+    asked = body.tool_choice
+    choice: ToolChoice | None = (
+        NamedToolChoice(type="function", function=NamedFunction(name=asked.name))
+        if isinstance(asked, ResponsesNamedToolChoice)
+        else asked
+    )
+    functions = [t.definition() for t in body.tools] if body.tools else None
+    return tool_ask(functions, choice, body.parallel_tool_calls, tool_format(state))
 
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
@@ -37,8 +75,6 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
             "whole conversation as input",
             "previous_response_id",
         )
-    if body.tools:
-        raise bad_request("tools are not supported", "tools")
     if body.n != 1:
         raise bad_request("n must be 1 for responses", "n")
     unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]
@@ -57,7 +93,9 @@ async def responses_plan(state: Serving, body: ResponsesRequest) -> tuple[Plan, 
     _refuse_unserved(body)
     try:
         ask = responses_ask(state, body)
-        plan = await chat_plan(state, body, _messages(body), body.max_output_tokens, ask)
+        tools = _tools(state, body)
+        messages = _messages(body)
+        plan = await chat_plan(state, body, messages, body.max_output_tokens, ask, tools=tools)
     except (APIError, RequestError) as exc:
         raise in_responses_terms(exc) from None
     return plan, ask
