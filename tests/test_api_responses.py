@@ -138,7 +138,7 @@ def test_messages_input_and_errors(client: openai.OpenAI, http):  # type: ignore
     assert "<|im_end|>" not in r.output_text
     for extra, param in (
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # function tools only
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format"),  # no schema

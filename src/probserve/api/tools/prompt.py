@@ -1,7 +1,8 @@
 """Tools in the prompt. A native format's template gets the tools (`apply_chat_template(tools=)`)
 and the conversation's calls and results as it expects them. The generic format tells the model
 in the system message: the tools as JSON, and the one JSON object to reply with; earlier calls
-become the assistant's JSON replies and each tool result a user message holding it as JSON."""
+become the assistant's JSON replies and each tool result a user message holding it as JSON
+(a result that is JSON itself, as its value)."""
 
 from __future__ import annotations
 
@@ -67,12 +68,23 @@ def _generic_history(message: dict[str, Any]) -> dict[str, Any]:
             "content": json.dumps({"tool_calls": calls}, ensure_ascii=False),
         }
     if message["role"] == "tool":
-        result = {"tool_call_id": message.get("tool_call_id"), "content": message["content"]}
+        result = {
+            "tool_call_id": message.get("tool_call_id"),
+            "content": _value(message["content"]),
+        }
         if message.get("name"):
             result["name"] = message["name"]
         content = json.dumps({"tool_result": result}, ensure_ascii=False)
         return {"role": "user", "content": content}
     return message
+
+
+def _value(text: str) -> Any:
+    """A result that is JSON, as its value (the model reads it unescaped); else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def tool_prompt(dicts: list[dict[str, Any]], ask: ToolAsk | None, fmt: ToolFormat) -> ToolPrompt:
