@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 
+import llguidance
+import numpy as np
 import openai
 import pytest
 import torch
@@ -16,6 +18,7 @@ from reference import full_logprobs
 
 from probserve.api.plans.grammar import GrammarAsk, compile_grammar
 from probserve.engine.core.grammar import Grammars
+from probserve.engine.grammar import llguidance_tokenizer
 from probserve.models import LoadedModel
 
 pytestmark = pytest.mark.slow
@@ -201,3 +204,84 @@ def test_hostile_grammars_are_400s_and_leave_the_server_as_it_was(http):
     after = http.post("/v1/completions", json=canary).json()["choices"][0]
     assert after == before
     assert http.get("/health").status_code == 200
+
+
+TOPICS = (  # noqa: SIM905
+    "sports politics science music cooking travel health finance weather history art film "
+    "television books poetry theatre dance fashion beauty fitness nutrition medicine biology "
+    "chemistry physics astronomy geology ecology climate energy oil gas mining farming "
+    "gardening pets wildlife oceans rivers mountains deserts forests cities villages housing "
+    "architecture engineering robotics software hardware internet security privacy law crime "
+    "courts police military diplomacy elections taxes banking insurance markets stocks bonds "
+    "startups retail shipping aviation railways cars cycling football tennis golf chess "
+    "gaming toys education schools universities research language religion philosophy "
+    "psychology parenting weddings funerals holidays festivals food wine beer coffee tea "
+    "baking restaurants bakeries"
+).split()
+
+
+def _allowed_after(tokens: list[str], prefix: str, starts: set[str]) -> list[int]:
+    """Ids whose text extends `prefix` toward some label (`starts`: every label's non-empty
+    prefixes): from the vocabulary and the labels alone, not by any grammar engine."""
+    return [t for t, text in enumerate(tokens) if text and prefix + text in starts]
+
+
+def _llguidance_allowed(matcher, vocab_size: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """The ids llguidance's own matcher allows next (the grammar's definition of allowed)."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    return np.unpackbits(bits, bitorder="little")[:vocab_size].nonzero()[0].tolist()
+
+
+def test_a_100_label_choice_over_64_prompts_is_the_renormalised_reference(http, smol: LoadedModel):
+    """Every answer is one of 100 labels; at every generated position the processed logprob is
+    the reference's raw one renormalised over the tokens that continue toward a label, and
+    `constraint_logmass` that set's raw mass: the per-label posterior a client reads off."""
+    labels = TOPICS[:100]
+    assert len(set(labels)) == 100
+    subjects = ["the match", "the vote", "a comet", "a new album", "a recipe", "a long trip",
+                "a vaccine", "the bank", "a storm", "an old war", "a painting", "a movie",
+                "a sitcom", "a novel", "a sonnet", "a play"]  # fmt: skip
+    prompts = [f"Article {i}: a story about {subjects[i % 16]}. Its topic, in one word:"
+               for i in range(64)]  # fmt: skip
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 8, "temperature": 0, "logprobs": 20,
+            "logprobs_mode": "both", "structured_outputs": {"choice": labels}}  # fmt: skip
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 64 and all(c["text"] in labels for c in choices)
+    vocab = [smol.tokenizer.decode([t]) for t in range(smol.vocab_size)]
+    id_of: dict[str, int] = {}
+    for t, text in enumerate(vocab):
+        id_of.setdefault(text, t)
+    starts = {label[:k] for label in labels for k in range(1, len(label) + 1)}
+    lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
+    grammar = compile_grammar(GrammarAsk("choice", "choice", labels), 65_536, 1024)
+    first_tokens = _allowed_after(vocab, "", starts)
+    worst = 0.0
+    for prompt, choice in zip(prompts, choices, strict=True):
+        lp = choice["logprobs"]
+        ids = smol.tokenizer(prompt).input_ids
+        # the tokens it chose (the grammar lets a label be spelled in any of its tokenizations)
+        generated = [id_of[text] for text in lp["tokens"]]
+        rows = full_logprobs(smol.model, [*ids, *generated])
+        matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
+        prefix = ""
+        for j, token in enumerate(generated):
+            row = rows[len(ids) - 1 + j]
+            allowed = _llguidance_allowed(matcher, smol.vocab_size)
+            # what may come next continues toward a label; first, every label's first tokens
+            assert set(allowed) <= set(_allowed_after(vocab, prefix, starts))
+            assert j or allowed == first_tokens
+            assert token in allowed and matcher.consume_token(token)
+            mass = float(torch.logsumexp(row[allowed].double(), 0))
+            got = (lp["constraint_logmass"][j], lp["token_logprobs"][j],
+                   lp["processed"]["token_logprobs"][j])  # fmt: skip
+            want = (mass, float(row[token]), float(row[token]) - mass)
+            worst = max(worst, *(abs(x - y) for x, y in zip(got, want, strict=True)))
+            if j == 0:  # the alternatives: the labels' first tokens, renormalised
+                by_text = {vocab[t]: t for t in allowed}
+                for text, value in lp["processed"]["top_logprobs"][0].items():
+                    worst = max(worst, abs(value - (float(row[by_text[text]]) - mass)))
+            prefix += vocab[token]
+        assert prefix == choice["text"]
+    assert worst < 1e-4, worst

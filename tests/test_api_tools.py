@@ -52,8 +52,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _chat(http: httpx.Client, **body: object) -> dict:
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "temperature": 0,
-                                                "max_tokens": 48, **body})  # fmt: skip
+    r = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 48, **body},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -111,8 +113,11 @@ def test_required_calls_parse_stream_as_whole_and_logprobs_cover_every_token(htt
     entries = choice["logprobs"]["content"]
     assert len(entries) == whole["usage"]["completion_tokens"]  # the calls' tokens have theirs
     assert "".join(e["token"] for e in entries).startswith('{"tool_calls": [{"name": "')
-    chunks = _streamed(http, "/v1/chat/completions",
-                       {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 48, **body})  # fmt: skip
+    chunks = _streamed(
+        http,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 48, **body},
+    )
     content, streamed, finish, tokens = _joined(chunks)
     assert content is None and finish == choice["finish_reason"]
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == [
@@ -126,8 +131,9 @@ def test_one_call_a_named_call_auto_and_none(http):  # type: ignore[no-untyped-d
     message = one["choices"][0]["message"]
     assert len(message["tool_calls"]) == 1 and one["choices"][0]["finish_reason"] == "tool_calls"
     _follows_schema(message["tool_calls"][0])
-    named = _chat(http, tools=[WEATHER, ADD],
-                  tool_choice={"type": "function", "function": {"name": "add"}})  # fmt: skip
+    named = _chat(
+        http, tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}}
+    )
     (call,) = named["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "add"
     _follows_schema(call)
@@ -144,9 +150,14 @@ def test_one_call_a_named_call_auto_and_none(http):  # type: ignore[no-untyped-d
 def test_the_sdk_tool_round_trip(client: openai.OpenAI, http):  # type: ignore[no-untyped-def]
     messages: list = list(ASK)
     first = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=40, temperature=0,
-    )  # fmt: skip
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=0,
+    )
     message = first.choices[0].message
     assert first.choices[0].finish_reason == "tool_calls" and message.tool_calls
     (call,) = message.tool_calls
@@ -167,9 +178,14 @@ def test_the_sdk_tool_round_trip(client: openai.OpenAI, http):  # type: ignore[n
     assert '"name": "get_weather"' in text  # the tools, in the system message
     # the SDK's stream helper puts the streamed call together
     with client.chat.completions.stream(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=40, temperature=0,
-    ) as stream:  # fmt: skip
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=40,
+        temperature=0,
+    ) as stream:
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -179,9 +195,16 @@ def test_the_sdk_tool_round_trip(client: openai.OpenAI, http):  # type: ignore[n
 
 def test_responses_function_calls_and_their_round_trip(client: openai.OpenAI, http):  # type: ignore[no-untyped-def]
     tool = {"type": "function", **WEATHER["function"]}
-    body = {"model": MODEL, "input": ASK, "tools": [tool], "tool_choice": "required",
-            "parallel_tool_calls": False, "max_output_tokens": 40, "temperature": 0,
-            "include": ["message.output_text.logprobs"]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "input": ASK,
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "include": ["message.output_text.logprobs"],
+    }
     r = http.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -198,18 +221,31 @@ def test_responses_function_calls_and_their_round_trip(client: openai.OpenAI, ht
         e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
     )
     assert deltas == item["arguments"]
-    done = [e for e in events if e["type"] == "response.output_item.done"][0]["item"]
+    done = next(e for e in events if e["type"] == "response.output_item.done")["item"]
     assert done["arguments"] == item["arguments"] and done["logprobs"] == item["logprobs"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     # the SDK: the call back, then its output
     first = client.responses.create(**{k: v for k, v in body.items() if k != "include"})
     call = first.output[0]
     assert call.type == "function_call"
-    follow = [*ASK, {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                     "arguments": call.arguments},
-              {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]  # fmt: skip
-    second = client.responses.create(model=MODEL, input=follow, tools=[tool], tool_choice="none",
-                                     max_output_tokens=8, temperature=0)  # fmt: skip
+    follow = [
+        *ASK,
+        {
+            "type": "function_call",
+            "call_id": call.call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+    ]
+    second = client.responses.create(
+        model=MODEL,
+        input=follow,
+        tools=[tool],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+    )
     assert second.status in ("completed", "incomplete") and second.output_text
 
 
@@ -234,24 +270,43 @@ def test_hostile_tool_requests_are_400s_and_harm_nothing(http):  # type: ignore[
     _error(post(tools=[bad_name]), "tools[0].function.name")
     bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
     _error(post(tools=[bad_schema], tool_choice="required"), "tools")
-    huge = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"enum": [f"v{i}" for i in range(9000)]}}}}}  # fmt: skip
+    huge = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"enum": [f"v{i}" for i in range(9000)]}},
+            },
+        },
+    }
     _error(post(tools=[huge], tool_choice="required"), "tools")
     deep: dict = {"type": "object"}
     for _ in range(40):
         deep = {"type": "object", "properties": {"x": deep}}
-    _error(post(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]),
-           "tools[0].function.parameters")  # fmt: skip
-    _error(post(tools=[ADD], tool_choice="required", response_format={"type": "json_object"}),
-           "response_format")  # fmt: skip
+    _error(
+        post(tools=[{"type": "function", "function": {"name": "f", "parameters": deep}}]),
+        "tools[0].function.parameters",
+    )
+    _error(
+        post(tools=[ADD], tool_choice="required", response_format={"type": "json_object"}),
+        "response_format",
+    )
     orphan = [*ASK, {"role": "tool", "content": "3"}]
     _error(post(messages=orphan), "messages[1].tool_call_id")
     lone = {"type": "function", "function": {"name": "f", "description": "\ud800"}}
-    _error(http.post("/v1/chat/completions", content=json.dumps({**base, "tools": [lone]}),
-                     headers={"content-type": "application/json"}), "tools[0].function.description")  # fmt: skip
+    _error(
+        http.post(
+            "/v1/chat/completions",
+            content=json.dumps({**base, "tools": [lone]}),
+            headers={"content-type": "application/json"},
+        ),
+        "tools[0].function.description",
+    )
     resp = {"model": MODEL, "input": "Hi", "max_output_tokens": 4}
     _error(
-        http.post("/v1/responses", json={**resp, "tools": [{"type": "web_search"}]}), "tools[0].type"
+        http.post("/v1/responses", json={**resp, "tools": [{"type": "web_search"}]}),
+        "tools[0].type",
     )
     check_after(http, before)
 
@@ -262,9 +317,9 @@ def hermes(smol: LoadedModel) -> Iterator[httpx.Client]:
     from server_util import running_server
 
     template = (Path(__file__).parent / "templates" / "hermes.jinja").read_text()
-    with running_server(with_chat_template(smol, template), "--worker", "inline") as url:
-        with httpx.Client(base_url=url, timeout=300) as c:
-            yield c
+    served = running_server(with_chat_template(smol, template), "--worker", "inline")
+    with served as url, httpx.Client(base_url=url, timeout=300) as c:
+        yield c
 
 
 def test_a_hermes_template_gets_the_tools_and_its_calls_parse(hermes):  # type: ignore[no-untyped-def]
@@ -285,24 +340,46 @@ def test_a_hermes_template_gets_the_tools_and_its_calls_parse(hermes):  # type: 
         generated.startswith("<tool_call>\n{")
         and len(choice["logprobs"]["content"]) == whole["usage"]["completion_tokens"]
     )
-    chunks = _streamed(hermes, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "temperature": 0,
-                                                         "max_tokens": 64, **body})  # fmt: skip
+    chunks = _streamed(
+        hermes,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 64, **body},
+    )
     _, streamed, finish, _ = _joined(chunks)
     assert finish == choice["finish_reason"]
     assert [c["function"] for c in streamed] == [c["function"] for c in calls]
     # auto: free text (no grammar), parsed as it comes; the stream says the same as the whole
     auto = {"tools": [WEATHER], "max_tokens": 40}
     free = _chat(hermes, **auto)["choices"][0]
-    content, streamed, finish, _ = _joined(_streamed(hermes, "/v1/chat/completions",
-        {"model": MODEL, "messages": ASK, "temperature": 0, **auto}))  # fmt: skip
+    content, streamed, finish, _ = _joined(
+        _streamed(
+            hermes,
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": ASK, "temperature": 0, **auto},
+        )
+    )
     assert content == free["message"]["content"] and finish == free["finish_reason"]
     assert [c["function"] for c in streamed] == [
         c["function"] for c in free["message"].get("tool_calls") or []
     ]
     # a call sent back renders as the template writes calls, and its result as a tool response
-    history = [*ASK, {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "18"}]  # fmt: skip
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "c"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "18"},
+    ]
     counted = hermes.post(
         "/tokenize", json={"model": MODEL, "messages": history, "tools": [WEATHER]}
     ).json()

@@ -115,3 +115,29 @@ def test_the_engine_refuses_a_grammar_llguidance_refuses(smol: LoadedModel, core
     with pytest.raises(RequestError):
         core.add_request(bad)
     assert not core.has_work()
+
+
+def test_preempted_constrained_requests_keep_their_tokens_and_bits(
+    smol: LoadedModel, core: EngineCore
+):
+    """A KV cache too small for every sequence: constrained ones are preempted, recomputed
+    and go on with their matchers where they were; every result equals the one alone."""
+    grammar = _grammar("json_schema", SCHEMA)
+    prompts = [
+        f"Person {i}: write a JSON object describing someone aged {20 + i}:" for i in range(6)
+    ]
+    reqs = [_request(smol, f"g{i}", p, grammar, 40) for i, p in enumerate(prompts)]
+    alone = {r.request_id: run_core(core, [r])[r.request_id] for r in reqs}
+    per_token = 4 * (2 * 30 * 3 * 64 + 576)
+    tight = EngineCore(smol, EngineConfig(block_size=4, kv_cache_gib=20 * 4 * per_token / 2**30))
+    together = run_core(tight, reqs)
+    assert tight.scheduler.num_preemptions > 0
+    for rid, expected in alone.items():
+        assert _tokens(together[rid]) == _tokens(expected), rid
+        got = [o.logprobs for o in together[rid] if o.logprobs is not None]
+        want = [o.logprobs for o in expected if o.logprobs is not None]
+        for a, b in zip(want, got, strict=True):
+            for name in ("logprobs", "top_logprobs", "constraint_logmass"):
+                assert np.array_equal(getattr(a, name), getattr(b, name)), (rid, name)
+        json.loads(smol.tokenizer.decode(_tokens(expected)))
+    assert tight.pool.num_in_use() == 0

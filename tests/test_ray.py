@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -329,13 +330,19 @@ def test_a_killed_replica_loses_no_request(app: str):
     assert len(before) == 2 and len({r["node"] for r in before}) == 2  # one on each node
     prompts = [f"Story {i}: once upon a time" for i in range(24)]
     base = {"model": "smol", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    # every third request follows a grammar: its replay starts its matcher again, same tokens
+    grammar = {"structured_outputs": {"regex": "( [a-z]{1,9}){8,40}\\."}}
+
+    def body_of(i: int) -> dict:
+        return {**base, "prompt": prompts[i], **(grammar if i % 3 == 0 else {})}
+
     expected = {
-        p: _post(app, "/v1/completions", {**base, "prompt": p}).json()["choices"][0]["text"]
-        for p in prompts[:4]
+        prompts[i]: _post(app, "/v1/completions", body_of(i)).json()["choices"][0]["text"]
+        for i in range(4)
     }
 
     def one(i: int) -> dict:
-        body = {**base, "prompt": prompts[i]}
+        body = body_of(i)
         if i % 2:
             return {"i": i, "stream": True, **_stream(app, {**body, "stream": True})}
         r = _post(app, "/v1/completions", body, timeout=180)
@@ -376,6 +383,8 @@ def test_a_killed_replica_loses_no_request(app: str):
     for r in results:
         if r["i"] < 4 and not r.get("error"):
             assert r["text"] == expected[prompts[r["i"]]]
+        if r["i"] % 3 == 0 and not r["stream"]:
+            assert re.fullmatch(r"( [a-z]{1,9}){8,40}\.", r["text"]), r["text"]
     health = httpx.get(f"{app}/health").json()["models"]["smol"]
     assert replaced, "no replacement replica answered within 120 s"
     back = replaced[0] - killed[0]

@@ -136,7 +136,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:
             if m.role != "assistant":
-                raise bad_request("only assistant messages hold tool_calls", f"messages[{i}]")
+                raise bad_request(
+                    "only assistant messages hold tool_calls", f"messages[{i}].tool_calls"
+                )
             d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             names.update((c.id, c.function.name) for c in m.tool_calls)
         if m.role == "tool":
@@ -150,7 +152,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if name:
                 d["name"] = name
         elif m.tool_call_id is not None:
-            raise bad_request("only tool messages hold tool_call_id", f"messages[{i}]")
+            raise bad_request("only tool messages hold tool_call_id", f"messages[{i}].tool_call_id")
         out.append(d)
     return out
 
