@@ -190,7 +190,7 @@ def test_the_generic_prompt_tells_the_tools_and_replays_calls_and_results():
     }
     assert shown.messages[3]["role"] == "user"
     assert json.loads(shown.messages[3]["content"]) == {
-        "tool_result": {"tool_call_id": "c1", "content": "3", "name": "add"}
+        "tool_result": {"tool_call_id": "c1", "content": 3, "name": "add"}  # JSON: its value
     }
     with_system = [{"role": "system", "content": "Be brief."}, *history]
     shown = tool_prompt(with_system, ToolAsk((ADD,), "required", True, FORMATS[G]), FORMATS[G])

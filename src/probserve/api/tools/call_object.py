@@ -150,13 +150,12 @@ class CallObject:
         """The arguments' text written since the last call (a streaming object or array: as it
         grows; anything else: whole, once complete)."""
         if self._arguments is not None:
-            text = self._arguments
-        elif self._arguments_start is not None:
-            text = self.raw[self._arguments_start :]
+            delta = self._arguments[self._sent :]
+        elif self._arguments_start is not None:  # one character per item: O(new) to join
+            delta = "".join(self._raw[self._arguments_start + self._sent :])
         else:
             return ""
-        delta = text[self._sent :]
-        self._sent = len(text)
+        self._sent += len(delta)
         return delta
 
     def missing_arguments(self) -> str:

@@ -41,6 +41,21 @@ class ReplyDelta:
         return bool(self.content or self.calls)
 
 
+class _Text:
+    """Text built in pieces (a long reply is fed one character at a time: joined once)."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+
+    def take(self) -> str:
+        text = "".join(self.parts)
+        self.parts = [text] if text else []
+        return text
+
+
 @dataclass
 class Call:
     id: str
@@ -61,7 +76,8 @@ class ReplyParser:
         self._object: CallObject | None = None
         self._escape = ""  # generic content: an escape not yet whole
         self._out = ReplyDelta()
-        self._content_all = ""
+        self._sent = _Text()  # content in the delta being built
+        self._all = _Text()  # all content sent
         self.content_sent = False
         self._listed = False
 
@@ -92,7 +108,7 @@ class ReplyParser:
     @property
     def content(self) -> str | None:
         """Everything sent as content (None: none, the reply was calls only)."""
-        return self._content_all if self.content_sent else None
+        return self._all.take() if self.content_sent else None
 
     # ---- states --------------------------------------------------------------------------------
 
@@ -102,7 +118,8 @@ class ReplyParser:
             self._start(c)
         elif state == "content":
             self._held += c
-            self._match_opener()
+            if self.fmt.opener and self._held.endswith(self.fmt.opener):
+                self._match_opener()
         elif state == "opened":
             self._held += c
             if c in _WHITESPACE:
@@ -226,8 +243,9 @@ class ReplyParser:
         Llama 3 calls are separated by ";"."""
         parser = self.fmt.parser
         if parser is ToolParser.HERMES:
-            self._held += c
-            if self._held.endswith(self.fmt.closer):
+            closer = self.fmt.closer
+            self._held = (self._held + c)[-len(closer) :]  # what is dropped need not be kept
+            if self._held == closer:
                 self._held = ""
                 self._state = "content"
             return
@@ -270,8 +288,8 @@ class ReplyParser:
     def _content(self, text: str) -> None:
         if not text:
             return
-        self._out.content += text
-        self._content_all += text
+        self._sent.add(text)
+        self._all.add(text)
         self.content_sent = True
 
     def _flush_content(self, final: bool) -> None:
@@ -294,6 +312,8 @@ class ReplyParser:
 
     def _take(self) -> ReplyDelta:
         out, self._out = self._out, ReplyDelta()
+        out.content = self._sent.take()
+        self._sent = _Text()
         return out
 
 
@@ -325,7 +345,8 @@ def _escape_whole(escape: str) -> bool:
 def whole_reply(fmt: ToolFormat, text: str) -> ReplyParser:
     """A whole reply, parsed as its stream would be."""
     parser = ReplyParser(fmt)
-    parser.feed(text)
+    for at in range(0, len(text), 64):  # in pieces, as a stream: what is held stays short
+        parser.feed(text[at : at + 64])
     parser.close()
     return parser
 
