@@ -141,3 +141,39 @@ def test_preempted_constrained_requests_keep_their_tokens_and_bits(
                 assert np.array_equal(getattr(a, name), getattr(b, name)), (rid, name)
         json.loads(smol.tokenizer.decode(_tokens(expected)))
     assert tight.pool.num_in_use() == 0
+
+
+def test_the_api_compiles_and_checks_a_grammar_once(smol: LoadedModel, monkeypatch):
+    """The same schema asked again is not compiled or checked again (the model's cache); a
+    different one is, and the cache keeps only its most recent grammars."""
+    from types import SimpleNamespace
+
+    from probserve.api.errors import APIError
+    from probserve.api.grammar_cache import GrammarCache
+    from probserve.api.limits import Limits
+    from probserve.api.plans import grammar as plans_grammar
+    from probserve.engine.grammar import llguidance_tokenizer
+
+    lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
+    model = SimpleNamespace(grammars=GrammarCache(2), grammar_tokenizer=lambda: lltok)
+    state = SimpleNamespace(config=SimpleNamespace(limits=Limits()), model=model)
+    compiled: list[str] = []
+    real = plans_grammar.compile_grammar
+
+    def counting(ask: GrammarAsk, *limits: int) -> str:
+        compiled.append(ask.kind)
+        return real(ask, *limits)
+
+    monkeypatch.setattr(plans_grammar, "compile_grammar", counting)
+    ask = GrammarAsk("json_schema", "response_format", SCHEMA)
+    first = plans_grammar._checked(ask, state)  # type: ignore[arg-type]
+    assert plans_grammar._checked(ask, state) == first and compiled == ["json_schema"]  # type: ignore[arg-type]
+    reordered = {**SCHEMA, "properties": dict(reversed(list(SCHEMA["properties"].items())))}
+    assert plans_grammar._checked(GrammarAsk("json_schema", "x", reordered), state) != first  # type: ignore[arg-type]
+    plans_grammar._checked(GrammarAsk("choice", "x", CHOICES), state)  # type: ignore[arg-type]
+    assert len(model.grammars) == 2 and len(compiled) == 3
+    plans_grammar._checked(ask, state)  # type: ignore[arg-type]
+    assert len(compiled) == 4  # the first one had gone: at most 2 kept
+    with pytest.raises(APIError):  # a bad grammar is refused every time, and never kept
+        plans_grammar._checked(GrammarAsk("regex", "x", "(unclosed"), state)  # type: ignore[arg-type]
+    assert len(model.grammars) == 2

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from probserve.api.errors import APIError
+from probserve.api.grammar_cache import GrammarCache
 from probserve.api.limits import HttpLimits, Limits
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.metrics import Metrics
@@ -63,6 +64,7 @@ class ServedModel:
     fmt: LogprobsFormatter = field(init=False)
     restarting: str | None = field(default=None, init=False)  # why, while a restart runs
     _grammar_tokenizer: Any = field(default=None, init=False, repr=False)
+    grammars: GrammarCache = field(default_factory=GrammarCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)

@@ -135,14 +135,33 @@ def _check_size(chars: int, cap: int, param: str) -> None:
 
 
 def _checked(ask: GrammarAsk, state: Serving) -> str:
-    """Compiled and checked against the model's tokenizer: blocking, run it `off_loop`."""
+    """Compiled and checked against the model's tokenizer: blocking, run it `off_loop`. A
+    grammar that passed before (the model's GrammarCache) is not compiled or checked again."""
     limits = state.config.limits
+    key = _cache_key(ask, limits.max_grammar_chars, limits.max_grammar_choices)
+    cached = state.model.grammars.get(key) if key is not None else None
+    if cached is not None:
+        return cached
     grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices)
     error = grammar_error(grammar, state.model.grammar_tokenizer())
     error = error or matcher_error(grammar, state.model.grammar_tokenizer())
     if error:
         raise bad_request(f"{ask.param}: {error.strip()[:2000]}", ask.param)
+    if key is not None:
+        state.model.grammars.put(key, grammar)
     return grammar
+
+
+def _cache_key(ask: GrammarAsk, max_chars: int, max_choices: int) -> str | None:
+    """What identifies a grammar: its kind and source (None: a source too big to be one, left
+    to compile_grammar's checks, which refuse it)."""
+    try:
+        source = json.dumps(ask.source, ensure_ascii=False)  # key order matters: kept
+    except (TypeError, ValueError):
+        return None
+    if len(source) > 2 * max_chars + 4 * max_choices:
+        return None
+    return f"{ask.kind}\n{source}"
 
 
 async def compiled_grammar(state: Serving, ask: GrammarAsk | None) -> str | None:
