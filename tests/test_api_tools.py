@@ -292,6 +292,9 @@ def test_hostile_tool_requests_are_400s_and_harm_nothing(http):  # type: ignore[
         post(tools=[ADD], tool_choice="required", response_format={"type": "json_object"}),
         "response_format",
     )
+    wordy = [{"type": "function", "function": {"name": f"f{i}", "description": "x" * 30_000}}
+             for i in range(40)]  # fmt: skip
+    _error(post(tools=wordy), "tools")  # the definitions count toward --max-message-chars
     orphan = [*ASK, {"role": "tool", "content": "3"}]
     _error(post(messages=orphan), "messages[1].tool_call_id")
     lone = {"type": "function", "function": {"name": "f", "description": "\ud800"}}
@@ -308,6 +311,9 @@ def test_hostile_tool_requests_are_400s_and_harm_nothing(http):  # type: ignore[
         http.post("/v1/responses", json={**resp, "tools": [{"type": "web_search"}]}),
         "tools[0].type",
     )
+    # a denormal top_p (schemathesis found it with tools: []) keeps the most likely token
+    tiny = http.post("/v1/responses", json={**resp, "tools": [], "top_p": 5e-324, "seed": -3})
+    assert tiny.status_code == 200, tiny.text
     check_after(http, before)
 
 

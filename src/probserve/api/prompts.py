@@ -167,12 +167,13 @@ def _template_call(call: ToolCall) -> dict[str, Any]:
 
 
 def message_chars(dicts: list[dict[str, Any]]) -> int:
-    """The characters of the messages' contents and their calls' arguments."""
-    chars = sum(len(m["content"]) for m in dicts)
+    """The characters of the messages' contents and of their calls (ids, names, arguments)."""
+    chars = sum(len(m["content"]) + len(m.get("tool_call_id") or "") for m in dicts)
     for m in dicts:
         for c in m.get("tool_calls", ()):
             arguments = c["function"]["arguments"]
             chars += len(arguments if isinstance(arguments, str) else json.dumps(arguments))
+            chars += len(c["id"]) + len(c["function"]["name"])
     return chars
 
 
@@ -200,9 +201,20 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
-def check_messages(limits: Limits, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def check_messages(
+    limits: Limits, messages: list[ChatMessage], extra_chars: int = 0
+) -> list[dict[str, Any]]:
+    """The messages as the template takes them, their count and characters checked first
+    (`extra_chars`: what else the prompt holds, the tools' definitions)."""
     dicts = message_dicts(messages)
-    limits.check_messages(len(dicts), message_chars(dicts))
+    chars = message_chars(dicts)
+    limits.check_messages(len(dicts), chars)
+    if chars + extra_chars > limits.max_message_chars:
+        raise bad_request(
+            f"the messages and tools hold {chars + extra_chars} characters; the limit is "
+            f"{limits.max_message_chars}",
+            "tools",
+        )
     return dicts
 
 

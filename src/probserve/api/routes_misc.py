@@ -129,10 +129,11 @@ async def tokenize(
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt or messages", "prompt")
     if body.messages is not None:
-        dicts = check_messages(st.config.limits, body.messages)
         fmt = tool_format(st)
         functions = [t.function for t in body.tools] if body.tools else None
-        shown = tool_prompt(dicts, tool_ask(functions, None, None, fmt), fmt)
+        tools = tool_ask(functions, None, None, fmt)
+        dicts = check_messages(st.config.limits, body.messages, tools.chars() if tools else 0)
+        shown = tool_prompt(dicts, tools, fmt)
         ids = await off_loop(
             render_chat, st.loaded, shown.messages, body.add_generation_prompt,
             shown.template_kwargs,

@@ -39,7 +39,7 @@ async def chat_plan(
     stops = check_request(body, limits)
     asked = grammar_ask(body)
     sampling = candidate_params(body, max_tokens, state.loaded.vocab_size, body.n)
-    dicts = check_messages(limits, messages)
+    dicts = check_messages(limits, messages, tools.chars() if tools is not None else 0)
     fmt = tool_format(state)
     shown = tool_prompt(dicts, tools, fmt)
     kwargs = {**check_template_kwargs(template_kwargs), **shown.template_kwargs}

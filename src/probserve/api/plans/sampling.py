@@ -50,7 +50,9 @@ def sampling_params(
             raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        # below 1/vocab every top_p keeps the one most likely token: a denormal one (5e-324)
+        # would make the sampler's arithmetic non-finite, so it is raised to the same effect
+        top_p=1.0 if req.top_p is None else max(req.top_p, 1e-6),
         top_k=max(0, req.top_k or 0),
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,

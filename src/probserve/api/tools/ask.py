@@ -4,6 +4,7 @@ checked against each other before anything else is done."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,6 +53,10 @@ class ToolAsk:
 
     def definitions(self) -> list[dict[str, Any]]:
         return [_definition(f) for f in self.functions]
+
+    def chars(self) -> int:
+        """The definitions' characters as JSON: what they add to the prompt, about."""
+        return len(json.dumps(self.definitions(), ensure_ascii=False))
 
 
 def _definition(f: FunctionDefinition) -> dict[str, Any]:
