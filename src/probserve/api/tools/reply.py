@@ -227,12 +227,8 @@ class ReplyParser:
 
     def _finish_object(self) -> None:
         obj = self._object
-        if obj is not None and obj.name is not None:
-            if not obj.done:  # cut short (a length limit): what it wrote, and no more
-                self._arguments(obj)
-            elif obj.missing_arguments() and not self.calls[-1].arguments:
-                self.calls[-1].arguments = "{}"
-                self._out.calls.append(CallDelta(len(self.calls) - 1, arguments="{}"))
+        if obj is not None and obj.name is not None and not obj.done:
+            self._arguments(obj)  # cut short (a length limit): what it wrote, and no more
         self._object = None
         self._state = "between"
         self._held = ""
