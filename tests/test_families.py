@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_core
+from native_util import assert_native_equals_op_by_op
 from reference import full_logprobs
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
@@ -161,6 +162,10 @@ def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedM
     mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
     again = run_core(core, [_request(canary, "again")])["again"]  # its prefix cached
     assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+
+
+def test_the_native_layers_are_the_op_by_op_kernels_bit_for_bit(model: LoadedModel):
+    assert_native_equals_op_by_op(model.model)
 
 
 def test_longrope_chooses_its_factors_per_position():

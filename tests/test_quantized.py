@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import run_core
 from gguf import GGMLQuantizationType as Q
+from native_util import assert_native_equals_op_by_op
 from test_deterministic import _bits, _canary
 
 from probserve.engine import EngineConfig, EngineCore
@@ -253,6 +254,7 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
     assert fw.layers[0].o.quantized is not None
     assert fw.embed is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
+    assert_native_equals_op_by_op(twin, weights)
 
 
 def assert_same_requests(blocks: LoadedModel, floats: LoadedModel) -> None:
@@ -336,6 +338,7 @@ def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
     assert fw.layers[0].gate_up.quantized is not None and fw.layers[0].down.quantized is not None
     assert fw.lm_head.quantized is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
+    assert_native_equals_op_by_op(twin, weights)
 
 
 # ---- choosing the weights ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
 
-The sources (invariant.cpp and quantized.cpp, with simd.h) are compiled into one library with
-the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it runs on
+The sources (invariant.cpp, quantized.cpp and layer.cpp, with simd.h) are compiled into one
+library with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it runs on
 (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default ~/.cache/probserve)
 under a key of the sources, the compiler, the flags and the CPU's feature
 list, so a source change, another compiler or another machine builds afresh and every later
@@ -28,7 +28,7 @@ import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to o
 from probserve.cache_dir import cache_root
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp")  # one library
+SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp", HERE / "layer.cpp")  # one library
 HEADERS = (HERE / "simd.h",)
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
@@ -55,6 +55,8 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ps_qblock_len": (_I, [ctypes.c_int]),
     "ps_qlinear": (None, [ctypes.c_int, _P, _I, _I, _P, _I, _P, _P]),
     "ps_qrows": (None, [ctypes.c_int, _P, _I, _P, _I, _P]),
+    "ps_layers_scratch": (_I, [_P, _I]),
+    "ps_layers": (None, [_P, _P, _P, _P]),
 }
 
 

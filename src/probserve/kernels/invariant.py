@@ -48,7 +48,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
 
-def _row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """int64 row ids (token ids, positions, cache slots), checked against the table's n rows:
     the engine computes them first, but the kernels read and write memory, so they are checked
     again."""
@@ -100,7 +100,7 @@ class InvariantKernels:
 
     def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a quantized weight, dequantized (an embedding lookup)."""
-        ids = _row_ids(ids, w.n)
+        ids = row_ids(ids, w.n)
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
         n = ids.numel()
         self.lib.ps_qrows(w.fmt, w.data.data_ptr(), w.k, ids.data_ptr(), n, out.data_ptr())
@@ -126,7 +126,7 @@ class InvariantKernels:
 
     def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the packed weight, [len(ids), K] (an embedding lookup)."""
-        ids = _row_ids(ids, w.n)
+        ids = row_ids(ids, w.n)
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
         self.lib.ps_packed_rows(
             w.panels.data_ptr(), w.k, ids.data_ptr(), ids.numel(), out.data_ptr()
@@ -238,8 +238,8 @@ class InvariantKernels:
                 or cache.shape[1:] != (nkv, d)
             ):
                 raise ValueError("rope_cache: the cache must be contiguous float32 [slots, nkv, d]")
-        positions = _row_ids(positions, cos.shape[0])
-        slots = _row_ids(slots, k_cache.shape[0])
+        positions = row_ids(positions, cos.shape[0])
+        slots = row_ids(slots, k_cache.shape[0])
         cos, sin = _f32(cos), _f32(sin)
         q = torch.empty((t, nq, d), dtype=torch.float32)
         if t:

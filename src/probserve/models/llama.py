@@ -27,7 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from probserve.kernels.invariant import InvariantKernels, QuantizedWeight
+from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
+from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Kernel, Linear, choose_kernel
@@ -196,6 +197,17 @@ class _Layer:
         self.rope_key = fam.rope_keys[index]
 
 
+def _parts(linear: Linear | Joined) -> list[PackedWeight | QuantizedWeight]:
+    """A projection's weights as the native layers read them (invariant kernels only)."""
+    found: list[PackedWeight | QuantizedWeight] = []
+    for part in linear.parts if isinstance(linear, Joined) else [linear]:
+        weight = part.quantized if part.quantized is not None else part.packed
+        if weight is None:
+            raise ValueError("the native layers read invariant-kernel weights only")
+        found.append(weight)
+    return found
+
+
 def _form(weight: Weight) -> int | None:
     """A weight's block format (None: float32)."""
     return weight.ggml_type if isinstance(weight, QuantizedTensor) else None
@@ -221,12 +233,16 @@ class LlamaForward:
         kernel: Kernel | Literal["auto"] = "auto",
         kernels: InvariantKernels | None = None,
         weights: Mapping[str, Weight] | None = None,
+        op_by_op: bool = False,
     ) -> None:
         """`kernel`: the linear layers' matrix kernel (models/linear.py); "auto" times both on
         the first layer's MLP matrix and keeps the faster. `kernels`: run deterministic (the
-        row-invariant kernels everywhere; `kernel` is then "invariant"). `weights`: the tensors
-        by parameter name where the model holds none of its own (a GGUF file's blocks,
-        models/gguf_blocks.py: they stay quantized with `kernels`); default: the model's."""
+        row-invariant kernels everywhere; `kernel` is then "invariant"), the decoder layers in
+        one native call a step (kernels/layers.py) unless `op_by_op` (the same kernels called one
+        by one from Python: the reference the native call is tested against, bit for bit).
+        `weights`: the tensors by parameter name where the model holds none of its own (a GGUF
+        file's blocks, models/gguf_blocks.py: they stay quantized with `kernels`); default: the
+        model's."""
         cfg = model.config
         self.kernels = kernels
         self.family = fam = family(cfg)
@@ -282,6 +298,37 @@ class LlamaForward:
         # the deterministic cos/sin tables, grown ROPE_BLOCK positions at a time
         self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
+        self.native: NativeLayers | None = None
+        if kernels is not None and not op_by_op:
+            self.native = self._native_layers(kernels)
+
+    def _native_layers(self, kernels: InvariantKernels) -> NativeLayers:
+        """The layers described for the one native call (pointers into the weights held here)."""
+        fam, keys = self.family, list(self.rotary)
+        shape = Shape(
+            hidden=int(self.model.config.hidden_size), heads=self.num_heads,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
+            eps=self.eps, scale=float(fam.scale), softcap=float(fam.attn_softcap or 0.0),
+            sandwich=fam.sandwich, gelu=fam.activation == "gelu_tanh",
+        )  # fmt: skip
+        layers = [
+            LayerWeights(
+                ln1=layer.ln1,
+                ln2=layer.ln2,
+                qkv=_parts(layer.qkv),
+                o=_parts(layer.o),
+                gate_up=_parts(layer.gate_up),
+                down=_parts(layer.down),
+                pre_ff=layer.pre_ff,
+                post_ff=layer.post_ff,
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                window=int(layer.window or 0),
+                rope=keys.index(layer.rope_key),
+            )
+            for layer in self.layers
+        ]
+        return NativeLayers(kernels, shape, layers)
 
     def _own_embedding(self, embed: Weight) -> torch.Tensor | QuantizedWeight:
         """An untied embedding: in its blocks where the kernels read them, else float32."""
@@ -309,6 +356,17 @@ class LlamaForward:
             self._rope_table(h, int(positions.max()) + 1 if positions.numel() else 0)
         else:
             rope = {key: self._rope(key, h, positions) for key in self.rotary}  # [T, 1, d]
+        if self.native is not None:
+            assert plan.tables is not None and plan.token_seq is not None
+            assert plan.token_len is not None
+            tables = [(self._rope_cos[key], self._rope_sin[key]) for key in self.rotary]
+            h = self.native.run(
+                h.contiguous(), positions, plan.slots, plan.tables, plan.token_seq,
+                plan.token_len, cache.block_size, cache.k, cache.v, tables,
+            )  # fmt: skip
+            out = self._norm(h, self.norm)
+            cache.hidden.index_copy_(0, plan.slots, out)
+            return out
         t = input_ids.shape[0]
         for li, layer in enumerate(self.layers):
             x = self._norm(h, layer.ln1)

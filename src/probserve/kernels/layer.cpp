@@ -1,0 +1,224 @@
+// The decoder layers of one step in one call: the deterministic forward's per-layer chain
+// (models/llama.py) run here instead of ~15 Python-dispatched kernel calls a layer.
+//
+// It calls the very kernels the op-by-op path calls (ps_rms_norm, ps_linear / ps_qlinear,
+// ps_rope_cache, ps_attention, ps_silu_mul / ps_gelu_tanh_mul) on the same inputs, and the
+// residual adds are one rounded float32 addition per element as torch's, so the hidden states
+// are the same bits as the op-by-op path's (tests/test_layers_native.py holds it to that for
+// every family). The per-family differences are fields of PsModel and PsLayer: q/k norms
+// (Qwen3, Gemma 3), sandwich norms (Gemma 2/3), GeGLU, sliding windows, soft-capped scores,
+// one RoPE table per layer type, biases (Qwen2), weights joined from parts in different block
+// formats (Q4_K_M's Q4_K q/k beside a Q6_K v).
+//
+// Work buffers come from the caller (`scratch`, sized by ps_layers_scratch for a token count):
+// the Python side keeps one per power-of-two bucket of token counts, so nothing is allocated
+// per layer or per step.
+#include "simd.h"
+
+extern "C" {
+void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+               const float* bias, float* out);
+void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                const float* bias, float* out);
+void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out);
+void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
+void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);
+void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
+                   const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
+                   float* q_out, float* kc, float* vc);
+void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
+                  int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
+                  int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
+                  int64_t window, float softcap);
+}
+
+namespace {
+
+constexpr int MAX_PARTS = 4;
+
+}  // namespace
+
+extern "C" {
+
+// One weight [n, k] of a layer's projection: float32 panels (fmt < 0, ps_linear) or GGUF blocks
+// in quantized.cpp's format `fmt` (ps_qlinear); bias padded to whole panels, or null.
+struct PsPart {
+    int64_t fmt;
+    const void* data;
+    const float* bias;
+    int64_t n;
+    int64_t k;
+};
+
+// A projection: its parts' output columns side by side (one part: a plain weight).
+struct PsProj {
+    int64_t nparts;
+    PsPart parts[MAX_PARTS];
+    int64_t n;  // the sum of the parts' n
+};
+
+struct PsLayer {
+    const float* ln1;      // input norm
+    const float* ln2;      // Llama: the norm before the MLP; sandwich: of the attention's output
+    const float* pre_ff;   // sandwich only: the norms around the MLP
+    const float* post_ff;
+    const float* q_norm;   // per-head q/k norms, or null
+    const float* k_norm;
+    PsProj qkv, o, gate_up, down;
+    int64_t window;        // sliding window (0: none)
+    int64_t rope;          // which RoPE table (PsStep's cos/sin arrays)
+};
+
+struct PsModel {
+    int64_t layers, hidden, nq, nkv, d, inter;
+    float eps, scale, softcap;  // softcap 0: none
+    int64_t sandwich, gelu;     // flags
+    const PsLayer* layer;
+};
+
+// One step's tokens and cache: as ps_rope_cache and ps_attention take them; kc, vc the whole
+// cache [layers, slots, nkv, d] (layer li at li * slots * nkv * d).
+struct PsStep {
+    int64_t tokens;
+    const int64_t* pos;
+    const int64_t* slots;
+    const int64_t* tables;
+    int64_t width, block_size;
+    const int64_t* seq;
+    const int64_t* len;
+    float* kc;
+    float* vc;
+    int64_t cache_slots;
+    const float* const* cos;  // per RoPE table [positions, d]
+    const float* const* sin;
+};
+
+}  // extern "C"
+
+namespace {
+
+int64_t widest_part(const PsModel* m) {
+    int64_t w = 0;
+    for (int64_t li = 0; li < m->layers; ++li) {
+        const PsLayer& l = m->layer[li];
+        for (const PsProj* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
+            if (p->nparts > 1)
+                for (int64_t i = 0; i < p->nparts; ++i) w = std::max(w, p->parts[i].n);
+    }
+    return w;
+}
+
+void part_product(const PsPart& p, const float* x, int64_t T, float* out) {
+    if (p.fmt < 0)
+        ps_linear(x, T, p.k, static_cast<const float*>(p.data), p.n, p.bias, out);
+    else
+        ps_qlinear(static_cast<int>(p.fmt), x, T, p.k, static_cast<const uint8_t*>(p.data), p.n,
+                   p.bias, out);
+}
+
+// out [T, proj.n] = x [T, K] times the projection; `tmp` holds a part's output where there are
+// several (each output column is its own row's product: the same bits as one joined weight)
+void project(const PsProj& proj, const float* x, int64_t T, float* out, float* tmp) {
+    if (proj.nparts == 1) return part_product(proj.parts[0], x, T, out);
+    int64_t col = 0;
+    for (int64_t i = 0; i < proj.nparts; ++i) {
+        const PsPart& p = proj.parts[i];
+        part_product(p, x, T, tmp);
+        for (int64_t t = 0; t < T; ++t) std::copy(tmp + t * p.n, tmp + (t + 1) * p.n, out + t * proj.n + col);
+        col += p.n;
+    }
+}
+
+// h += x, elementwise (one rounded addition each, as torch's)
+void add_into(float* h, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t i = 0; i < n; i += W) {
+        const int64_t c = std::min<int64_t>(W, n - i);
+        vstore_n(h + i, vadd(vload_n(h + i, c, 0.0f), vload_n(x + i, c, 0.0f)), c);
+    }
+}
+
+struct Buffers {
+    float *x, *qkv, *q, *attn, *o, *gu, *act, *tmp;
+};
+
+Buffers carve(const PsModel* m, int64_t T, float* scratch) {
+    const int64_t qkv = (m->nq + 2 * m->nkv) * m->d, qd = m->nq * m->d;
+    Buffers b{};
+    float* at = scratch;
+    auto take = [&](int64_t n) {
+        float* p = at;
+        at += (n + 15) / 16 * 16;  // 64-byte steps
+        return p;
+    };
+    b.x = take(T * m->hidden);
+    b.qkv = take(T * qkv);
+    b.q = take(T * qd);
+    b.attn = take(T * qd);
+    b.o = take(T * std::max(m->hidden, m->layer[0].o.n));
+    b.gu = take(T * 2 * m->inter);
+    b.act = take(T * m->inter);
+    b.tmp = take(T * widest_part(m));
+    return b;
+}
+
+}  // namespace
+
+extern "C" {
+
+// floats of scratch ps_layers needs for T tokens
+int64_t ps_layers_scratch(const PsModel* m, int64_t T) {
+    const int64_t qkv = (m->nq + 2 * m->nkv) * m->d, qd = m->nq * m->d;
+    const int64_t sizes[] = {T * m->hidden, T * qkv, T * qd, T * qd,
+                             T * std::max(m->hidden, m->layer[0].o.n), T * 2 * m->inter,
+                             T * m->inter, T * widest_part(m)};
+    int64_t total = 0;
+    for (int64_t s : sizes) total += (s + 15) / 16 * 16;
+    return total + 16;
+}
+
+// every layer of the model over the step's T tokens: h [T, hidden] in, the last layer's
+// residual stream out (in place); writes each layer's K and V into the cache
+void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
+    const int64_t T = s->tokens, H = m->hidden, nq = m->nq, nkv = m->nkv, d = m->d;
+    if (T == 0) return;
+    const int64_t row = (nq + 2 * nkv) * d, layer_stride = s->cache_slots * nkv * d;
+    Buffers b = carve(m, T, scratch);
+    for (int64_t li = 0; li < m->layers; ++li) {
+        const PsLayer& l = m->layer[li];
+        float* kc = s->kc + li * layer_stride;
+        float* vc = s->vc + li * layer_stride;
+        ps_rms_norm(h, T, H, l.ln1, m->eps, b.x);
+        project(l.qkv, b.x, T, b.qkv, b.tmp);
+        if (l.q_norm && l.k_norm) {
+            for (int64_t t = 0; t < T; ++t) {
+                float* r = b.qkv + t * row;
+                ps_rms_norm(r, nq, d, l.q_norm, m->eps, r);
+                ps_rms_norm(r + nq * d, nkv, d, l.k_norm, m->eps, r + nq * d);
+            }
+        }
+        ps_rope_cache(b.qkv, T, nq, nkv, d, s->cos[l.rope], s->sin[l.rope], s->pos, s->slots, b.q,
+                      kc, vc);
+        ps_attention(b.q, kc, vc, b.attn, T, nq, nkv, d, m->scale, s->tables, s->width,
+                     s->block_size, s->seq, s->len, l.window, m->softcap);
+        project(l.o, b.attn, T, b.o, b.tmp);
+        if (m->sandwich) {
+            ps_rms_norm(b.o, T, H, l.ln2, m->eps, b.o);
+            add_into(h, b.o, T * H);
+            ps_rms_norm(h, T, H, l.pre_ff, m->eps, b.x);
+        } else {
+            add_into(h, b.o, T * H);
+            ps_rms_norm(h, T, H, l.ln2, m->eps, b.x);
+        }
+        project(l.gate_up, b.x, T, b.gu, b.tmp);
+        if (m->gelu)
+            ps_gelu_tanh_mul(b.gu, T, m->inter, b.act);
+        else
+            ps_silu_mul(b.gu, T, m->inter, b.act);
+        project(l.down, b.act, T, b.o, b.tmp);
+        if (m->sandwich) ps_rms_norm(b.o, T, H, l.post_ff, m->eps, b.o);
+        add_into(h, b.o, T * H);
+    }
+}
+
+}  // extern "C"

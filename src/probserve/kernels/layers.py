@@ -1,0 +1,221 @@
+"""A model's decoder layers as one native call a step (the C++ side: layer.cpp).
+
+`NativeLayers` holds ctypes descriptions of every layer's weights (pointers into the tensors the
+forward already holds: packed panels or GGUF blocks, norms, biases), built once, and runs all
+the layers over a step's tokens with one call into the library, which releases the GIL. The work
+buffers are kept per power-of-two bucket of token counts, allocated when a bucket is first
+used, never per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight, row_ids
+
+MAX_PARTS = 4  # layer.cpp's MAX_PARTS
+_I = ctypes.c_int64
+_P = ctypes.c_void_p
+_F = ctypes.c_float
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("fmt", _I), ("data", _P), ("bias", _P), ("n", _I), ("k", _I)]
+
+
+class _Proj(ctypes.Structure):
+    _fields_ = [("nparts", _I), ("parts", _Part * MAX_PARTS), ("n", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, _P) for name in ("ln1", "ln2", "pre_ff", "post_ff", "q_norm", "k_norm")),
+        *((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
+        ("window", _I),
+        ("rope", _I),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _I) for name in ("layers", "hidden", "nq", "nkv", "d", "inter")),
+        *((name, _F) for name in ("eps", "scale", "softcap")),
+        ("sandwich", _I),
+        ("gelu", _I),
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _I),
+        ("pos", _P),
+        ("slots", _P),
+        ("tables", _P),
+        ("width", _I),
+        ("block_size", _I),
+        ("seq", _P),
+        ("len", _P),
+        ("kc", _P),
+        ("vc", _P),
+        ("cache_slots", _I),
+        ("cos", ctypes.POINTER(_P)),
+        ("sin", ctypes.POINTER(_P)),
+    ]
+
+
+Weight = PackedWeight | QuantizedWeight
+
+
+@dataclass
+class LayerWeights:
+    """One layer as the native call reads it: each projection as its parts (one, or several
+    in different block formats whose output columns sit side by side)."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: Sequence[Weight]
+    o: Sequence[Weight]
+    gate_up: Sequence[Weight]
+    down: Sequence[Weight]
+    pre_ff: torch.Tensor | None = None
+    post_ff: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    window: int = 0
+    rope: int = 0  # which RoPE table
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+    softcap: float = 0.0
+    sandwich: bool = False
+    gelu: bool = False
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _proj(parts: Sequence[Weight]) -> _Proj:
+    if not 1 <= len(parts) <= MAX_PARTS:
+        raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, not {len(parts)}")
+    if len({p.k for p in parts}) != 1:
+        raise ValueError("a projection's parts must share their input size")
+    proj = _Proj(nparts=len(parts), n=sum(p.n for p in parts))
+    for i, p in enumerate(parts):
+        if isinstance(p, QuantizedWeight):
+            proj.parts[i] = _Part(p.fmt, p.data.data_ptr(), _ptr(p.bias), p.n, p.k)
+        else:
+            proj.parts[i] = _Part(-1, p.panels.data_ptr(), _ptr(p.bias), p.n, p.k)
+    return proj
+
+
+class NativeLayers:
+    """Every decoder layer of a model, run over a step's tokens by one `ps_layers` call."""
+
+    def __init__(self, kernels: InvariantKernels, shape: Shape, layers: Sequence[LayerWeights]):
+        """`layers`: their tensors must outlive this object (the forward holds them)."""
+        self.lib = kernels.lib
+        self.shape = shape
+        self._weights = list(layers)  # the tensors the pointers point into
+        for lw in layers:
+            if shape.sandwich and (lw.pre_ff is None or lw.post_ff is None):
+                raise ValueError("a sandwich layer needs its pre- and post-feedforward norms")
+            if (lw.q_norm is None) != (lw.k_norm is None):
+                raise ValueError("q and k norms come together")
+        self._layers = (_Layer * len(layers))(*(self._layer(lw) for lw in layers))
+        self._model = _Model(
+            len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+            shape.intermediate, shape.eps, shape.scale, shape.softcap, int(shape.sandwich),
+            int(shape.gelu), self._layers,
+        )  # fmt: skip
+        self._scratch: dict[int, torch.Tensor] = {}
+
+    def _layer(self, lw: LayerWeights) -> _Layer:
+        s = self.shape
+        qkv, gu = _proj(lw.qkv), _proj(lw.gate_up)
+        o, down = _proj(lw.o), _proj(lw.down)
+        if (
+            qkv.n != (s.heads + 2 * s.kv_heads) * s.head_dim
+            or gu.n != 2 * s.intermediate
+            or o.n != s.hidden
+            or down.n != s.hidden
+        ):
+            raise ValueError("a layer's projections do not agree with the model's shape")
+        return _Layer(
+            _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.pre_ff), _ptr(lw.post_ff), _ptr(lw.q_norm),
+            _ptr(lw.k_norm), qkv, o, gu, down, lw.window, lw.rope,
+        )  # fmt: skip
+
+    def _buffer(self, tokens: int) -> torch.Tensor:
+        bucket = 1 << max(0, tokens - 1).bit_length()
+        if bucket not in self._scratch:
+            size = int(self.lib.ps_layers_scratch(ctypes.byref(self._model), bucket))
+            self._scratch[bucket] = torch.empty(size, dtype=torch.float32)
+        return self._scratch[bucket]
+
+    def run(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        seq: torch.Tensor,
+        lengths: torch.Tensor,
+        block_size: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rope: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """All layers over h [T, hidden] (the embedded tokens), in place; returns h. Token t is
+        at positions[t], writes its K/V at cache slot slots[t] of every layer (k_cache, v_cache
+        [layers, slots, nkv, d]) and attends through block table tables[seq[t]] to its first
+        lengths[t] positions. `rope`: the (cos, sin) tables [P, d] by table index."""
+        s = self.shape
+        if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1:] != (s.hidden,):
+            raise ValueError("layers: h must be contiguous float32 [T, hidden]")
+        for cache in (k_cache, v_cache):
+            if (
+                cache.dtype != torch.float32
+                or not cache.is_contiguous()
+                or cache.shape[0] != len(self._weights)
+                or cache.shape[2:] != (s.kv_heads, s.head_dim)
+            ):
+                raise ValueError("layers: the cache must be contiguous float32 [L, slots, nkv, d]")
+        t = h.shape[0]
+        rows = min(c.shape[0] for c, _ in rope)
+        positions = row_ids(positions, rows)
+        slots = row_ids(slots, k_cache.shape[1])
+        tables = row_ids(tables, k_cache.shape[1] // block_size)
+        seq = row_ids(seq, tables.shape[0])
+        lengths = lengths.to(torch.int64).contiguous()
+        if t and not bool(((lengths >= 1) & (lengths <= tables.shape[1] * block_size)).all()):
+            raise IndexError("layers: a token's key count is outside its block table")
+        for c, sn in rope:
+            if c.dtype != torch.float32 or not c.is_contiguous() or c.shape != sn.shape:
+                raise ValueError("layers: RoPE tables must be contiguous float32 pairs")
+        cos = (_P * len(rope))(*(c.data_ptr() for c, _ in rope))
+        sin = (_P * len(rope))(*(sn.data_ptr() for _, sn in rope))
+        step = _Step(
+            t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+            block_size, seq.data_ptr(), lengths.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[1], cos, sin,
+        )  # fmt: skip
+        if t:
+            scratch = self._buffer(t)
+            self.lib.ps_layers(
+                ctypes.byref(self._model), ctypes.byref(step), h.data_ptr(), scratch.data_ptr()
+            )
+        return h
