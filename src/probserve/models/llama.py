@@ -15,7 +15,9 @@ layers, RMSNorm, SwiGLU and attention (over the paged cache in place, one key or
 chunked prefill and decode alike); RoPE's cos/sin come from a table built once in blocks of fixed
 size. What torch still does is exact per element (embedding gather, the residual adds, RoPE's
 products and sums, the cache writes), so a token's hidden state is the same bits whatever else
-the step holds.
+the step holds. The layers then run in one native call a step (kernels/layers.py: the same
+kernels chained in C++, the same bits); `op_by_op` calls them one by one from Python instead,
+the reference the native call is tested against.
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""Where a decode step's time goes: the engine alone (no HTTP), `--streams` greedy requests
+decoding together, sampled with `perf` while they decode, the samples grouped into matrix
+products, attention, the other kernels (norms, activations, RoPE, logprob rows) and everything
+else (Python, torch's small operations, OpenMP's waits).
+
+    .venv/bin/python bench/step_profile.py                      # the embedded model, one stream
+    .venv/bin/python bench/step_profile.py --model tinyshape-q4_0.gguf --streams 1 16
+    .venv/bin/python bench/step_profile.py --op-by-op           # the layers called from Python
+
+Needs `perf` (linux-perf); run alone on the machine (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+GROUPS = [
+    ("matrix", re.compile(r"qmicro|micro<|qlinear|ps_linear|dequant_panel|ps_qlinear")),
+    ("attention", re.compile(r"ps_attention|scores_fast|pv_fast")),
+    (
+        "other kernels",
+        re.compile(r"ps_rms_norm|glu|ps_silu|ps_gelu|ps_rope|ps_score|ps_topk|ps_entropy|ps_log_"),
+    ),
+    ("openmp", re.compile(r"gomp|GOMP|omp_")),
+]
+
+
+def record(seconds: float, out: str) -> None:
+    """perf samples of this process for `seconds`, into `out`."""
+    subprocess.run(
+        ["perf", "record", "-q", "-F", "2000", "-p", str(os.getpid()), "-o", out, "--",
+         "sleep", str(seconds)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
+def shares(out: str, show: int = 0) -> dict[str, float]:
+    """The stepping thread's samples in a recording, by group (fractions of its samples: of
+    its wall time while it runs; the OpenMP team's other threads work or wait beside it); prints
+    the `show` largest symbols."""
+    report = subprocess.run(
+        ["perf", "report", "-i", out, "--no-children", "--sort", "symbol", "--stdio", "-q",
+         "--tid", str(threading.get_native_id())],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    share: dict[str, float] = defaultdict(float)
+    for line in report.splitlines():
+        m = re.match(r"\s*([\d.]+)%\s+\[[.k]\]\s+(.*)", line)
+        if not m:
+            continue
+        pct, symbol = float(m.group(1)) / 100, m.group(2).strip()
+        if show > 0:
+            print(f"    {pct:6.1%}  {symbol[:90]}")
+            show -= 1
+        group = next((name for name, rx in GROUPS if rx.search(symbol)), "everything else")
+        share[group] += pct
+    total = sum(share.values()) or 1.0  # perf's percentages are of every thread's samples
+    return {group: value / total for group, value in share.items()}
+
+
+def steps_while_recorded(core: Any, seconds: float, out: str | None) -> tuple[int, float]:
+    """Steps `core` while perf records this process into `out` (after a second for perf to
+    attach; None: for `seconds`, unrecorded): (steps, seconds they took)."""
+    done = threading.Event()
+
+    def sample() -> None:
+        if out is None:
+            time.sleep(seconds + 1.0)
+        else:
+            record(seconds, out)
+        done.set()
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    time.sleep(1.0)
+    steps, start = 0, time.perf_counter()
+    while not done.is_set():
+        core.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    thread.join()
+    return steps, elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1])
+    ap.add_argument("--seconds", type=float, default=8.0, help="of perf sampling per level")
+    ap.add_argument("--op-by-op", action="store_true", help="the reference path's layers")
+    ap.add_argument("--top", type=int, default=0, help="print the N largest symbols")
+    ap.add_argument("--no-perf", action="store_true", help="step times only, unsampled")
+    args = ap.parse_args()
+
+    import torch
+
+    from probserve.engine import EngineConfig, EngineCore, EngineRequest, SamplingParams
+    from probserve.engine.core.host import configure_threads
+    from probserve.kernels.invariant import InvariantKernels
+    from probserve.models import load_model
+    from probserve.models.llama import LlamaForward
+
+    configure_threads(0)
+    loaded = load_model(args.model, "native")
+    core = EngineCore(loaded, EngineConfig(deterministic=True, kv_cache_gib=2.0))
+    core.warmup()
+    if args.op_by_op:
+        runner: object = core.runner
+        runner.forward = LlamaForward(  # type: ignore[attr-defined]
+            loaded.model, "auto", InvariantKernels(), loaded.weights, op_by_op=True
+        )
+    prompt = tuple(range(1000, 1100))
+    print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")
+    for streams in args.streams:
+        for i in range(streams):
+            core.add_request(
+                EngineRequest(
+                    f"s{streams}-{i}",
+                    prompt[i:],
+                    SamplingParams(
+                        temperature=0,
+                        max_tokens=loaded.context_length - len(prompt),
+                        ignore_eos=True,
+                    ),
+                )
+            )
+        while core.scheduler.waiting or any(
+            s.num_tokens - s.num_computed > 1 for s in core.scheduler.running
+        ):
+            core.step()  # every prompt in: decode only from here
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "step.perf")
+            steps, elapsed = steps_while_recorded(core, args.seconds, None if args.no_perf else out)
+            result = {} if args.no_perf else shares(out, args.top)
+        for s in list(core.scheduler.running):
+            core.abort_request(s.request_id)
+        while core.has_work():
+            core.step()
+        text = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result.items(), key=lambda kv: -kv[1]))
+        print(
+            f"{streams:>3} streams: {elapsed / steps * 1e3:.2f} ms a step "
+            f"({streams * steps / elapsed:.1f} tok/s); {text}"
+        )
+
+
+if __name__ == "__main__":
+    main()
