@@ -65,8 +65,12 @@ def test_greedy_logprobs_equal_full_forward(any_model: LoadedModel, engine_for, 
         assert abs(float(lp.logprobs[0]) - float(ref[pos, tok])) < 1e-4
         assert int(lp.ranks[0]) == 1
         top = torch.topk(ref[pos], 5)
-        assert lp.top_ids[0].tolist() == top.indices.tolist()
         np.testing.assert_allclose(lp.top_logprobs[0], top.values.numpy(), atol=1e-4)
+        # the ids are the reference's top 5, up to the order of near-equal values (a random
+        # model's alternatives can tie within float32 noise: on AVX2 and AVX-512 differently)
+        ids_found = lp.top_ids[0].tolist()
+        assert len(set(ids_found)) == 5
+        np.testing.assert_allclose(ref[pos, ids_found].numpy(), top.values.numpy(), atol=1e-4)
 
     # prompt logprobs: positions 1..len-1
     plp = outs[0].prompt_logprobs
