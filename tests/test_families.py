@@ -7,6 +7,7 @@ same alone and among other requests."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -195,6 +196,13 @@ def test_gemma3_270m_q4_k_m_in_its_blocks_equals_transformers(gemma_gguf):
     """The real file, served from its blocks on the paged forward (deterministic), against
     transformers' float32 forward of the same file: a prompt longer than its 512-token window,
     prompt and generated logprobs within 1e-4, every greedy token transformers' top-1."""
+    from probserve.models.gguf_once import parsed_once
+
+    with parsed_once():  # the file's header parsed once for both loads (~20 s each here)
+        _gemma3_equals_transformers(gemma_gguf)
+
+
+def _gemma3_equals_transformers(gemma_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from probserve.models.loader import load_model

@@ -123,8 +123,8 @@ _PEAK_SCRIPT = """
 import json, sys
 from probserve.engine.config import EngineConfig
 from probserve.engine.core.engine import EngineCore
-from probserve.models.loader import load_source, prepared_source
-loaded = load_source(prepared_source(sys.argv[1]), "native")
+from probserve.models.loader import loaded_source
+loaded = loaded_source(sys.argv[1], "native")[1]
 core = EngineCore(loaded, EngineConfig(kv_cache_gib=0.05))
 peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM"))
 print(json.dumps({"hwm": peak * 1024, "weights": loaded.weights_format,
@@ -133,6 +133,12 @@ print(json.dumps({"hwm": peak * 1024, "weights": loaded.weights_format,
 
 
 def _first_start(spec: str, cache: Path) -> dict:
+    """A first start of `spec` in a fresh cache, but with the session's built kernels (a build
+    is a compiler's memory, not the server's, and a minute on a 2-core machine)."""
+    from probserve.kernels.build import build
+
+    cache.mkdir()
+    (cache / "kernels").symlink_to(build().parent, target_is_directory=True)
     env = {**os.environ, "PROBSERVE_CACHE_DIR": str(cache)}
     out = subprocess.run(
         [sys.executable, "-c", _PEAK_SCRIPT, spec],
@@ -168,3 +174,29 @@ def test_a_native_first_start_makes_no_float32_copy(tmp_path: Path):
     with blocks.open("rb") as f:
         head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert head["model.layers.0.mlp.down_proj.weight"]["dtype"] == "F16"
+
+
+def test_a_load_parses_a_gguf_files_header_once(tmp_path: Path):
+    """Within parsed_once() a file's reader is its first parse (transformers and the blocks
+    reader each ask for one); outside, gguf's own class again, so nothing outlives the load."""
+    import gguf
+    import numpy as np
+
+    from probserve.models.gguf_once import parsed_once, release_pages
+
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_tensor("w", np.ones((2, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        with parsed_once():
+            assert gguf.GGUFReader(tmp_path / "." / "m.gguf") is first
+        release_pages(path)  # the pages go; the parse stays and reads them again
+        assert gguf.GGUFReader(path) is first and first.tensors[0].data.sum() == 64
+    assert gguf.GGUFReader is gguf.gguf_reader.GGUFReader
+    assert gguf.GGUFReader(path) is not first

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from probserve.kernels.qlayout import FORMATS
+from probserve.models.gguf_once import release_pages
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
             log.warning("could not cache the GGUF blocks (%s): reading the file each start", exc)
             return served(weights)
         del weights  # the file's mapping: the cache is read instead
+        release_pages(path)  # and a parse kept for the rest of the load holds no pages
     return served(_from_cache(cache, skeleton))
 
 

@@ -243,8 +243,11 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
 def float32_directory(spec: str | None) -> str:
     """A plain Hugging Face directory of `spec` with float32 weights (what another server or
     lm-evaluation-harness's `hf` backend reads)."""
-    source = prepared_source(spec)
-    where, kwargs = float32_weights(source, {})
+    from probserve.models.gguf_once import parsed_once
+
+    with parsed_once():
+        source = prepared_source(spec)
+        where, kwargs = float32_weights(source, {})
     if kwargs or source.gguf_file:  # the cache could not be written: the GGUF file alone
         raise ModelLoadError(f"no float32 directory of {spec} could be written")
     return where
@@ -252,9 +255,20 @@ def float32_directory(spec: str | None) -> str:
 
 def load_model(spec: str | None = None, weights: Weights = "float32") -> LoadedModel:
     """Resolve and load a model; raises ModelLoadError with a one-line message on failure."""
-    source = prepared_source(spec)
-    log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
-    return load_source(source, weights)
+    return loaded_source(spec, weights)[1]
+
+
+def loaded_source(
+    spec: str | None, weights: Weights = "float32"
+) -> tuple[ModelSource, LoadedModel]:
+    """`spec` resolved (a GGUF file: its metadata directory, written at its first start) and
+    loaded, the file's header parsed once for both (models/gguf_once.py)."""
+    from probserve.models.gguf_once import parsed_once
+
+    with parsed_once():
+        source = prepared_source(spec)
+        log.info("loading model %s (gguf=%s)", source.name_or_path, source.gguf_file)
+        return source, load_source(source, weights)
 
 
 def tokenizer_class(tokenizer: Any) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core.engine import EngineCore
-from probserve.models.loader import ModelSource, load_source, prepared_source, tokenizer_class
+from probserve.models.loader import ModelSource, loaded_source, tokenizer_class
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,7 @@ def start_engine(
     the transformers model and the file's blocks: the runner holds what it needs."""
     started = time.monotonic()
     threads = configure_threads(config.threads)
-    source = prepared_source(spec)
-    loaded = load_source(source, config.weights_to_load())
+    source, loaded = loaded_source(spec, config.weights_to_load())
     core = EngineCore(loaded, config)
     log.info("warming up")
     warm(core)
