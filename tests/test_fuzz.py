@@ -122,7 +122,7 @@ def test_schemathesis_every_route(smol: LoadedModel):
             operation = op.ok()
 
             @settings(
-                max_examples=25,
+                max_examples=12,
                 deadline=None,
                 derandomize=True,
                 phases=[Phase.explicit, Phase.generate],
@@ -141,7 +141,7 @@ def test_schemathesis_every_route(smol: LoadedModel):
                     failures.append(f"{case.operation.label}: {exc}"[:2000])
 
             check()
-        assert ran > 50
+        assert ran > 40
         assert not failures, "\n\n".join(failures[:5])
 
 

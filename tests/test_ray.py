@@ -137,19 +137,19 @@ def test_an_application_that_never_runs_ends_the_command(tmp_path: Path):
     """A replica no node can take (a custom resource nobody has): past start_timeout the
     command exits 1 with Serve's word on why; a SIGTERM while it waits exits at once."""
     text = (
-        "start_timeout: 20\nmodels:\n  - model: smollm2-135m-instruct\n    num_cpus: 0.5\n"
+        "start_timeout: 5\nmodels:\n  - model: smollm2-135m-instruct\n    num_cpus: 0.5\n"
         "    resources: {nowhere: 1}\n"
     )
     proc, log, ray_tmp = _serve_ray(tmp_path, text)
     try:
         assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
-        assert "was not running after 20 s" in log.read_text()
+        assert "was not running after 5 s" in log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    proc, log, ray_tmp = _serve_ray(tmp_path, text.replace("start_timeout: 20", "start_timeout: 0"))
+    proc, log, ray_tmp = _serve_ray(tmp_path, text.replace("start_timeout: 5", "start_timeout: 0"))
     try:
         deadline = time.monotonic() + 180
         while "deploying" not in log.read_text().lower() and time.monotonic() < deadline:
