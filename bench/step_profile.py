@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--op-by-op", action="store_true", help="the reference path's layers")
     ap.add_argument("--top", type=int, default=0, help="print the N largest symbols")
     ap.add_argument("--no-perf", action="store_true", help="step times only, unsampled")
+    ap.add_argument("--block-sums", action="store_true", help="the block-sum products")
     args = ap.parse_args()
 
     import torch
@@ -110,12 +111,13 @@ def main() -> None:
 
     configure_threads(0)
     loaded = load_model(args.model, "native")
-    core = EngineCore(loaded, EngineConfig(deterministic=True, kv_cache_gib=2.0))
+    config = EngineConfig(deterministic=True, kv_cache_gib=2.0, block_sums=args.block_sums)
+    core = EngineCore(loaded, config)
     core.warmup()
     if args.op_by_op:
         runner: object = core.runner
         runner.forward = LlamaForward(  # type: ignore[attr-defined]
-            loaded.model, "auto", InvariantKernels(), loaded.weights, op_by_op=True
+            loaded.model, "auto", InvariantKernels(args.block_sums), loaded.weights, op_by_op=True
         )
     prompt = tuple(range(1000, 1100))
     print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")

@@ -37,8 +37,10 @@ STEPS = [
 ]
 
 
-def assert_native_equals_op_by_op(model: Any, weights: Mapping[str, Any] | None = None) -> None:
-    kernels = InvariantKernels()
+def assert_native_equals_op_by_op(
+    model: Any, weights: Mapping[str, Any] | None = None, block_sums: bool = False
+) -> None:
+    kernels = InvariantKernels(block_sums)
     native = LlamaForward(model, "auto", kernels, weights)
     op = LlamaForward(model, "auto", kernels, weights, op_by_op=True)
     assert native.native is not None and op.native is None

@@ -28,8 +28,8 @@ FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 HALVES = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 # shapes [N, K] per block length along K (K a multiple of it)
 SHAPES = {
-    32: [(37, 96), (576, 576), (1, 32), (100, 1536), (33, 64)],
-    256: [(37, 256), (576, 768), (1, 256), (100, 1536), (33, 512)],
+    32: [(37, 96), (576, 576), (1, 32), (100, 1536), (33, 64), (20, 64)],
+    256: [(37, 256), (576, 768), (1, 256), (100, 1536), (33, 512), (20, 512)],
 }
 
 
@@ -70,7 +70,7 @@ def dequantized(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 # ---- the kernel -------------------------------------------------------------------------------
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
-@pytest.mark.parametrize("shape", range(5))
+@pytest.mark.parametrize("shape", range(6))
 def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shape: int):
     n, k = SHAPES[gguf.GGML_QUANT_SIZES[qtype][0]][shape]
     rng = np.random.default_rng(n * k + qtype.value)
@@ -98,6 +98,51 @@ def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shap
     assert torch.equal(kernels.qrows(packed_q, ids), weight[ids])
     with pytest.raises(IndexError):
         kernels.qrows(packed_q, torch.tensor([n]))
+
+
+# the quant bytes of a block, for the formats whose weights carry an offset term (w = s q + o)
+QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q5_1: (4, 24), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176)}
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [0, 3, 4])
+def test_block_sums_are_row_invariant_and_within_float32_rounding(kernels, qtype: Q, shape: int):
+    """--block-sums: each sub-block's scale (and offset) applied once to its sums. Not the
+    dequantized product's bits, but within float32 rounding of the exact value (bounded by the
+    magnitudes of the terms it adds: s * q and the offset), and row-invariant for every row
+    count (registers up to 3 rows on AVX2, a panel's quants buffered beyond)."""
+    sums = InvariantKernels(block_sums=True)
+    n, k = SHAPES[gguf.GGML_QUANT_SIZES[qtype][0]][shape]
+    rng = np.random.default_rng(n * k + qtype.value + 1)
+    raw = random_blocks(qtype, n, k, rng)
+    weight = dequantized(raw, qtype)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    packed = sums.qpack(raw, qtype.value, bias)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    full = sums.qlinear(x, packed)
+    exact = kernels.qlinear(x, kernels.qpack(raw, qtype.value, bias))
+    assert packed.fmt != kernels.qpack(raw[:1], qtype.value).fmt
+    assert k < 64 or full.numpy().tobytes() != exact.numpy().tobytes()  # another arithmetic
+    offset = torch.zeros_like(weight)
+    if qtype in QUANT_BYTES:  # the offset alone: every quant zero
+        a, b = QUANT_BYTES[qtype]
+        size = gguf.GGML_QUANT_SIZES[qtype][1]
+        zero = raw.reshape(n, -1, size).copy()
+        zero[..., a:b] = 0
+        offset = dequantized(zero.reshape(n, -1), qtype)
+    magnitude = (weight.double() - offset.double()).abs() + offset.double().abs()
+    reference = F.linear(x.double(), weight.double(), bias.double())
+    scale = F.linear(x.double().abs(), magnitude, bias.double().abs())
+    finite = torch.isfinite(full)
+    assert finite.float().mean() > 0.99
+    error = (full.double() - reference).abs()[finite]
+    assert (error <= 1e-5 * scale[finite] + 1e-30).all()
+    for rows in range(1, 41):
+        start = random.Random(rows).randrange(0, 41 - rows)
+        part = sums.qlinear(x[start : start + rows], packed)
+        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(sums.qrows(packed, ids), weight[ids])  # lookups stay the exact values
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
@@ -207,6 +252,35 @@ def test_native_logits_match_transformers(native: LoadedModel, smol):
     assert (prompt.top_ids[:, 0] == ref[:-1].argmax(-1).numpy()).all()
 
 
+def test_block_sum_requests_are_within_1e4_and_batch_invariant(native: LoadedModel, smol):
+    """The embedded model served with --block-sums: prompt logprobs within 1e-4 of
+    transformers' float32 forward of the same file, /health's facts say so, and a request
+    among others is the same bits as alone."""
+    from test_deterministic import _others
+
+    from probserve.engine import EngineRequest, LogprobsSpec, SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog because it was"
+    ids = smol.tokenizer(text).input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(smol.model(torch.tensor([ids])).logits[0].double(), -1)
+    core = EngineCore(native, EngineConfig(kv_cache_gib=0.1, block_sums=True, max_num_seqs=32))
+    assert core.info.block_sums and core.info.weights == native.weights_format
+    req = EngineRequest("p", tuple(ids), SamplingParams(max_tokens=1), LogprobsSpec(prompt_top_k=1))
+    prompt = next(o.prompt_logprobs for o in run_core(core, [req])["p"] if o.prompt_logprobs)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(prompt.logprobs, expected, atol=1e-4)
+    for seeded in (False, True):
+        alone = run_core(core, [_canary(native, seeded=seeded)])["canary"]
+        crowd = _others(native, 20, seed=7)
+        mixed = run_core(core, [*crowd[:10], _canary(native, seeded=seeded), *crowd[10:]])
+        assert _bits(mixed["canary"]) == _bits(alone)
+    exact = EngineCore(native, EngineConfig(kv_cache_gib=0.1))
+    assert not exact.info.block_sums
+    floats = EngineCore(smol, EngineConfig(kv_cache_gib=0.1, block_sums=True))
+    assert not floats.info.block_sums  # no blocks: nothing to apply it to
+
+
 # ---- mixed formats on a tiny Llama ------------------------------------------------------------
 def quantize_model(model, plan: dict[str, Q]) -> dict:
     """The model's tensors with those `plan` names quantized by gguf; the model's own
@@ -255,6 +329,7 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
     assert fw.embed is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
     assert_native_equals_op_by_op(twin, weights)
+    assert_native_equals_op_by_op(twin, weights, block_sums=True)
 
 
 def assert_same_requests(blocks: LoadedModel, floats: LoadedModel) -> None:
@@ -339,6 +414,7 @@ def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
     assert fw.lm_head.quantized is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
     assert_native_equals_op_by_op(twin, weights)
+    assert_native_equals_op_by_op(twin, weights, block_sums=True)
 
 
 # ---- choosing the weights ---------------------------------------------------------------------

@@ -460,6 +460,7 @@ class ModelCard(BaseModel):
     deterministic: bool | None = None
     weights: str | None = None
     weights_in_blocks: float | None = None
+    block_sums: bool | None = None
 
 
 class ModelList(BaseModel):

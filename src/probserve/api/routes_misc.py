@@ -69,14 +69,16 @@ async def metrics(request: Request) -> Response:
 
 
 def serving_facts(info: EngineInfo) -> dict[str, object]:
-    """What runs how: the architecture, the runner, deterministic on/off, the weight formats
-    and the fraction of the parameters held in blocks (on /health and every /v1/models card)."""
+    """What runs how: the architecture, the runner, deterministic on/off, the weight formats,
+    the fraction of the parameters held in blocks and whether their products are the block-sum
+    ones (on /health and every /v1/models card)."""
     return {
         "architecture": info.architecture,
         "runner": info.runner,
         "deterministic": info.deterministic,
         "weights": info.weights,
         "weights_in_blocks": info.weights_in_blocks,
+        "block_sums": info.block_sums,
     }
 
 

@@ -49,6 +49,13 @@ class EngineConfig:
         "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
         "needs --deterministic and the paged runner, else float32); float32: dequantized",
     )
+    block_sums: bool = setting(
+        False,
+        "GGUF blocks multiplied with each sub-block's scale applied to its sum, not to every "
+        "weight: one operation fewer a weight (measure it: bench/kernel_race.py; not faster on "
+        "an AVX2 EPYC); still bitwise batch-invariant and within float32 rounding of the exact "
+        "path, but not its bits (docs/logprobs.md); with --weights native only",
+    )
     deterministic: bool = setting(
         True,
         "bitwise batch-invariant logprobs: a request's numbers are the same bits whatever else "

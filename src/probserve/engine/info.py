@@ -21,6 +21,7 @@ class EngineInfo:
     deterministic: bool = False  # bitwise batch-invariant numbers (--deterministic, in effect)
     weights: str = "float32"  # what the weights are held as: float32, or GGUF blocks "Q4_1+Q8_0"
     weights_in_blocks: float = 0.0  # the fraction of the parameters held in those blocks
+    block_sums: bool = False  # the blocks' products apply scales per sub-block sum (in effect)
     architecture: str = ""  # the model's own type (its config's model_type: "llama", "gemma3")
 
 

@@ -53,6 +53,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "ps_softcap": (None, [_P, _I, _F]),
     "ps_qblock_bytes": (_I, [ctypes.c_int]),
     "ps_qblock_len": (_I, [ctypes.c_int]),
+    "ps_block_sums_flag": (ctypes.c_int, []),
     "ps_qlinear": (None, [ctypes.c_int, _P, _I, _I, _P, _I, _P, _P]),
     "ps_qrows": (None, [ctypes.c_int, _P, _I, _P, _I, _P]),
     "ps_layers_scratch": (_I, [_P, _I]),

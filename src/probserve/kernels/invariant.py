@@ -59,9 +59,14 @@ def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class InvariantKernels:
-    def __init__(self) -> None:
+    """The library's kernels. `block_sums`: the products on GGUF blocks apply each sub-block's
+    scale to its sum (quantized.cpp, --block-sums): row-invariant and within float32 rounding of
+    the dequantized product, but not its bits; the weights packed by `qpack` carry the choice."""
+
+    def __init__(self, block_sums: bool = False) -> None:
         self.lib = load()
         self.panel = int(self.lib.ps_panel_width())
+        self.block_sums = block_sums
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
         n, k = weight.shape
@@ -89,13 +94,14 @@ class InvariantKernels:
         data = pack_blocks(blocks, ggml_type, self.panel)
         assert data.shape[-1] == self.lib.ps_qblock_bytes(f.fmt)
         assert self.lib.ps_qblock_len(f.fmt) == f.qk
+        fmt = f.fmt + (int(self.lib.ps_block_sums_flag()) if self.block_sums else 0)
         return QuantizedWeight(
-            torch.from_numpy(data), self._bias(bias, n), f.fmt, n, int(data.shape[1] * f.qk)
+            torch.from_numpy(data), self._bias(bias, n), fmt, n, int(data.shape[1] * f.qk)
         )
 
     def qlinear(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x [..., K] times a quantized weight: the same bits as `linear` on its dequantized
-        float32 copy."""
+        float32 copy (with `block_sums`: row-invariant, within float32 rounding of them)."""
         return self._product(x, w, lambda *a: self.lib.ps_qlinear(w.fmt, *a))
 
     def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,9 @@
 // ps_linear's on the dequantized weight, for any row count (row-invariant, as invariant.cpp).
 // Up to MR_MAX rows dequantize in registers; more rows dequantize each panel once into a
 // thread's buffer and run the float32 micro-kernel over it (the same values, the same order).
+// One row (a decode step of one stream) walks two panels at once (qmicro_row): each output's
+// operations are unchanged, but the two panels' accumulation chains overlap their FMA latency,
+// which is what bounds a one-row product (docs/benchmarks.md: 1.2-1.5x, the same bits).
 //
 // The packed layout (kernels/qlayout.py `pack_blocks`): panels of NR output columns; in a panel,
 // for each block of QK along K: the float16 fields of the NR columns (d[NR], then m[NR] for Q4_1
@@ -107,19 +110,19 @@ inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf
     }
 }
 
-// the NR weights of one k: columns [0, W) in w0, [W, NR) in w1. The quants come out of the
-// table as exact small integers (q & 15) + offset, the high bits add 16 and 32 exactly.
+// the NR quants of one k as exact floats, offset applied: columns [0, W) in q0, [W, NR) in q1.
+// They come out of the table as exact small integers (q & 15) + offset, the high bits add 16
+// and 32 exactly.
 template <int F>
-inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, vf o1, vf& w0,
-                    vf& w1) {
+inline void quants(const uint8_t* q, const Nibbles& nib, vf& q0, vf& q1) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
-        w0 = vmul(vcvt(vload_i8(q)), s0);
-        w1 = vmul(vcvt(vload_i8(q + W)), s1);
-        return;
+        q0 = vcvt(vload_i8(q));
+        q1 = vcvt(vload_i8(q + W));
     } else {
         const vi b = vload_u8(q);
-        vf q0 = nib.lo(b), q1 = nib.hi(b);
+        q0 = nib.lo(b);
+        q1 = nib.hi(b);
         if constexpr (L::bits >= 5) {
             const uint32_t h4 = plane_bits(q + NR / 2);
             const vf sixteen = vset1(16.0f);
@@ -132,16 +135,25 @@ inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, v
             q0 = vadd_where(q0, h5, thirty_two);
             q1 = vadd_where(q1, h5 >> W, thirty_two);
         }
-        if constexpr (L::kmin) {  // (d sc) q exact: one rounding, as numpy's d * q - dm
-            w0 = vfms(s0, q0, o0);
-            w1 = vfms(s1, q1, o1);
-        } else if constexpr (L::plus_m) {  // d q exact: one rounding, as numpy's d * q + m
-            w0 = vfma(s0, q0, o0);
-            w1 = vfma(s1, q1, o1);
-        } else {
-            w0 = vmul(s0, q0);
-            w1 = vmul(s1, q1);
-        }
+    }
+}
+
+// the NR weights of one k: columns [0, W) in w0, [W, NR) in w1, each gguf's float32 value
+template <int F>
+inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, vf o1, vf& w0,
+                    vf& w1) {
+    using L = Layout<F>;
+    vf q0, q1;
+    quants<F>(q, nib, q0, q1);
+    if constexpr (L::kmin) {  // (d sc) q exact: one rounding, as numpy's d * q - dm
+        w0 = vfms(s0, q0, o0);
+        w1 = vfms(s1, q1, o1);
+    } else if constexpr (L::plus_m) {  // d q exact: one rounding, as numpy's d * q + m
+        w0 = vfma(s0, q0, o0);
+        w1 = vfma(s1, q1, o1);
+    } else {
+        w0 = vmul(s0, q0);
+        w1 = vmul(s1, q1);
     }
 }
 
@@ -156,12 +168,11 @@ inline Nibbles nibbles() {
 template <int F>
 constexpr int64_t PREFETCH_BYTES = 8 * Layout<F>::block * Layout<F>::SUB / Layout<F>::QK;
 
-// every k of one quantized panel in order: body(k, w0, w1) with the k's NR weights dequantized
-// (columns [0, W) in w0, [W, NR) in w1), the lines prefetched ahead
+// every sub-block of one quantized panel in order: body(b, j, q, k0) with b its block, j its
+// index in the block, q its first row of quants and k0 its first k; the lines prefetched ahead
 template <int F, class Body>
-inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
+inline void walk_subblocks(const uint8_t* panel, int64_t K, Body&& body) {
     using L = Layout<F>;
-    const Nibbles nib = nibbles<F>();
     const uint8_t* ahead = panel;  // the lines below it have been requested
     for (int64_t blk = 0; blk < K / L::QK; ++blk) {
         const uint8_t* b = panel + blk * L::block;
@@ -169,15 +180,26 @@ inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
             const uint8_t* q = b + L::head + j * L::SUB * L::row;
             for (const uint8_t* until = q + L::SUB * L::row + PREFETCH_BYTES<F>; ahead < until; ahead += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-            vf s0, s1, o0, o1;
-            sub_scales<F>(b, j, s0, s1, o0, o1);
-            for (int64_t kk = 0; kk < L::SUB; ++kk) {
-                vf w0, w1;
-                dequant<F>(q + kk * L::row, nib, s0, s1, o0, o1, w0, w1);
-                body(blk * L::QK + j * L::SUB + kk, w0, w1);
-            }
+            body(b, j, q, blk * L::QK + j * L::SUB);
         }
     }
+}
+
+// every k of one quantized panel in order: body(k, w0, w1) with the k's NR weights dequantized
+// (columns [0, W) in w0, [W, NR) in w1)
+template <int F, class Body>
+inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
+    using L = Layout<F>;
+    const Nibbles nib = nibbles<F>();
+    walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
+        vf s0, s1, o0, o1;
+        sub_scales<F>(b, j, s0, s1, o0, o1);
+        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+            vf w0, w1;
+            dequant<F>(q + kk * L::row, nib, s0, s1, o0, o1, w0, w1);
+            body(k0 + kk, w0, w1);
+        }
+    });
 }
 
 // MR rows of x times one quantized panel, dequantizing each k's weights once for all MR rows
@@ -190,6 +212,50 @@ void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const 
     walk_panel<F>(panel, K,
                   [&](int64_t k, vf w0, vf w1) { accumulate<MR>(a0, a1, x, ldx, k, w0, w1); });
     store_tile<MR>(a0, a1, bias, out, ldo, ncols);
+}
+
+// one row of x times P quantized panels in lockstep (`apart` bytes from one to the next): each
+// output's operations are qmicro<1>'s (k in order, one FMA a step: the same bits), but the P
+// panels' 2P accumulation chains are independent, so the FMAs' latency overlaps (alone, a
+// panel's two chains wait on each FMA's result: a one-row product is latency-bound)
+template <int F, int P>
+void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, const float* bias,
+                float* out, int64_t ncols_last) {
+    using L = Layout<F>;
+    const Nibbles nib = nibbles<F>();
+    vf a0[P], a1[P];
+#pragma GCC unroll 8
+    for (int i = 0; i < P; ++i) a0[i] = a1[i] = vzero();
+    const uint8_t* ahead = panel;  // the lines below it (and P - 1 panels on) have been requested
+    for (int64_t blk = 0; blk < K / L::QK; ++blk) {
+        const uint8_t* bk = panel + blk * L::block;
+        for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
+            const uint8_t* q = bk + L::head + j * L::SUB * L::row;
+            for (const uint8_t* until = q + L::SUB * L::row + PREFETCH_BYTES<F>; ahead < until; ahead += 64) {
+#pragma GCC unroll 8
+                for (int i = 0; i < P; ++i)
+                    _mm_prefetch(reinterpret_cast<const char*>(ahead + i * apart), _MM_HINT_T0);
+            }
+            vf s0[P], s1[P], o0[P], o1[P];
+#pragma GCC unroll 8
+            for (int i = 0; i < P; ++i) sub_scales<F>(bk + i * apart, j, s0[i], s1[i], o0[i], o1[i]);
+            for (int64_t kk = 0; kk < L::SUB; ++kk) {
+                const vf b = vset1(x[blk * L::QK + j * L::SUB + kk]);
+#pragma GCC unroll 8
+                for (int i = 0; i < P; ++i) {
+                    vf w0, w1;
+                    dequant<F>(q + i * apart + kk * L::row, nib, s0[i], s1[i], o0[i], o1[i], w0, w1);
+                    a0[i] = vfma(b, w0, a0[i]);
+                    a1[i] = vfma(b, w1, a1[i]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < P; ++i) {
+        const float* bi = bias ? bias + i * NR : nullptr;
+        store_tile<1>(&a0[i], &a1[i], bi, out + i * NR, 0, i == P - 1 ? ncols_last : NR);
+    }
 }
 
 // one panel as float32 [K, NR], the layout micro() reads
@@ -209,6 +275,29 @@ constexpr auto qmicro_table(std::integer_sequence<int, R...>) {
     return std::array<QMicro, sizeof...(R)>{&qmicro<R + 1, F>...};
 }
 
+// every panel of an [M, K] x [N, K]^T product, shared out over the OpenMP team (one team for
+// more than 2^18 multiply-adds): body(panel, its bias or null, its first column, its columns,
+// buf) with buf a thread's buffer for one panel as floats [K, NR], 64-byte aligned (micro's
+// loads then never split lines), or null unless `buffered`
+template <class Body>
+void each_panel(int64_t M, int64_t N, int64_t K, const uint8_t* packed, int64_t panel_bytes,
+                const float* bias, bool buffered, Body&& body) {
+    const int64_t panels = (N + NR - 1) / NR;
+#pragma omp parallel if (M * N * K > (1 << 18))
+    {
+        std::vector<float> space(buffered ? K * NR + 16 : 0);
+        void* at = space.data();
+        size_t room = space.size() * sizeof(float);
+        float* buf = buffered ? static_cast<float*>(std::align(64, K * NR * sizeof(float), at, room)) : nullptr;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            body(packed + p * panel_bytes, bias ? bias + p * NR : nullptr, p * NR,
+                 std::min<int64_t>(NR, N - p * NR), buf);
+    }
+}
+
+constexpr int ROW_PANELS = 2;  // panels a one-row product walks together (measured best of 2-4 here)
+
 template <int F>
 void qlinear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
              const float* bias, float* out) {
@@ -216,29 +305,178 @@ void qlinear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_
     static constexpr auto dense = micro_table(std::make_integer_sequence<int, MR_MAX>{});
     const int64_t panels = (N + NR - 1) / NR;
     const int64_t panel_bytes = (K / Layout<F>::QK) * Layout<F>::block;
-#pragma omp parallel if (M * N * K > (1 << 18))
-    {
-        // a panel's float32 weights, 64-byte aligned (micro's loads then never split lines)
-        std::vector<float> space(M > MR_MAX ? K * NR + 16 : 0);
-        void* at = space.data();
-        size_t room = space.size() * sizeof(float);
-        float* buf = M > MR_MAX ? static_cast<float*>(std::align(64, K * NR * sizeof(float), at, room)) : nullptr;
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
+    if (M == 1) {  // one row: the panels ROW_PANELS at a time (qmicro_row), the same bits
+        constexpr int G = ROW_PANELS;
+        const int64_t groups = (panels + G - 1) / G;
+#pragma omp parallel for schedule(static) if (N * K > (1 << 18))
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t p = g * G;
             const uint8_t* panel = packed + p * panel_bytes;
             const float* b = bias ? bias + p * NR : nullptr;
-            const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
-            if (M <= MR_MAX) {
-                quant[M - 1](x, K, panel, K, b, out + p * NR, N, ncols);
+            const int64_t last = std::min<int64_t>(NR, N - (p + G - 1) * NR);
+            if (p + G <= panels) {
+                qmicro_row<F, G>(x, panel, panel_bytes, K, b, out + p * NR, last);
                 continue;
             }
-            dequant_panel<F>(panel, K, buf);
-            for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-                const int64_t mr = std::min<int64_t>(MR_MAX, M - m0);
-                dense[mr - 1](x + m0 * K, K, buf, K, b, out + m0 * N + p * NR, N, ncols);
+            for (int64_t q = p; q < panels; ++q)  // the last few alone
+                quant[0](x, K, packed + q * panel_bytes, K, bias ? bias + q * NR : nullptr,
+                         out + q * NR, N, std::min<int64_t>(NR, N - q * NR));
+        }
+        return;
+    }
+    each_panel(M, N, K, packed, panel_bytes, bias, M > MR_MAX,
+               [&](const uint8_t* panel, const float* b, int64_t col, int64_t ncols, float* buf) {
+                   if (M <= MR_MAX) {
+                       quant[M - 1](x, K, panel, K, b, out + col, N, ncols);
+                       return;
+                   }
+                   dequant_panel<F>(panel, K, buf);
+                   for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+                       const int64_t mr = std::min<int64_t>(MR_MAX, M - m0);
+                       dense[mr - 1](x + m0 * K, K, buf, K, b, out + m0 * N + col, N, ncols);
+                   }
+               });
+}
+
+// ---- block sums (--block-sums): the scale applied once to each sub-block's sum --------------
+//
+// The exact product above spends one multiply (or FMA) per weight on its scale. Here the quants
+// are multiplied as they are and the scale once per sub-block and output:
+//   y[m, n] = sum over sub-blocks j, in order, of  s_j[n] * B_j[m, n]  (+ or -  o_j[n] * X_j[m])
+//   B_j[m, n] = sum over the sub-block's k, in order, of x[m, k] * q[n, k]   (one FMA a step)
+//   X_j[m]    = sum over the sub-block's k, in order, of x[m, k]             (Q4_1, Q5_1: + m;
+//                                                                             Q4_K, Q5_K: - dmin mn)
+// with q the exact quant (offset applied) and s, o the sub-block's scale and offset (products
+// exact, sub_scales). Each row's outputs are the same operations in the same order for any row
+// count, so they are row-invariant (bitwise batch-invariant), but they are not the bits of the
+// product on the dequantized weights: the rounding differs within float32's (docs/logprobs.md).
+// Up to BR_MAX rows unpack the quants in registers; more rows unpack each panel's quants once
+// into a thread's buffer (the same values) and run over it BR_MAX rows at a time.
+constexpr int BR_MAX = MR_MAX / 2;  // two more accumulators a row: the sub-block's sums
+
+template <int F>
+constexpr bool has_offset = Layout<F>::plus_m || Layout<F>::kmin;
+
+// X_j[m] for every row and sub-block: xs[m * subs + j]
+template <int F>
+void row_sums(const float* x, int64_t M, int64_t K, float* xs) {
+    constexpr int64_t SUB = Layout<F>::SUB;
+    const int64_t subs = K / SUB;
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < subs; ++j) {
+            float t = 0.0f;
+            for (int64_t kk = 0; kk < SUB; ++kk) t += x[m * K + j * SUB + kk];
+            xs[m * subs + j] = t;
+        }
+}
+
+// MR rows of x times one quantized panel, the scales applied per sub-block; the quants of k
+// from `qs` (unpacked in registers from the panel, or loaded from a buffer of them)
+template <int MR, int F, class Quants>
+inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs,
+                      const uint8_t* panel, int64_t K, const float* bias, float* out, int64_t ldo,
+                      int64_t ncols, Quants&& qs) {
+    using L = Layout<F>;
+    vf a0[MR], a1[MR];
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
+    walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
+        vf b0[MR], b1[MR];
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; ++r) b0[r] = b1[r] = vzero();
+        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+            vf q0, q1;
+            qs(q + kk * L::row, k0 + kk, q0, q1);
+            accumulate<MR>(b0, b1, x, ldx, k0 + kk, q0, q1);
+        }
+        vf s0, s1, o0, o1;
+        sub_scales<F>(b, j, s0, s1, o0, o1);
+        const int64_t sub = k0 / L::SUB;
+#pragma GCC unroll 12
+        for (int r = 0; r < MR; ++r) {
+            a0[r] = vfma(s0, b0[r], a0[r]);
+            a1[r] = vfma(s1, b1[r], a1[r]);
+            if constexpr (has_offset<F>) {
+                const vf xr = vset1(xs[r * subs + sub]);
+                if constexpr (L::kmin) {
+                    a0[r] = vfnma(o0, xr, a0[r]);
+                    a1[r] = vfnma(o1, xr, a1[r]);
+                } else {
+                    a0[r] = vfma(o0, xr, a0[r]);
+                    a1[r] = vfma(o1, xr, a1[r]);
+                }
             }
         }
-    }
+    });
+    store_tile<MR>(a0, a1, bias, out, ldo, ncols);
+}
+
+template <int MR, int F>
+void bsum_micro(const float* x, int64_t ldx, const float* xs, int64_t subs, const uint8_t* panel,
+                int64_t K, const float* bias, float* out, int64_t ldo, int64_t ncols) {
+    const Nibbles nib = nibbles<F>();
+    bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
+                     [&](const uint8_t* q, int64_t, vf& q0, vf& q1) { quants<F>(q, nib, q0, q1); });
+}
+
+template <int MR, int F>
+void bsum_micro_buf(const float* x, int64_t ldx, const float* xs, int64_t subs,
+                    const uint8_t* panel, const float* qbuf, int64_t K, const float* bias,
+                    float* out, int64_t ldo, int64_t ncols) {
+    bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
+                     [qbuf](const uint8_t*, int64_t k, vf& q0, vf& q1) {
+                         q0 = vload(qbuf + k * NR);
+                         q1 = vload(qbuf + k * NR + W);
+                     });
+}
+
+// one panel's quants as floats [K, NR], offset applied, unscaled
+template <int F>
+void quant_panel(const uint8_t* panel, int64_t K, float* dst) {
+    using L = Layout<F>;
+    const Nibbles nib = nibbles<F>();
+    walk_subblocks<F>(panel, K, [&](const uint8_t*, int64_t, const uint8_t* q, int64_t k0) {
+        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+            vf q0, q1;
+            quants<F>(q + kk * L::row, nib, q0, q1);
+            vstore(dst + (k0 + kk) * NR, q0);
+            vstore(dst + (k0 + kk) * NR + W, q1);
+        }
+    });
+}
+
+using BMicro = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*, int64_t,
+                        const float*, float*, int64_t, int64_t);
+using BMicroBuf = void (*)(const float*, int64_t, const float*, int64_t, const uint8_t*,
+                           const float*, int64_t, const float*, float*, int64_t, int64_t);
+
+template <int F, int... R>
+constexpr auto bsum_tables(std::integer_sequence<int, R...>) {
+    return std::make_pair(std::array<BMicro, sizeof...(R)>{&bsum_micro<R + 1, F>...},
+                          std::array<BMicroBuf, sizeof...(R)>{&bsum_micro_buf<R + 1, F>...});
+}
+
+template <int F>
+void qlinear_bsum(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                  const float* bias, float* out) {
+    static constexpr auto micros = bsum_tables<F>(std::make_integer_sequence<int, BR_MAX>{});
+    const int64_t panel_bytes = (K / Layout<F>::QK) * Layout<F>::block;
+    const int64_t subs = K / Layout<F>::SUB;
+    std::vector<float> xs(has_offset<F> ? M * subs : 0);
+    if constexpr (has_offset<F>) row_sums<F>(x, M, K, xs.data());
+    each_panel(M, N, K, packed, panel_bytes, bias, M > BR_MAX,
+               [&](const uint8_t* panel, const float* b, int64_t col, int64_t ncols, float* buf) {
+                   if (M <= BR_MAX) {
+                       micros.first[M - 1](x, K, xs.data(), subs, panel, K, b, out + col, N, ncols);
+                       return;
+                   }
+                   quant_panel<F>(panel, K, buf);
+                   for (int64_t m0 = 0; m0 < M; m0 += BR_MAX) {
+                       const int64_t mr = std::min<int64_t>(BR_MAX, M - m0);
+                       micros.second[mr - 1](x + m0 * K, K, xs.data() + m0 * subs, subs, panel, buf,
+                                             K, b, out + m0 * N + col, N, ncols);
+                   }
+               });
 }
 
 // column c's quant at one k's row, offset applied (q - 8, q - 16, q - 32 or q)
@@ -303,6 +541,8 @@ void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, floa
 
 }  // namespace
 
+constexpr int PS_BLOCK_SUMS = 16;  // added to a format id: its block-sum product
+
 #define PS_FORMATS(X) X(Q4_0) X(Q4_1) X(Q8_0) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K)
 
 extern "C" {
@@ -328,19 +568,24 @@ int64_t ps_qblock_len(int fmt) {
 }
 
 // out[M, N] = x[M, K] . w^T + bias, w quantized in format `fmt`, packed as above (K a multiple
-// of the format's block length); bias padded to a multiple of NR, or null
+// of the format's block length); bias padded to a multiple of NR, or null. `fmt` plus
+// PS_BLOCK_SUMS: the scales applied per sub-block sum (row-invariant, not the dequantized bits)
 void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                 const float* bias, float* out) {
     switch (fmt) {
-#define X(F) case F: return qlinear<F>(x, M, K, packed, N, bias, out);
+#define X(F) case F: return qlinear<F>(x, M, K, packed, N, bias, out); \
+        case F + PS_BLOCK_SUMS: return qlinear_bsum<F>(x, M, K, packed, N, bias, out);
         PS_FORMATS(X)
 #undef X
         default: return;
     }
 }
 
+int ps_block_sums_flag() { return PS_BLOCK_SUMS; }
+
+// the rows are the weights' exact values whatever the product's arithmetic (PS_BLOCK_SUMS)
 void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
-    switch (fmt) {
+    switch (fmt % PS_BLOCK_SUMS) {
 #define X(F) case F: return qrows<F>(packed, K, ids, T, out);
         PS_FORMATS(X)
 #undef X

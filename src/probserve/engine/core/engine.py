@@ -73,6 +73,7 @@ class EngineCore:
             deterministic=self.config.deterministic,
             weights=loaded.weights_format,
             weights_in_blocks=round(loaded.weights_in_blocks, 4),
+            block_sums=self.config.block_sums and loaded.weights_in_blocks > 0,
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
         )
 

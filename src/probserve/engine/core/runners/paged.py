@@ -35,7 +35,7 @@ class PagedRunner:
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
         model = loaded.model
-        kernels = InvariantKernels() if config.deterministic else None
+        kernels = InvariantKernels(config.block_sums) if config.deterministic else None
         self.forward = LlamaForward(model, config.linear, kernels, loaded.weights)
         self.row_math: RowMath = InvariantRowMath(kernels) if kernels else TorchRowMath()
         self.block_size = block_size = config.block_size
