@@ -1,8 +1,10 @@
 """How close the engine's matrix arithmetic runs to what this machine's float32 FMAs allow: the
 engine alone (no HTTP), a prefill of `--streams` prompts of `--prompt-tokens` and then their
 decode steps, each as multiply-accumulates a second over the model's matrix weights (the layers'
-projections and the head: 2 * weights * tokens flops), against MKL's sgemm on the same threads
-at the model's largest matrix shape (the float32 peak this machine reaches in practice).
+projections and the head: 2 * weights * tokens flops), beside MKL's sgemm on the same threads
+at the model's MLP shape (a float32 reference; on AMD CPUs MKL may take a generic path, so the
+engine's own rate can exceed it: compare with the FMA units' peak, 2 x 8 lanes x clock a core
+on AVX2).
 
     .venv/bin/python bench/roofline.py --model /tmp/tiny/tinyshape-q4_0.gguf --streams 16
     .venv/bin/python bench/roofline.py --model ... --streams 16 --block-sums
