@@ -145,21 +145,33 @@ def test_rolling_uses_several_windows(reference: tuple[dict, dict], smol: Loaded
     assert min(lengths) > MAX_LENGTH
 
 
-def test_remote_tokenizer_agrees_with_hf(base_url: str, tmp_path: Path, reference):
-    args = (
-        f"model=smollm2-135m-instruct,base_url={base_url}/v1/completions,num_concurrent=2,"
-        f"max_retries=1,tokenized_requests=True,tokenizer_backend=remote,"
-        f"max_length={API_MAX_LENGTH}"
-    )
-    _agree(_lm_eval(tmp_path / "out", "local-completions", args, tmp_path / "cache"), reference)
+@pytest.fixture(scope="module")
+def api_runs(
+    base_url: str, hf_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[dict, dict]]:
+    """lm-eval's `local-completions` against the server with each tokenizer backend, the two
+    runs at once (the server batches them: a run waits on the server, not on its own CPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backends = {"remote": "tokenizer_backend=remote",
+                "huggingface": f"tokenizer_backend=huggingface,tokenizer={hf_dir}"}  # fmt: skip
+
+    def run(backend: str) -> tuple[dict, dict]:
+        tmp = tmp_path_factory.mktemp(f"lm-eval-{backend}")
+        args = (
+            f"model=smollm2-135m-instruct,base_url={base_url}/v1/completions,num_concurrent=2,"
+            f"max_retries=1,tokenized_requests=True,{backends[backend]},"
+            f"max_length={API_MAX_LENGTH}"
+        )
+        return _lm_eval(tmp / "out", "local-completions", args, tmp / "cache")
+
+    with ThreadPoolExecutor(len(backends)) as pool:
+        return dict(zip(backends, pool.map(run, backends), strict=True))
 
 
-def test_huggingface_tokenizer_agrees_with_hf(
-    base_url: str, hf_dir: Path, tmp_path: Path, reference
-):
-    args = (
-        f"model=smollm2-135m-instruct,base_url={base_url}/v1/completions,num_concurrent=2,"
-        f"max_retries=1,tokenized_requests=True,tokenizer_backend=huggingface,"
-        f"tokenizer={hf_dir},max_length={API_MAX_LENGTH}"
-    )
-    _agree(_lm_eval(tmp_path / "out", "local-completions", args, tmp_path / "cache"), reference)
+def test_remote_tokenizer_agrees_with_hf(api_runs: dict[str, tuple[dict, dict]], reference):
+    _agree(api_runs["remote"], reference)
+
+
+def test_huggingface_tokenizer_agrees_with_hf(api_runs: dict[str, tuple[dict, dict]], reference):
+    _agree(api_runs["huggingface"], reference)
