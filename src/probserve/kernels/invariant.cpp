@@ -74,19 +74,32 @@ inline void offer(float* bv, int64_t* bi, int64_t k, int64_t& n, float v, int64_
     bi[p] = id;
 }
 
+// one row of RMSNorm: o = x / sqrt(mean(x^2) + eps) * w (o may be x)
+inline void rms_row(const float* xr, int64_t H, const float* w, float eps, float* o) {
+    const float inv = 1.0f / std::sqrt(dot(xr, xr, H) / static_cast<float>(H) + eps);
+    const vf vi = vset1(inv);
+    int64_t i = 0;
+    for (; i + W <= H; i += W) vstore(o + i, vmul(vload(w + i), vmul(vload(xr + i), vi)));
+    if (i < H)
+        vstore_n(o + i, vmul(vload_n(w + i, H - i, 0.0f), vmul(vload_n(xr + i, H - i, 0.0f), vi)),
+                 H - i);
+}
+
 // out[m, i] = act(gu[m, i]) * gu[m, I + i], rows of 2I in, rows of I out (a gated MLP)
 template <class Act>
 inline void glu(const float* gu, int64_t M, int64_t I, float* out, Act act) {
-#pragma omp parallel for schedule(static) if (M * I > (1 << 15))
-    for (int64_t m = 0; m < M; ++m) {
-        const float* g = gu + m * 2 * I;
-        const float* u = g + I;
-        float* o = out + m * I;
-        for (int64_t i = 0; i < I; i += W) {
-            const int64_t n = std::min<int64_t>(W, I - i);
-            vstore_n(o + i, vmul(act(vload_n(g + i, n, 0.0f)), vload_n(u + i, n, 0.0f)), n);
+    on_team(M * I > (1 << 15), [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* g = gu + m * 2 * I;
+            const float* u = g + I;
+            float* o = out + m * I;
+            for (int64_t i = 0; i < I; i += W) {
+                const int64_t n = std::min<int64_t>(W, I - i);
+                vstore_n(o + i, vmul(act(vload_n(g + i, n, 0.0f)), vload_n(u + i, n, 0.0f)), n);
+            }
         }
-    }
+    });
 }
 
 }  // namespace
@@ -102,43 +115,54 @@ void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_
                const float* bias, float* out) {
     static constexpr auto table = micro_table(std::make_integer_sequence<int, MR_MAX>{});
     const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) if (M * N * K > (1 << 18))
-    for (int64_t p = 0; p < panels; ++p) {
-        const float* panel = packed + p * K * NR;
-        const float* b = bias ? bias + p * NR : nullptr;
-        const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-            const int64_t mr = std::min<int64_t>(MR_MAX, M - m0);
-            table[mr - 1](x + m0 * K, K, panel, K, b, out + m0 * N + p * NR, N, ncols);
+    on_team(M * N * K > (1 << 18), [&] {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            const float* panel = packed + p * K * NR;
+            const float* b = bias ? bias + p * NR : nullptr;
+            const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
+            for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+                const int64_t mr = std::min<int64_t>(MR_MAX, M - m0);
+                table[mr - 1](x + m0 * K, K, panel, K, b, out + m0 * N + p * NR, N, ncols);
+            }
         }
-    }
+    });
 }
 
 // rows of a packed [N, K] weight: out[t] = w[ids[t]] (a tied embedding read from the head's
 // panels, so the weight is held once)
 void ps_packed_rows(const float* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
-#pragma omp parallel for schedule(static) if (T * K > (1 << 16))
-    for (int64_t t = 0; t < T; ++t) {
-        const float* src = packed + (ids[t] / NR) * K * NR + ids[t] % NR;
-        float* o = out + t * K;
-        for (int64_t k = 0; k < K; ++k) o[k] = src[k * NR];
-    }
+    on_team(T * K > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            const float* src = packed + (ids[t] / NR) * K * NR + ids[t] % NR;
+            float* o = out + t * K;
+            for (int64_t k = 0; k < K; ++k) o[k] = src[k * NR];
+        }
+    });
 }
 
 // out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, per row of H
 void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out) {
-#pragma omp parallel for schedule(static) if (M * H > (1 << 16))
-    for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * H;
-        float* o = out + m * H;
-        const float inv = 1.0f / std::sqrt(dot(xr, xr, H) / static_cast<float>(H) + eps);
-        const vf vi = vset1(inv);
-        int64_t i = 0;
-        for (; i + W <= H; i += W) vstore(o + i, vmul(vload(w + i), vmul(vload(xr + i), vi)));
-        if (i < H)
-            vstore_n(o + i, vmul(vload_n(w + i, H - i, 0.0f), vmul(vload_n(xr + i, H - i, 0.0f), vi)),
-                     H - i);
-    }
+    on_team(M * H > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) rms_row(x + m * H, H, w, eps, out + m * H);
+    });
+}
+
+// the per-head norms of q and k (Qwen3, Gemma 3), in place: each of the T rows of qkv [T, (nq
+// + 2 nkv) d] holds nq q heads (weight qw) then nkv k heads (weight kw) of d; each head is one
+// of ps_rms_norm's rows
+void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
+                   const float* kw, float eps) {
+    const int64_t heads = nq + nkv, row = (nq + 2 * nkv) * d;
+    on_team(T * heads * d > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < T * heads; ++u) {
+            float* r = qkv + (u / heads) * row + (u % heads) * d;
+            rms_row(r, d, u % heads < nq ? qw : kw, eps, r);
+        }
+    });
 }
 
 // SwiGLU: silu(x) = x / (1 + exp(-x))
@@ -161,11 +185,13 @@ void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out) {
 // x = tanh(x / cap) * cap in place, per element (Gemma 2's final logit soft-capping)
 void ps_softcap(float* x, int64_t N, float cap) {
     const vf c = vset1(cap);
-#pragma omp parallel for schedule(static) if (N > (1 << 16))
-    for (int64_t i = 0; i < N; i += W) {
-        const int64_t n = std::min<int64_t>(W, N - i);
-        vstore_n(x + i, vmul(vtanh(vdiv(vload_n(x + i, n, 0.0f), c)), c), n);
-    }
+    on_team(N > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N; i += W) {
+            const int64_t n = std::min<int64_t>(W, N - i);
+            vstore_n(x + i, vmul(vtanh(vdiv(vload_n(x + i, n, 0.0f), c)), c), n);
+        }
+    });
 }
 
 // One layer's RoPE and KV cache write, fused. qkv [T, (nq + 2 nkv) d] holds each token's q, k
@@ -178,19 +204,21 @@ void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t
                    const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
                    float* q_out, float* kc, float* vc) {
     const int64_t row = (nq + 2 * nkv) * d, half = d / 2;
-#pragma omp parallel for schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; ++t) {
-        const float* x = qkv + t * row;
-        const float* c = cos + pos[t] * d;
-        const float* s = sin + pos[t] * d;
-        for (int64_t h = 0; h < nq + nkv; ++h) {
-            const float* src = x + h * d;
-            float* dst = h < nq ? q_out + (t * nq + h) * d : kc + (slots[t] * nkv + h - nq) * d;
-            for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + (-src[i + half]) * s[i];
-            for (int64_t i = half; i < d; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+    on_team(T > 16, [&] {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            const float* x = qkv + t * row;
+            const float* c = cos + pos[t] * d;
+            const float* s = sin + pos[t] * d;
+            for (int64_t h = 0; h < nq + nkv; ++h) {
+                const float* src = x + h * d;
+                float* dst = h < nq ? q_out + (t * nq + h) * d : kc + (slots[t] * nkv + h - nq) * d;
+                for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + (-src[i + half]) * s[i];
+                for (int64_t i = half; i < d; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+            }
+            std::copy(x + (nq + nkv) * d, x + row, vc + slots[t] * nkv * d);
         }
-        std::copy(x + (nq + nkv) * d, x + row, vc + slots[t] * nkv * d);
-    }
+    });
 }
 
 // a row's max and log(sum exp(x - max)): log_softmax(x)_i = (x_i - max) - lse
@@ -207,18 +235,20 @@ inline void row_normalizer(const float* xr, int64_t V, float& max, float& lse) {
 
 // log_softmax of each row of V: (x - max) - log(sum exp(x - max))
 void ps_log_softmax(const float* x, int64_t M, int64_t V, float* out) {
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * V;
-        float* o = out + m * V;
-        float max, lse;
-        row_normalizer(xr, V, max, lse);
-        const vf vm = vset1(max), vl = vset1(lse);
-        for (int64_t i = 0; i < V; i += W) {
-            const int64_t n = std::min<int64_t>(W, V - i);
-            vstore_n(o + i, vsub(vsub(vload_n(xr + i, n, 0.0f), vm), vl), n);
+    on_team(M > 1, [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* xr = x + m * V;
+            float* o = out + m * V;
+            float max, lse;
+            row_normalizer(xr, V, max, lse);
+            const vf vm = vset1(max), vl = vset1(lse);
+            for (int64_t i = 0; i < V; i += W) {
+                const int64_t n = std::min<int64_t>(W, V - i);
+                vstore_n(o + i, vsub(vsub(vload_n(xr + i, n, 0.0f), vm), vl), n);
+            }
         }
-    }
+    });
 }
 
 // One token's scores straight from its row of logits, the log-softmax never written out: the
@@ -229,35 +259,37 @@ void ps_log_softmax(const float* x, int64_t M, int64_t V, float* out) {
 // normalizer's two instead of a write and three more.
 void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64_t k,
               float* lp, int64_t* rank, float* vals, int64_t* ids) {
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) {
-        const float* xr = x + m * V;
-        float max, lse;
-        row_normalizer(xr, V, max, lse);
-        const vf vm = vset1(max), vl = vset1(lse);
-        const float chosen = (xr[target[m]] - max) - lse;
-        const vf vc = vset1(chosen);
-        float* bv = vals + m * k;
-        int64_t* bi = ids + m * k;
-        int64_t above = 0, n = 0;
-        alignas(64) float row[W];
-        for (int64_t i = 0; i < V; i += W) {
-            const int64_t c = std::min<int64_t>(W, V - i);
-            const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
-            const vf v = vsub(vsub(vload_n(xr + i, c, 0.0f), vm), vl);
-            above += __builtin_popcount(vmask_gt(v, vc) & valid);
-            if (k == 0) continue;
-            uint32_t candidates = n < k ? valid : vmask_gt(v, vset1(bv[k - 1])) & valid;
-            if (!candidates) continue;
-            vstore(row, v);
-            for (; candidates; candidates &= candidates - 1) {  // in id order, as ps_topk scans
-                const int64_t j = __builtin_ctz(candidates);
-                offer(bv, bi, k, n, row[j], i + j);
+    on_team(M > 1, [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* xr = x + m * V;
+            float max, lse;
+            row_normalizer(xr, V, max, lse);
+            const vf vm = vset1(max), vl = vset1(lse);
+            const float chosen = (xr[target[m]] - max) - lse;
+            const vf vc = vset1(chosen);
+            float* bv = vals + m * k;
+            int64_t* bi = ids + m * k;
+            int64_t above = 0, n = 0;
+            alignas(64) float row[W];
+            for (int64_t i = 0; i < V; i += W) {
+                const int64_t c = std::min<int64_t>(W, V - i);
+                const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
+                const vf v = vsub(vsub(vload_n(xr + i, c, 0.0f), vm), vl);
+                above += __builtin_popcount(vmask_gt(v, vc) & valid);
+                if (k == 0) continue;
+                uint32_t candidates = n < k ? valid : vmask_gt(v, vset1(bv[k - 1])) & valid;
+                if (!candidates) continue;
+                vstore(row, v);
+                for (; candidates; candidates &= candidates - 1) {  // in id order, as ps_topk scans
+                    const int64_t j = __builtin_ctz(candidates);
+                    offer(bv, bi, k, n, row[j], i + j);
+                }
             }
+            lp[m] = chosen;
+            rank[m] = above + 1;
         }
-        lp[m] = chosen;
-        rank[m] = above + 1;
-    }
+    });
 }
 
 // entropy of each row of log-probabilities, from the row's differences to its largest entry:
@@ -271,62 +303,66 @@ void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64
 // lanes in index order, then the lanes in order: the same bits for a row in any batch. Terms
 // with lp = -inf add 0.
 void ps_entropy(const float* lp, int64_t M, int64_t V, float* out) {
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) {
-        const float* r = lp + m * V;
-        vf mx = vset1(NEG_INF);
-        for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(r + i, std::min<int64_t>(W, V - i), NEG_INF));
-        const vf top = vset1(hmax(mx)), ninf = vset1(NEG_INF);
-        double rest[W] = {}, moment[W] = {};
-        int64_t tops = 0;
-        alignas(64) float e[W], ed[W];
-        for (int64_t i = 0; i < V; i += W) {
-            const int64_t c = std::min<int64_t>(W, V - i);
-            const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
-            const vf v = vload_n(r + i, c, NEG_INF);
-            tops += __builtin_popcount(valid & ~vmask_gt(top, v));
-            const vf d = vsub(v, top);
-            const vf ev = vselect_gt(v, ninf, vselect_gt(top, v, vexp(d), vzero()), vzero());
-            vstore(e, ev);
-            vstore(ed, vselect_gt(v, ninf, vmul(ev, d), vzero()));
-            for (int j = 0; j < W; ++j) {
-                rest[j] += e[j];
-                moment[j] += ed[j];
+    on_team(M > 1, [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* r = lp + m * V;
+            vf mx = vset1(NEG_INF);
+            for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(r + i, std::min<int64_t>(W, V - i), NEG_INF));
+            const vf top = vset1(hmax(mx)), ninf = vset1(NEG_INF);
+            double rest[W] = {}, moment[W] = {};
+            int64_t tops = 0;
+            alignas(64) float e[W], ed[W];
+            for (int64_t i = 0; i < V; i += W) {
+                const int64_t c = std::min<int64_t>(W, V - i);
+                const uint32_t valid = c == W ? static_cast<uint32_t>((1ull << W) - 1) : (1u << c) - 1u;
+                const vf v = vload_n(r + i, c, NEG_INF);
+                tops += __builtin_popcount(valid & ~vmask_gt(top, v));
+                const vf d = vsub(v, top);
+                const vf ev = vselect_gt(v, ninf, vselect_gt(top, v, vexp(d), vzero()), vzero());
+                vstore(e, ev);
+                vstore(ed, vselect_gt(v, ninf, vmul(ev, d), vzero()));
+                for (int j = 0; j < W; ++j) {
+                    rest[j] += e[j];
+                    moment[j] += ed[j];
+                }
             }
+            double sum = 0.0, dm = 0.0;
+            for (int j = 0; j < W; ++j) {
+                sum += rest[j];
+                dm += moment[j];
+            }
+            const double n = static_cast<double>(tops);
+            const double log_s = tops == 1 ? std::log1p(sum) : std::log(n + sum);
+            out[m] = static_cast<float>(log_s - dm / (n + sum));
         }
-        double sum = 0.0, dm = 0.0;
-        for (int j = 0; j < W; ++j) {
-            sum += rest[j];
-            dm += moment[j];
-        }
-        const double n = static_cast<double>(tops);
-        const double log_s = tops == 1 ? std::log1p(sum) : std::log(n + sum);
-        out[m] = static_cast<float>(log_s - dm / (n + sum));
-    }
+    });
 }
 
 // the k largest of each row, ordered by value (descending) then id (ascending): one total
 // order, so the answer is unique and a row's top-k is a prefix of its top-(k + 1)
 void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64_t* ids) {
-#pragma omp parallel for schedule(static) if (M > 1)
-    for (int64_t m = 0; m < M; ++m) {
-        const float* r = x + m * V;
-        float* bv = vals + m * k;
-        int64_t* bi = ids + m * k;
-        if (k <= 64) {
-            int64_t n = 0;
-            for (int64_t i = 0; i < V; ++i) offer(bv, bi, k, n, r[i], i);
-        } else {
-            std::vector<int64_t> order(V);
-            std::iota(order.begin(), order.end(), 0);
-            std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                              [r](int64_t a, int64_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
-            for (int64_t j = 0; j < k; ++j) {
-                bi[j] = order[j];
-                bv[j] = r[order[j]];
+    on_team(M > 1, [&] {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            const float* r = x + m * V;
+            float* bv = vals + m * k;
+            int64_t* bi = ids + m * k;
+            if (k <= 64) {
+                int64_t n = 0;
+                for (int64_t i = 0; i < V; ++i) offer(bv, bi, k, n, r[i], i);
+            } else {
+                std::vector<int64_t> order(V);
+                std::iota(order.begin(), order.end(), 0);
+                std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                                  [r](int64_t a, int64_t b) { return r[a] > r[b] || (r[a] == r[b] && a < b); });
+                for (int64_t j = 0; j < k; ++j) {
+                    bi[j] = order[j];
+                    bv[j] = r[order[j]];
+                }
             }
         }
-    }
+    });
 }
 
 // Causal attention of T packed query tokens over a paged KV cache, read in place.
@@ -364,8 +400,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
     tiles.push_back(T);
     const int64_t stride = longest + W, pairs_max = TQ * group;
     const int64_t cn = std::min<int64_t>(nv, R), hg = std::max<int64_t>(1, R / cn);
-#pragma omp parallel if (T * nkv > 1)
-    {
+    on_team(T * nkv > 1, [&] {
         std::vector<float> s(static_cast<size_t>(pairs_max * stride));
         std::vector<int64_t> offs(static_cast<size_t>(longest + W));  // key j: its K/V offset
         std::vector<const float*> qp(static_cast<size_t>(pairs_max));
@@ -494,7 +529,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                 }
             }
         }
-    }
+    });
 }
 
 }  // extern "C"

@@ -2,13 +2,18 @@
 // (models/llama.py) run here instead of ~15 Python-dispatched kernel calls a layer.
 //
 // It calls the very kernels the op-by-op path calls (ps_rms_norm, ps_linear / ps_qlinear,
-// ps_rope_cache, ps_attention, ps_silu_mul / ps_gelu_tanh_mul) on the same inputs, and the
+// ps_rope_cache, ps_attention, ps_silu_mul / ps_gelu_tanh_mul; the q/k head norms as
+// ps_head_norms, each head one of ps_rms_norm's rows) on the same inputs, and the
 // residual adds are one rounded float32 addition per element as torch's, so the hidden states
-// are the same bits as the op-by-op path's (tests/test_layers_native.py holds it to that for
+// are the same bits as the op-by-op path's (tests/native_util.py holds it to that for
 // every family). The per-family differences are fields of PsModel and PsLayer: q/k norms
 // (Qwen3, Gemma 3), sandwich norms (Gemma 2/3), GeGLU, sliding windows, soft-capped scores,
 // one RoPE table per layer type, biases (Qwen2), weights joined from parts in different block
 // formats (Q4_K_M's Q4_K q/k beside a Q6_K v).
+//
+// One OpenMP team runs the whole step: ps_layers opens one parallel region and every thread walks
+// the layers together, each kernel's loop shared out over the team (simd.h's on_team), so a
+// step forks once instead of ~150 times, and a barrier ends each kernel.
 //
 // Work buffers come from the caller (`scratch`, sized by ps_layers_scratch for a token count):
 // the Python side keeps one per power-of-two bucket of token counts, so nothing is allocated
@@ -21,6 +26,8 @@ void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_
 void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                 const float* bias, float* out);
 void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out);
+void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
+                   const float* kw, float eps);
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
 void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);
 void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
@@ -124,6 +131,7 @@ void project(const PsProj& proj, const float* x, int64_t T, float* out, float* t
     for (int64_t i = 0; i < proj.nparts; ++i) {
         const PsPart& p = proj.parts[i];
         part_product(p, x, T, tmp);
+#pragma omp for schedule(static)
         for (int64_t t = 0; t < T; ++t) std::copy(tmp + t * p.n, tmp + (t + 1) * p.n, out + t * proj.n + col);
         col += p.n;
     }
@@ -131,50 +139,47 @@ void project(const PsProj& proj, const float* x, int64_t T, float* out, float* t
 
 // h += x, elementwise (one rounded addition each, as torch's)
 void add_into(float* h, const float* x, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > (1 << 16))
-    for (int64_t i = 0; i < n; i += W) {
-        const int64_t c = std::min<int64_t>(W, n - i);
-        vstore_n(h + i, vadd(vload_n(h + i, c, 0.0f), vload_n(x + i, c, 0.0f)), c);
-    }
+    on_team(n > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += W) {
+            const int64_t c = std::min<int64_t>(W, n - i);
+            vstore_n(h + i, vadd(vload_n(h + i, c, 0.0f), vload_n(x + i, c, 0.0f)), c);
+        }
+    });
 }
 
 struct Buffers {
     float *x, *qkv, *q, *attn, *o, *gu, *act, *tmp;
 };
 
-Buffers carve(const PsModel* m, int64_t T, float* scratch) {
+// the step's buffers carved from `scratch` (64-byte steps); returns the floats they take, so
+// with a null `scratch` it only counts (ps_layers_scratch)
+int64_t carve(const PsModel* m, int64_t T, float* scratch, Buffers& b) {
     const int64_t qkv = (m->nq + 2 * m->nkv) * m->d, qd = m->nq * m->d;
-    Buffers b{};
-    float* at = scratch;
-    auto take = [&](int64_t n) {
-        float* p = at;
-        at += (n + 15) / 16 * 16;  // 64-byte steps
-        return p;
+    int64_t at = 0;
+    auto take = [&](float*& p, int64_t n) {
+        p = scratch ? scratch + at : nullptr;
+        at += (n + 15) / 16 * 16;
     };
-    b.x = take(T * m->hidden);
-    b.qkv = take(T * qkv);
-    b.q = take(T * qd);
-    b.attn = take(T * qd);
-    b.o = take(T * std::max(m->hidden, m->layer[0].o.n));
-    b.gu = take(T * 2 * m->inter);
-    b.act = take(T * m->inter);
-    b.tmp = take(T * widest_part(m));
-    return b;
+    take(b.x, T * m->hidden);
+    take(b.qkv, T * qkv);
+    take(b.q, T * qd);
+    take(b.attn, T * qd);
+    take(b.o, T * std::max(m->hidden, m->layer[0].o.n));
+    take(b.gu, T * 2 * m->inter);
+    take(b.act, T * m->inter);
+    take(b.tmp, T * widest_part(m));
+    return at;
 }
 
 }  // namespace
 
 extern "C" {
 
-// floats of scratch ps_layers needs for T tokens
+// floats of scratch ps_layers needs for T tokens (and room to align it)
 int64_t ps_layers_scratch(const PsModel* m, int64_t T) {
-    const int64_t qkv = (m->nq + 2 * m->nkv) * m->d, qd = m->nq * m->d;
-    const int64_t sizes[] = {T * m->hidden, T * qkv, T * qd, T * qd,
-                             T * std::max(m->hidden, m->layer[0].o.n), T * 2 * m->inter,
-                             T * m->inter, T * widest_part(m)};
-    int64_t total = 0;
-    for (int64_t s : sizes) total += (s + 15) / 16 * 16;
-    return total + 16;
+    Buffers b{};
+    return carve(m, T, nullptr, b) + 16;
 }
 
 // every layer of the model over the step's T tokens: h [T, hidden] in, the last layer's
@@ -182,21 +187,17 @@ int64_t ps_layers_scratch(const PsModel* m, int64_t T) {
 void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
     const int64_t T = s->tokens, H = m->hidden, nq = m->nq, nkv = m->nkv, d = m->d;
     if (T == 0) return;
-    const int64_t row = (nq + 2 * nkv) * d, layer_stride = s->cache_slots * nkv * d;
-    Buffers b = carve(m, T, scratch);
+    const int64_t layer_stride = s->cache_slots * nkv * d;
+    Buffers b{};
+    carve(m, T, scratch, b);
+#pragma omp parallel
     for (int64_t li = 0; li < m->layers; ++li) {
         const PsLayer& l = m->layer[li];
         float* kc = s->kc + li * layer_stride;
         float* vc = s->vc + li * layer_stride;
         ps_rms_norm(h, T, H, l.ln1, m->eps, b.x);
         project(l.qkv, b.x, T, b.qkv, b.tmp);
-        if (l.q_norm && l.k_norm) {
-            for (int64_t t = 0; t < T; ++t) {
-                float* r = b.qkv + t * row;
-                ps_rms_norm(r, nq, d, l.q_norm, m->eps, r);
-                ps_rms_norm(r + nq * d, nkv, d, l.k_norm, m->eps, r + nq * d);
-            }
-        }
+        if (l.q_norm && l.k_norm) ps_head_norms(b.qkv, T, nq, nkv, d, l.q_norm, l.k_norm, m->eps);
         ps_rope_cache(b.qkv, T, nq, nkv, d, s->cos[l.rope], s->sin[l.rope], s->pos, s->slots, b.q,
                       kc, vc);
         ps_attention(b.q, kc, vc, b.attn, T, nq, nkv, d, m->scale, s->tables, s->width,

@@ -275,16 +275,15 @@ constexpr auto qmicro_table(std::integer_sequence<int, R...>) {
     return std::array<QMicro, sizeof...(R)>{&qmicro<R + 1, F>...};
 }
 
-// every panel of an [M, K] x [N, K]^T product, shared out over the OpenMP team (one team for
-// more than 2^18 multiply-adds): body(panel, its bias or null, its first column, its columns,
-// buf) with buf a thread's buffer for one panel as floats [K, NR], 64-byte aligned (micro's
+// every panel of an [M, K] x [N, K]^T product, shared out over the OpenMP team (on_team: a
+// team of its own for more than 2^18 multiply-adds): body(panel, its bias or null, its first
+// column, its columns, buf) with buf a thread's buffer for one panel as floats [K, NR], 64-byte aligned (micro's
 // loads then never split lines), or null unless `buffered`
 template <class Body>
 void each_panel(int64_t M, int64_t N, int64_t K, const uint8_t* packed, int64_t panel_bytes,
                 const float* bias, bool buffered, Body&& body) {
     const int64_t panels = (N + NR - 1) / NR;
-#pragma omp parallel if (M * N * K > (1 << 18))
-    {
+    on_team(M * N * K > (1 << 18), [&] {
         std::vector<float> space(buffered ? K * NR + 16 : 0);
         void* at = space.data();
         size_t room = space.size() * sizeof(float);
@@ -293,7 +292,7 @@ void each_panel(int64_t M, int64_t N, int64_t K, const uint8_t* packed, int64_t 
         for (int64_t p = 0; p < panels; ++p)
             body(packed + p * panel_bytes, bias ? bias + p * NR : nullptr, p * NR,
                  std::min<int64_t>(NR, N - p * NR), buf);
-    }
+    });
 }
 
 constexpr int ROW_PANELS = 2;  // panels a one-row product walks together (measured best of 2-4 here)
@@ -308,20 +307,22 @@ void qlinear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_
     if (M == 1) {  // one row: the panels ROW_PANELS at a time (qmicro_row), the same bits
         constexpr int G = ROW_PANELS;
         const int64_t groups = (panels + G - 1) / G;
-#pragma omp parallel for schedule(static) if (N * K > (1 << 18))
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t p = g * G;
-            const uint8_t* panel = packed + p * panel_bytes;
-            const float* b = bias ? bias + p * NR : nullptr;
-            const int64_t last = std::min<int64_t>(NR, N - (p + G - 1) * NR);
-            if (p + G <= panels) {
-                qmicro_row<F, G>(x, panel, panel_bytes, K, b, out + p * NR, last);
-                continue;
+        on_team(N * K > (1 << 18), [&] {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t p = g * G;
+                const uint8_t* panel = packed + p * panel_bytes;
+                const float* b = bias ? bias + p * NR : nullptr;
+                const int64_t last = std::min<int64_t>(NR, N - (p + G - 1) * NR);
+                if (p + G <= panels) {
+                    qmicro_row<F, G>(x, panel, panel_bytes, K, b, out + p * NR, last);
+                    continue;
+                }
+                for (int64_t q = p; q < panels; ++q)  // the last few alone
+                    quant[0](x, K, packed + q * panel_bytes, K, bias ? bias + q * NR : nullptr,
+                             out + q * NR, N, std::min<int64_t>(NR, N - q * NR));
             }
-            for (int64_t q = p; q < panels; ++q)  // the last few alone
-                quant[0](x, K, packed + q * panel_bytes, K, bias ? bias + q * NR : nullptr,
-                         out + q * NR, N, std::min<int64_t>(NR, N - q * NR));
-        }
+        });
         return;
     }
     each_panel(M, N, K, packed, panel_bytes, bias, M > MR_MAX,
@@ -500,43 +501,45 @@ template <int F>
 void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
     using L = Layout<F>;
     const int64_t panel_bytes = (K / L::QK) * L::block;
-#pragma omp parallel for schedule(static) if (T * K > (1 << 16))
-    for (int64_t t = 0; t < T; ++t) {
-        const uint8_t* panel = packed + (ids[t] / NR) * panel_bytes;
-        const int64_t c = ids[t] % NR;
-        float* o = out + t * K;
-        for (int64_t blk = 0; blk < K / L::QK; ++blk) {
-            const uint8_t* b = panel + blk * L::block;
-            const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
-            const float d = _cvtsh_ss(h[c]);
-            const float d2 = L::halves == 2 ? _cvtsh_ss(h[NR + c]) : 0.0f;  // m or dmin
-            for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
-                float s = d, off = d2;
-                if constexpr (F == Q6_K) {
-                    s = d * static_cast<float>(static_cast<int8_t>(b[2 * NR + j * NR + c]));
-                } else if constexpr (L::kmin) {
-                    const uint8_t* sb = b + 4 * NR + c;  // byte i at sb[i * NR]
-                    int sc, mn;
-                    if (j < 4) {
-                        sc = sb[j * NR] & 63;
-                        mn = sb[(j + 4) * NR] & 63;
-                    } else {
-                        sc = (sb[(j + 4) * NR] & 15) | ((sb[(j - 4) * NR] >> 6) << 4);
-                        mn = (sb[(j + 4) * NR] >> 4) | ((sb[j * NR] >> 6) << 4);
+    on_team(T * K > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            const uint8_t* panel = packed + (ids[t] / NR) * panel_bytes;
+            const int64_t c = ids[t] % NR;
+            float* o = out + t * K;
+            for (int64_t blk = 0; blk < K / L::QK; ++blk) {
+                const uint8_t* b = panel + blk * L::block;
+                const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
+                const float d = _cvtsh_ss(h[c]);
+                const float d2 = L::halves == 2 ? _cvtsh_ss(h[NR + c]) : 0.0f;  // m or dmin
+                for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
+                    float s = d, off = d2;
+                    if constexpr (F == Q6_K) {
+                        s = d * static_cast<float>(static_cast<int8_t>(b[2 * NR + j * NR + c]));
+                    } else if constexpr (L::kmin) {
+                        const uint8_t* sb = b + 4 * NR + c;  // byte i at sb[i * NR]
+                        int sc, mn;
+                        if (j < 4) {
+                            sc = sb[j * NR] & 63;
+                            mn = sb[(j + 4) * NR] & 63;
+                        } else {
+                            sc = (sb[(j + 4) * NR] & 15) | ((sb[(j - 4) * NR] >> 6) << 4);
+                            mn = (sb[(j + 4) * NR] >> 4) | ((sb[j * NR] >> 6) << 4);
+                        }
+                        s = d * static_cast<float>(sc);
+                        off = d2 * static_cast<float>(mn);
                     }
-                    s = d * static_cast<float>(sc);
-                    off = d2 * static_cast<float>(mn);
-                }
-                const uint8_t* q = b + L::head + j * L::SUB * L::row;
-                for (int64_t kk = 0; kk < L::SUB; ++kk) {
-                    float w = s * static_cast<float>(quant_at<F>(q + kk * L::row, c));
-                    if constexpr (L::plus_m) w = w + off;
-                    if constexpr (L::kmin) w = w - off;
-                    o[blk * L::QK + j * L::SUB + kk] = w;
+                    const uint8_t* q = b + L::head + j * L::SUB * L::row;
+                    for (int64_t kk = 0; kk < L::SUB; ++kk) {
+                        float w = s * static_cast<float>(quant_at<F>(q + kk * L::row, c));
+                        if constexpr (L::plus_m) w = w + off;
+                        if constexpr (L::kmin) w = w - off;
+                        o[blk * L::QK + j * L::SUB + kk] = w;
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 }  // namespace

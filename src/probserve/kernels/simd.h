@@ -16,6 +16,22 @@
 
 namespace {
 
+// The kernels' threads. A kernel's loop is an orphaned `#pragma omp for` run inside on_team:
+// called from ps_layers' one parallel region (every thread of the team calls the kernel), the
+// loop is shared out over that team, with no fork or join per kernel, its closing barrier the
+// only synchronisation; called alone, the kernel forks a team of its own when the work is `big`,
+// else runs on the calling thread (a loop outside any region has a team of one). Every output
+// is one thread's fixed arithmetic, so how the loop is shared out never changes a bit.
+template <class Body>
+inline void on_team(bool big, Body&& body) {
+    if (big && !omp_in_parallel()) {
+#pragma omp parallel
+        body();
+    } else {
+        body();
+    }
+}
+
 #if defined(__AVX512F__)
 constexpr int W = 16;
 constexpr int MR_MAX = 12;  // rows per micro-kernel: 24 accumulators of 32 registers
