@@ -317,3 +317,13 @@ def test_raw_mode_matches_reference_under_temperature(client: openai.OpenAI, smo
         for j, v in enumerate(r.choices[0].logprobs.token_logprobs):
             assert abs(v - float(ref[len(ids) - 1 + j, gen[j]])) < 1e-4
     assert torch.isfinite(ref).all()
+
+
+def test_vllm_logprobs_modes(http):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "logprobs": 1}
+    r = http.post("/v1/completions", json={**body, "logprobs_mode": "raw_logprobs"})
+    assert r.status_code == 200
+    r = http.post("/v1/completions", json={**body, "logprobs_mode": "processed_logits"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "logprobs_mode" and "logits" in error["message"]

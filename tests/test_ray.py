@@ -69,7 +69,7 @@ def test_probserve_serve_ray_runs_and_stops(tmp_path: Path):
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: socket paths have a limit
     env = {**os.environ, "RAY_TMPDIR": ray_tmp}
     log = (tmp_path / "serve.log").open("wb")
-    cmd = [sys.executable, "-m", "probserve.cli", "serve", "--ray", "--config", str(config)]
+    cmd = [sys.executable, "-m", "probserve.cli", "serve", "--ray", "--cluster-config", str(config)]
     proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -104,7 +104,7 @@ def _serve_ray(tmp_path: Path, config_text: str | None, *extra: str):  # type: i
     if config_text is not None:
         config = tmp_path / "cluster.yaml"
         config.write_text(config_text)
-        cmd += ["--config", str(config)]
+        cmd += ["--cluster-config", str(config)]
     ray_tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
@@ -422,7 +422,7 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
         "    served_model_name: b\n"
         "    num_replicas: 2\n"
     )
-    args = serve_args("--ray", "--config", str(path), "--max-num-seqs", "8")
+    args = serve_args("--ray", "--cluster-config", str(path), "--max-num-seqs", "8")
     app = build_app(load_cluster_config(args), from_args(EngineConfig, args), server_config(args))
     ingress = app._bound_deployment
     entries, _, retries = ingress.init_args

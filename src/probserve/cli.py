@@ -1,4 +1,5 @@
-"""The `probserve` command: `generate` (one prompt, printed with its logprobs) and `serve`."""
+"""The `probserve` command: `generate` (one prompt, printed with its logprobs), `export` and
+`serve`, each flag settable by a `--config` file (serve) or a PROBSERVE_<FLAG> variable."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import yaml
+
+from probserve import __version__
 from probserve.engine import (
     EngineConfig,
     EngineDead,
@@ -17,7 +25,7 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
-from probserve.flags import add_args, from_args, setting
+from probserve.flags import HelpFormatter, PresetError, add_args, from_args, presets, setting
 from probserve.models import DEFAULT_MODEL, MODEL_HELP, ModelLoadError, load_model
 
 
@@ -120,27 +128,98 @@ def build_parser() -> argparse.ArgumentParser:
     from probserve.serving import add_serve_args
 
     parser = argparse.ArgumentParser(prog="probserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"probserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="complete one prompt and print each token's logprobs")
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt and print each token's logprobs",
+        formatter_class=HelpFormatter,
+    )
     add_args(gen, GenerateFlags)
     add_args(gen, EngineConfig)
     gen.set_defaults(func=lambda a: asyncio.run(_generate(a)))
 
     export = sub.add_parser(
-        "export", help="write the model's float32 weights and tokenizer as a plain HF directory"
+        "export",
+        help="write the model's float32 weights and tokenizer as a plain HF directory",
+        formatter_class=HelpFormatter,
     )
     add_args(export, ExportFlags)
     export.set_defaults(func=_export)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI API")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API",
+        description="Serve the OpenAI API. Every flag can also be set by a PROBSERVE_<FLAG> "
+        "environment variable (PROBSERVE_MAX_NUM_SEQS=8) or a --config file's key; the command "
+        "line wins.",
+        formatter_class=HelpFormatter,
+    )
     add_serve_args(serve)
     serve.set_defaults(func=_serve)
     return parser
 
 
+# each command's settings classes: what its --config file and PROBSERVE_ variables may set
+def _settings(command: str) -> tuple[type, ...]:
+    from probserve.serving import SERVE_SETTINGS
+
+    return {
+        "serve": SERVE_SETTINGS,
+        "generate": (GenerateFlags, EngineConfig),
+        "export": (ExportFlags,),
+    }.get(command, ())
+
+
+def with_presets(
+    parser: argparse.ArgumentParser, argv: list[str], environ: Mapping[str, str]
+) -> list[str]:
+    """`argv` with the presets of its command put after the command's name: `serve --config
+    FILE`'s flags, then PROBSERVE_<FLAG> variables (flags.presets). A `--config` file of the
+    cluster format (a `models:` list: the Ray cluster file that flag named before
+    --cluster-config) is taken as --cluster-config, with a deprecation warning."""
+    first = parser.parse_args(argv)
+    command = getattr(first, "command", None)
+    if command is None:
+        return argv
+    at = argv.index(command)
+    values: dict[str, Any] = {}
+    path = getattr(first, "config", None)
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise PresetError(f"cannot read the --config file {path}: {exc}") from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise PresetError(f"the --config file {path} is not a mapping of flags to values")
+        if isinstance(data.get("models"), list):
+            logging.getLogger(__name__).warning(
+                "--config %s is a Ray cluster file: that spelling is deprecated, use "
+                "--cluster-config (--config now names a file of serve flags)",
+                path,
+            )
+            values = {"cluster_config": path}
+        else:
+            values = data
+    rest = argv[at + 1 :]
+    if getattr(first, "model_tag", None):  # `serve MODEL`: the file's and variables' model yield
+        rest = [*rest, "--model"]  # seen as given; never parsed (presets only reads the names)
+    tokens = presets(_settings(command), rest, environ, values)
+    return [*argv[: at + 1], *tokens, *argv[at + 1 :]]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = with_presets(parser, argv, os.environ)
+    except PresetError as exc:
+        print(f"probserve: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -28,7 +28,7 @@ from probserve.engine import (
     EngineInfo,
     WorkerEngine,
 )
-from probserve.flags import add_args, from_args, setting
+from probserve.flags import FlagGroups, add_args, from_args, setting
 from probserve.models import (
     DEFAULT_MODEL,
     MODEL_HELP,
@@ -51,39 +51,62 @@ class ServeFlags:
     are the API's (ServerConfig and its limits), the engine clients' and the engine's."""
 
     model: tuple[str, ...] = setting(
-        (), f"a model to serve (repeat for several, each in its own engine worker): {MODEL_HELP}"
+        (),
+        f"a model to serve (repeat for several, each in its own engine worker; or give the "
+        f"first as `probserve serve MODEL`): {MODEL_HELP}",
+        group="model",
     )
     served_model_name: tuple[str, ...] = setting(
-        (), "the name clients use for the model of the same position (it also answers to its own)"
+        (),
+        "the name clients use for the model of the same position (it also answers to its own)",
+        group="model",
     )
     chat_template: tuple[str, ...] = setting(
         (),
         "a Jinja chat template file for the model of the same position (for a model file that "
         "ships none, or to replace its own); clients can never send one",
         metavar="FILE",
+        group="model",
     )
     worker_restarts: int = setting(
         3,
         "restarts of a model's dead engine worker in any 10 minutes before it is given up (the "
         "server exits non-zero once no model can serve)",
+        group="server",
     )
-    host: str = setting("127.0.0.1", "the address to listen on")
-    port: int = setting(8000, "the port to listen on")
+    host: str = setting("127.0.0.1", "the address to listen on", group="server")
+    port: int = setting(8000, "the port to listen on", group="server")
     api_key: str | None = setting(
-        None, "require `Authorization: Bearer KEY` (comma-separated; or set PROBSERVE_API_KEY)"
+        None,
+        "require `Authorization: Bearer KEY` (comma-separated; or set PROBSERVE_API_KEY)",
+        group="server",
     )
-    api_key_file: str | None = setting(None, "a file with one API key per line")
+    api_key_file: str | None = setting(
+        None, "a file with one API key per line", metavar="FILE", group="server"
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = setting(
-        "info", "the server's and its workers' log level"
+        "info", "the server's and its workers' log level", group="server"
+    )
+    config: str | None = setting(
+        None,
+        "a YAML file of these flags (each key a flag's name, `max-num-seqs: 8`, `model: [a, "
+        "b]`); PROBSERVE_<FLAG> variables override it, the command line overrides both",
+        metavar="FILE",
+        group="server",
     )
     ray: bool = setting(
         False,
         "serve on a Ray Serve cluster: replicas of each model's engine, prefix-aware routing, "
         "failover (pip install 'probserve[ray]'; docs/scale-out.md)",
+        group="Ray",
     )
-    config: str | None = setting(None, "--ray: the cluster configuration file")
-    replicas: int = setting(1, "--ray without --config: replicas per model")
-    ray_address: str | None = setting(None, "--ray: the Ray cluster to join (default: start one)")
+    cluster_config: str | None = setting(
+        None, "--ray: the cluster configuration file", metavar="FILE", group="Ray"
+    )
+    replicas: int = setting(1, "--ray without --cluster-config: replicas per model", group="Ray")
+    ray_address: str | None = setting(
+        None, "--ray: the Ray cluster to join (default: start one)", group="Ray"
+    )
 
 
 # every setting of `probserve serve`, each class's fields its flags (probserve.flags)
@@ -92,9 +115,18 @@ SERVE_SETTINGS: tuple[type, ...] = (
 )  # fmt: skip
 
 
+# each settings class's heading in --help (a field's own `group` wins)
+SERVE_GROUPS = {ServerConfig: "logprobs", Limits: "limits", HttpLimits: "limits",
+                ClientLimits: "limits", EngineConfig: "engine"}  # fmt: skip
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    groups = FlagGroups(parser)
+    groups("model").add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="the (first) model to serve: as --model"
+    )
     for cls in SERVE_SETTINGS:
-        add_args(parser, cls)
+        add_args(parser, cls, SERVE_GROUPS.get(cls), groups)
 
 
 def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
@@ -141,10 +173,12 @@ def with_chat_template(loaded: LoadedModel, template: str) -> LoadedModel:
 
 
 def model_flags(args: argparse.Namespace) -> list[tuple[str, str | None]]:
-    """(model spec, served name or None) for each `--model` (the embedded model when none is
-    given), paired in order with the `--served-model-name` flags."""
+    """(model spec, served name or None) for each model (`probserve serve MODEL`, then each
+    `--model`; the embedded model when none is given), paired in order with the
+    `--served-model-name` flags."""
     flags = from_args(ServeFlags, args)
-    specs = flags.model or (DEFAULT_MODEL,)
+    first = (args.model_tag,) if getattr(args, "model_tag", None) else ()
+    specs = (*first, *flags.model) or (DEFAULT_MODEL,)
     names = flags.served_model_name
     if len(names) > len(specs):
         raise ModelLoadError(f"{len(names)} --served-model-name flags for {len(specs)} models")

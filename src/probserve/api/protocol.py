@@ -131,6 +131,16 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _logprobs_mode(value: Any) -> Any:
+    """vLLM's raw_logits / processed_logits name logits, which no probserve answer holds."""
+    if value in ("raw_logits", "processed_logits"):
+        raise ValueError(
+            f"{value} (logits) is not available: probserve returns log-probabilities: raw "
+            "(raw_logprobs), processed (processed_logprobs) or both"
+        )
+    return value
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat."""
 
@@ -163,7 +173,7 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: ShortIds | None = None
-    logprobs_mode: LogprobsMode | None = None
+    logprobs_mode: Annotated[LogprobsMode, BeforeValidator(_logprobs_mode)] | None = None
     skip_special_tokens: bool = True
     # probserve's extensions: the logprobs of exactly these ids at every position, and the
     # exact entropy of every position's full distribution

@@ -88,7 +88,7 @@ def _card(model: ServedModel, name: str) -> ModelCard:
     return ModelCard(
         id=name,
         root=model.root,
-        max_model_len=model.loaded.context_length,
+        max_model_len=model.context_length,
         status=model.health()[0],
         replicas=None if replicas is None else int(replicas),
         **(serving_facts(info) if info is not None else {}),
@@ -119,7 +119,7 @@ async def tokenizer_info(request: Request, model: str | None = Query(None)) -> T
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
         chat_template=st.loaded.chat_template,
-        model_max_length=st.loaded.context_length,
+        model_max_length=st.model.context_length,
         vocab_size=st.loaded.vocab_size,
     )
 
@@ -147,7 +147,7 @@ async def tokenize(
             lambda: st.loaded.tokenizer(prompt, add_special_tokens=body.add_special_tokens)
         )
         ids = list(encoded.input_ids)
-    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.loaded.context_length)
+    return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.model.context_length)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)

@@ -89,6 +89,13 @@ class ServedModel:
         """Its own name: the model's path, or the embedded model's name."""
         return str(self.loaded.name)
 
+    @property
+    def context_length(self) -> int:
+        """The tokens one sequence may hold as served: the engine's (`--max-model-len` caps
+        the model's own)."""
+        info = getattr(self.engine, "info", None)
+        return int(info.context_length) if info is not None else self.loaded.context_length
+
     def health(self) -> tuple[str, str | None]:
         """("ok" | "stuck" | "dead" | "restarting", why)."""
         if self.restarting is not None:

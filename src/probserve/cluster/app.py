@@ -150,12 +150,12 @@ def misfit(cluster: ClusterConfig, cpus: float) -> str | None:
         return None
     return (
         f"the deployments ask for {asked:g} CPUs ({how}) and the Ray cluster has {cpus:g}: "
-        "lower --replicas, or num_cpus in --config, or add nodes"
+        "lower --replicas, or num_cpus in --cluster-config, or add nodes"
     )
 
 
 def fit_to(cluster: ClusterConfig, cpus: float) -> ClusterConfig:
-    """The flags' deployments (no --config) on a cluster too small for 1 CPU a replica: the
+    """The flags' deployments (no --cluster-config) on a cluster too small for 1 CPU a replica: the
     replicas share what the ingress leaves, evenly (a 2-core machine: 0.95 each for 2)."""
     replicas = sum(m.num_replicas for m in cluster.models)
     share = (cpus - cluster.ingress.num_replicas * cluster.ingress.num_cpus) / replicas
@@ -217,7 +217,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     cluster = load_cluster_config(args)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
-    if not flags.config:  # the flags' deployments: the replicas share the cores if they must
+    # the flags' deployments: the replicas share the cores if they must
+    if not flags.cluster_config:
         cluster = fit_to(cluster, cpus)
     problem = misfit(cluster, cpus)
     if problem is not None and cluster.address is not None:

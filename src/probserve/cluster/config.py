@@ -1,6 +1,6 @@
-"""The cluster configuration file of `probserve serve --ray --config FILE` (YAML or JSON): which
-models, how many replicas of each (fixed, or autoscaled), where they may run and how much each
-may queue. Without a file, each `--model` gets one deployment of `--replicas` replicas."""
+"""The cluster configuration file of `probserve serve --ray --cluster-config FILE` (YAML or
+JSON): which models, how many replicas of each (fixed, or autoscaled), where they may run and how
+much each may queue. Without a file, each `--model` gets one deployment of `--replicas` replicas."""
 
 from __future__ import annotations
 
@@ -62,14 +62,14 @@ class ClusterConfig(_Strict):
 
 
 def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
-    """The file of `--config`, else one deployment per `--model` with `--replicas` replicas;
+    """The file of `--cluster-config`, else one deployment per `--model` with `--replicas` replicas;
     `--ray-address` overrides the file's address."""
     from probserve.flags import from_args
     from probserve.serving import ServeFlags, model_flags
 
     flags = from_args(ServeFlags, args)
-    if flags.config:
-        data = yaml.safe_load(Path(flags.config).read_text(encoding="utf-8")) or {}
+    if flags.cluster_config:
+        data = yaml.safe_load(Path(flags.cluster_config).read_text(encoding="utf-8")) or {}
         config = ClusterConfig.model_validate(data)
     else:
         models = [

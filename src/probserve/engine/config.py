@@ -17,12 +17,19 @@ class EngineConfig:
         512, "tokens per engine step (prefill chunks + decode tokens)"
     )
     block_size: int = setting(16, "tokens per KV block")
+    max_model_len: int = setting(
+        0,
+        "the most tokens one sequence may hold, prompt and output (0: the model's context; "
+        "more than the model's context is refused)",
+    )
     kv_cache_gib: float = setting(
         2.0,
         "the most memory the KV cache may take, in GiB (reserved; pages become resident as "
         "requests first need them)",
     )
-    prefix_caching: bool = setting(True, "reuse the KV of shared prompt prefixes")
+    prefix_caching: bool = setting(
+        True, "reuse the KV of shared prompt prefixes", aliases=("--enable-prefix-caching",)
+    )
     prefix_cache_gib: float = setting(
         0.25,
         "memory the prefix cache may keep resident for finished requests' blocks beyond what "

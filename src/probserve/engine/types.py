@@ -23,6 +23,12 @@ class LogprobsMode(enum.StrEnum):
     PROCESSED = "processed"
     BOTH = "both"
 
+    @classmethod
+    def _missing_(cls, value: object) -> LogprobsMode | None:
+        """vLLM's spellings of the same distributions (its `logprobs_mode`); its raw_logits
+        and processed_logits are logits, not log-probabilities: no mode of ours."""
+        return {"raw_logprobs": cls.RAW, "processed_logprobs": cls.PROCESSED}.get(str(value))
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS or stop token id was generated (the last token: that id)

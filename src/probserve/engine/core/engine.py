@@ -44,6 +44,13 @@ class EngineCore:
         self.config = self.choice.config
         self.vocab_size = loaded.vocab_size
         self.context_length = loaded.context_length
+        if not 0 <= self.config.max_model_len <= loaded.context_length:
+            raise ValueError(
+                f"--max-model-len {self.config.max_model_len} is not within the model's context "
+                f"({loaded.context_length} tokens)"
+            )
+        if self.config.max_model_len > 0:
+            self.context_length = self.config.max_model_len
         self.eos_ids = loaded.eos_token_ids
         self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_ids)
         num_blocks = self.choice.num_blocks

@@ -28,11 +28,19 @@ class StartedEngine:
     seconds: float  # from the call to ready
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask on Linux; the machine's count where
+    the OS has no affinity call, as macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def configure_threads(threads: int) -> int:
     """The engine's torch threads, fixed for the life of the process (0: one per usable core)."""
     import torch
 
-    n = threads or len(os.sched_getaffinity(0))
+    n = threads or usable_cores()
     torch.set_num_threads(n)
     return n
 
