@@ -53,6 +53,10 @@ class ExportFlags:
     directory: str = setting("", "where to write the HF directory", positional=True)
 
 
+class UsageError(ValueError):
+    """Flags that do not go together."""
+
+
 def _fmt(lp: float) -> str:
     return "-inf" if math.isinf(lp) else f"{lp:.4f}"
 
@@ -115,6 +119,10 @@ def _serve(args: argparse.Namespace) -> int:
     from probserve.serving import ServeFlags, run_server
 
     flags = from_args(ServeFlags, args)
+    if bool(flags.ssl_keyfile) != bool(flags.ssl_certfile):
+        raise UsageError("--ssl-keyfile and --ssl-certfile go together")
+    if flags.ray and flags.ssl_keyfile:
+        raise UsageError("--ssl-keyfile is not available with --ray (Ray Serve's proxy serves)")
     if flags.ray:
         from probserve.cluster.app import run_cluster
 
@@ -228,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (ModelLoadError, APIError, EngineDead) as exc:
+    except (ModelLoadError, APIError, EngineDead, UsageError) as exc:
         print(f"probserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -84,6 +84,18 @@ class ServeFlags:
     api_key_file: str | None = setting(
         None, "a file with one API key per line", metavar="FILE", group="server"
     )
+    ssl_keyfile: str | None = setting(
+        None,
+        "serve HTTPS with this private key (PEM; with --ssl-certfile)",
+        metavar="FILE",
+        group="server",
+    )
+    ssl_certfile: str | None = setting(
+        None,
+        "serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)",
+        metavar="FILE",
+        group="server",
+    )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = setting(
         "info", "the server's and its workers' log level", group="server"
     )
@@ -320,10 +332,12 @@ def run_server(args: argparse.Namespace) -> int:
     app = create_app(state)
     names = ", ".join(m.name for m in state.models)
     flags, http = from_args(ServeFlags, args), state.config.http
-    log.info("serving %s on http://%s:%d/v1", names, flags.host, flags.port)
-    server = DrainingServer(
-        uvicorn_config(app, http, flags.host, flags.port), http.drain_timeout, supervisor.stop
+    scheme = "https" if flags.ssl_certfile else "http"
+    log.info("serving %s on %s://%s:%d/v1", names, scheme, flags.host, flags.port)
+    config = uvicorn_config(
+        app, http, flags.host, flags.port, flags.ssl_keyfile, flags.ssl_certfile
     )
+    server = DrainingServer(config, http.drain_timeout, supervisor.stop)
 
     def every_engine_died(reason: str) -> None:
         log.critical("shutting down: no model can serve (%s)", reason)

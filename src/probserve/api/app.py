@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from probserve import __version__
 from probserve.api import (
@@ -50,13 +51,23 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(routes_misc.router)
     install_error_handlers(app)
     limits = state.config.http
-    # the last added runs first: scope guard, access log, auth, body limits, then the routes
+    # the last added runs first: scope guard, access log, CORS (where origins are allowed:
+    # before auth, so a browser's preflight, which carries no key, is answered), auth, body
+    # limits, then the routes
     app.add_middleware(
         BodyLimitMiddleware, max_bytes=limits.max_body_bytes, timeout=limits.body_timeout
     )
     open_paths = OPEN_PATHS | playground.PATHS  # the page is open; its calls need the key
     open_paths |= {"/metrics"} if state.config.open_metrics else set()
     app.add_middleware(AuthMiddleware, keys=state.config.api_keys, open_paths=open_paths)
+    if state.config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     app.add_middleware(AccessLogMiddleware, on_response=state.metrics.observe_http)
     app.add_middleware(ScopeGuardMiddleware)
     return app

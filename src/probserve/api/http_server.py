@@ -20,12 +20,22 @@ from probserve.api.limits import HttpLimits
 log = logging.getLogger(__name__)
 
 
-def uvicorn_config(app: FastAPI, limits: HttpLimits, host: str, port: int) -> uvicorn.Config:
-    """uvicorn for probserve: header deadline, bounded connections, our own access log."""
+def uvicorn_config(
+    app: FastAPI,
+    limits: HttpLimits,
+    host: str,
+    port: int,
+    ssl_keyfile: str | None = None,
+    ssl_certfile: str | None = None,
+) -> uvicorn.Config:
+    """uvicorn for probserve: header deadline, bounded connections, our own access log; HTTPS
+    where a key and certificate are given."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        ssl_keyfile=ssl_keyfile,
+        ssl_certfile=ssl_certfile,
         http=guarded_protocol(limits.header_timeout),
         limit_concurrency=limits.max_connections,
         log_level="warning",

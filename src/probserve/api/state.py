@@ -40,6 +40,13 @@ class ServerConfig:
         "processed (the one sampled from), both",
     )
     open_metrics: bool = setting(False, "serve /metrics without an API key")
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        "an origin a browser page may call the API from (CORS; repeat for several, `*` for "
+        "any; none: no cross-origin calls)",
+        metavar="ORIGIN",
+        group="server",
+    )
     tool_call_parser: ToolParser = setting(
         ToolParser.AUTO,
         "how models write tool calls: auto (each model's chat template says: Hermes' "

@@ -1,0 +1,141 @@
+"""The HTTP edge as a browser UI and an operator meet it: CORS for allowed origins (a preflight
+answered before auth), HTTPS with a certificate made here."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from probserve.api.app import create_app
+from probserve.api.http_server import uvicorn_config
+from probserve.cli import main
+from probserve.models import LoadedModel
+from probserve.serving import build_state
+
+ORIGIN = "https://ui.example"
+
+
+def test_cors_preflight_from_an_allowed_origin_before_auth(tiny: LoadedModel) -> None:
+    from server_util import running_server
+
+    with running_server(tiny, "--allowed-origins", ORIGIN, "--api-key", "k1") as url:
+        preflight = {
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        r = httpx.options(f"{url}/v1/completions", headers=preflight)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == ORIGIN
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "authorization" in r.headers["access-control-allow-headers"].lower()
+        other = httpx.options(f"{url}/v1/completions", headers={**preflight, "Origin": "https://x"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        body = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 1}
+        no_key = httpx.post(f"{url}/v1/completions", json=body, headers={"Origin": ORIGIN})
+        assert no_key.status_code == 401  # the key is still needed for the call itself
+        assert no_key.headers["access-control-allow-origin"] == ORIGIN  # and the page can read why
+        ok = httpx.post(
+            f"{url}/v1/completions",
+            json=body,
+            headers={"Origin": ORIGIN, "Authorization": "Bearer k1"},
+            timeout=60,
+        )
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_no_cors_unless_asked(tiny: LoadedModel) -> None:
+    from server_util import running_server
+
+    with running_server(tiny) as url:
+        r = httpx.options(
+            f"{url}/v1/completions",
+            headers={"Origin": ORIGIN, "Access-Control-Request-Method": "POST"},
+        )
+        assert "access-control-allow-origin" not in r.headers
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = directory / "key.pem", directory / "cert.pem"
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+def test_https_with_a_self_signed_certificate(tiny: LoadedModel, tmp_path: Path) -> None:
+    from server_util import free_port, serve_args
+
+    key, cert = _self_signed(tmp_path)
+    state, supervisor = build_state(serve_args("--worker", "inline"), tiny)
+    port = free_port()
+    config = uvicorn_config(create_app(state), state.config.http, "127.0.0.1", port, str(key),
+                            str(cert))  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "no HTTPS server"
+            time.sleep(0.02)
+        r = httpx.get(f"https://127.0.0.1:{port}/health", verify=str(cert))
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust it refuses
+            httpx.get(f"https://127.0.0.1:{port}/health")
+        with pytest.raises(httpx.RemoteProtocolError):  # plain HTTP gets no answer
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        supervisor.stop()
+        server.should_exit = True
+        thread.join(timeout=30)
+        supervisor.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--ssl-keyfile", "k.pem"], "go together"),
+        (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--ray"], "--ray"),
+    ],
+)
+def test_tls_flags_that_do_not_go_together(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", *flags]) == 2
+    assert says in capsys.readouterr().err
