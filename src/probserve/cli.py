@@ -26,6 +26,7 @@ from probserve.engine import (
     SamplingParams,
 )
 from probserve.flags import HelpFormatter, PresetError, add_args, from_args, presets, setting
+from probserve.logs import configure_logging
 from probserve.models import DEFAULT_MODEL, MODEL_HELP, ModelLoadError, load_model
 
 
@@ -228,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"probserve: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "warning")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     from probserve.api.errors import APIError
 
     try:

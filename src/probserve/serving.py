@@ -29,6 +29,7 @@ from probserve.engine import (
     WorkerEngine,
 )
 from probserve.flags import FlagGroups, add_args, from_args, setting
+from probserve.logs import LogFormat
 from probserve.models import (
     DEFAULT_MODEL,
     MODEL_HELP,
@@ -98,6 +99,12 @@ class ServeFlags:
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = setting(
         "info", "the server's and its workers' log level", group="server"
+    )
+    log_format: LogFormat = setting(
+        "text",
+        "log lines as text, or as one JSON object a line (the access line's method, route, "
+        "status, model, tokens, latency and request id as fields)",
+        group="server",
     )
     config: str | None = setting(
         None,
@@ -204,7 +211,8 @@ def engine_factory(
     (the default), or an engine on a thread of this process over `loaded` (`--worker inline`)."""
     config = from_args(EngineConfig, args)
     limits = from_args(ClientLimits, args)
-    log_level = from_args(ServeFlags, args).log_level
+    flags = from_args(ServeFlags, args)
+    log_level, log_format = flags.log_level, flags.log_format
 
     def make() -> EngineClient:
         if config.worker == "inline":
@@ -218,6 +226,7 @@ def engine_factory(
             max_pending=limits.max_queued,
             stall_timeout=limits.engine_stall_timeout,
             log_level=log_level,
+            log_format=log_format,
         )
 
     return make

@@ -1,5 +1,5 @@
 """ASGI middleware: scope guard, Bearer-key auth, body size and time limits, and one log line
-per request."""
+per request, under the request id it echoes as X-Request-Id."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from probserve.api.errors import error_body
+from probserve.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("probserve.access")
 
@@ -142,7 +143,10 @@ CLIENT_CLOSED = 499  # nginx's "client closed request": logged for a response cu
 
 class AccessLogMiddleware:
     """Logs route, status, prompt/completion tokens and latency when a response ends (for a
-    stream: when its last byte is sent, or, as 499, when the client hung up before it)."""
+    stream: when its last byte is sent, or, as 499, when the client hung up before it). The
+    request's id (its X-Request-Id, sanitised: probserve.logs, or a new one) is echoed in the
+    response's X-Request-Id, kept in the request's state for its engine requests' ids, and set
+    for every log line of the request."""
 
     def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] | None = None) -> None:
         self.app = app
@@ -155,11 +159,17 @@ class AccessLogMiddleware:
         started = time.perf_counter()
         status = 0
         logged = False
+        header = next((v for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+        rid = request_id_from(header.decode("latin-1") if header is not None else None)
+        scope.setdefault("state", {})["request_id"] = rid
+        token = REQUEST_ID.set(rid)  # every log line of the request carries it
 
         async def wrapped(message: Message) -> None:
             nonlocal status, logged
             if message["type"] == "http.response.start":
                 status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid.encode())]}  # fmt: skip
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 logged = True
@@ -178,22 +188,30 @@ class AccessLogMiddleware:
         else:
             if not logged:  # the app ended without a last byte: the client hung up (a stream)
                 self._log(scope, CLIENT_CLOSED, started)
+        finally:
+            REQUEST_ID.reset(token)
 
     def _log(self, scope: Scope, status: int, started: float) -> None:
+        route = getattr(scope.get("route"), "path", "unmatched")
         if self.on_response is not None:
-            route = scope.get("route")
-            self.on_response(getattr(route, "path", "unmatched"), status)
+            self.on_response(route, status)
         state: Any = scope.get("state") or {}
         usage = state.get("usage") if isinstance(state, dict) else None
         tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
-        log.info(
-            "%s %s %d%s %.1fms",
-            escape_log(str(scope.get("method"))),
-            escape_log(str(scope.get("path"))),
-            status,
-            tokens,
-            (time.perf_counter() - started) * 1000,
-        )
+        latency = (time.perf_counter() - started) * 1000
+        method, path = escape_log(str(scope.get("method"))), escape_log(str(scope.get("path")))
+        access = {  # the line's fields, each a field of its own in --log-format json
+            "method": method,
+            "path": path,
+            "route": route,
+            "status": status,
+            "model": state.get("model") if isinstance(state, dict) else None,
+            "prompt_tokens": usage[0] if usage else None,
+            "completion_tokens": usage[1] if usage else None,
+            "latency_ms": round(latency, 1),
+            "request_id": state.get("request_id", "") if isinstance(state, dict) else "",
+        }
+        log.info("%s %s %d%s %.1fms", method, path, status, tokens, latency, extra=access)
 
 
 def escape_log(text: str) -> str:

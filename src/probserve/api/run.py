@@ -40,6 +40,10 @@ class Run:
         self.plan = plan
         self.prefix = prefix
         self.id = f"{prefix}-{uuid.uuid4().hex}"
+        # the engine requests' ids begin with the HTTP request's id (its X-Request-Id)
+        rid = getattr(request.state, "request_id", None)
+        self.engine_prefix = f"{rid}-{prefix}" if rid else prefix
+        request.state.model = state.name
         self.created = int(time.time())
         self.started = time.monotonic()
         self.candidates: list[Candidate] = []
@@ -55,7 +59,7 @@ class Run:
         for prompt in plan.prompts:
             base = len(prompt.text) if plan.offsets_from_prompt else 0
             for c, sampling in enumerate(plan.sampling):
-                rid = EngineClient.new_request_id(self.prefix)
+                rid = EngineClient.new_request_id(self.engine_prefix)
                 spec = sibling if c else plan.spec
                 ids = tuple(prompt.ids)
                 requests.append(

@@ -29,6 +29,7 @@ import zmq
 from probserve.engine import wire
 from probserve.engine.config import EngineConfig
 from probserve.engine.types import EngineRequest
+from probserve.logs import configure_logging
 
 if TYPE_CHECKING:  # the engine (and torch) load in main, once the worker follows its server
     from probserve.engine.core.engine import EngineCore
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commands", required=True, help="ZeroMQ address to read commands from")
     p.add_argument("--events", required=True, help="ZeroMQ address to send events to")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
     return p.parse_args(argv)
 
 
@@ -118,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     parent = args.parent_pid or os.getppid()
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s[worker]: %(message)s",
-    )
+    configure_logging(args.log_level, args.log_format, "[worker]")
     if not follow_parent(parent):
         log.warning("the server (pid %d) was gone before this worker started: exiting", parent)
         return 0

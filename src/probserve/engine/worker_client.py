@@ -46,11 +46,13 @@ class WorkerEngine(EngineClient):
         max_pending: int = 1024,
         stall_timeout: float = 120.0,
         log_level: str = "info",
+        log_format: str = "text",
     ) -> None:
         super().__init__(max_pending, stall_timeout)
         self.model = model
         self.config = config or EngineConfig()
         self.log_level = log_level
+        self.log_format = log_format
         self.startup_seconds: float | None = None  # the worker's own figure, from its Hello
         self.loaded_spec: str | None = None  # what the worker loaded (a GGUF's converted dir)
         self.tokenizer_class = ""  # the class of the worker's tokenizer (wire.Hello.tokenizer)
@@ -93,6 +95,8 @@ class WorkerEngine(EngineClient):
             events,
             "--log-level",
             self.log_level,
+            "--log-format",
+            self.log_format,
             "--parent-pid",
             str(os.getpid()),
         ]
