@@ -294,8 +294,9 @@ def test_a_failing_candidate_cancels_its_siblings(smol: LoadedModel):
     cancelled: list[str] = []
 
     class _Request:
-        async def is_disconnected(self) -> bool:
-            return False
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(3600)  # a client that stays
+            return {"type": "http.disconnect"}
 
     async def scenario() -> None:
         cands = [

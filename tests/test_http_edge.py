@@ -7,6 +7,7 @@ import datetime
 import ipaddress
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -139,3 +140,31 @@ def test_tls_flags_that_do_not_go_together(
 ) -> None:
     assert main(["serve", *flags]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_sse_keepalive_comments_through_silence() -> None:
+    import asyncio
+
+    from probserve.api.sse import KEEPALIVE, with_keepalive
+
+    async def slow() -> AsyncIterator[str]:
+        for i in range(3):
+            await asyncio.sleep(0.35)
+            yield f"data: {i}\n\n"
+
+    async def collect(seconds: float) -> list[str]:
+        return [item async for item in with_keepalive(slow(), seconds)]
+
+    got = asyncio.run(collect(0.1))
+    assert [x for x in got if x != KEEPALIVE] == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n"]
+    assert got.count(KEEPALIVE) >= 6  # about three a gap
+    assert asyncio.run(collect(0)) == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n"]
+
+    async def leave_early() -> None:
+        stream = with_keepalive(slow(), 0.1)
+        assert await anext(stream) == KEEPALIVE
+        await stream.aclose()  # the client went away: the pending read is cancelled
+        await asyncio.sleep(0)
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+
+    asyncio.run(leave_early())

@@ -96,7 +96,10 @@ async def create_chat_completion(
     run = await Run(state, request, plan, "chatcmpl").start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_stream(run, body, model, k, include_usage))
+        return sse_response(
+            _stream(run, body, model, k, include_usage),
+            keepalive=state.config.http.sse_keepalive,
+        )
     await run.collect()
     # formatted off the loop: a long prompt's logprobs x targets are seconds of work
     return Response(await off_loop(_answer, run, body, model, k), media_type="application/json")

@@ -56,7 +56,9 @@ async def create_completion(
     run = await Run(state, request, plan, "cmpl").start()
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(_stream(run, shape, model, include_usage))
+        return sse_response(
+            _stream(run, shape, model, include_usage), keepalive=state.config.http.sse_keepalive
+        )
     await run.collect()
     # formatted off the loop: echoed prompts' logprobs x targets are seconds of work
     return Response(await off_loop(_answer, run, shape, model), media_type="application/json")

@@ -27,6 +27,11 @@ class HttpLimits:
         "(/v1/distributions: its rows go back to the budget)",
     )
     max_connections: int = setting(1024, "open connections; past it new requests get 503")
+    sse_keepalive: float = setting(
+        15.0,
+        "seconds of silence on a stream (a long prefill, a queue) before a `: keepalive` comment "
+        "line keeps proxies from closing it (0: never)",
+    )
     drain_timeout: float = setting(30.0, "seconds in-flight requests get to finish after SIGTERM")
 
 

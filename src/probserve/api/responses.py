@@ -236,7 +236,7 @@ async def create_response(
         raise in_responses_terms(exc) from None
     reply = _Reply(run, body, model, ask.alternatives)
     if body.stream:
-        return sse_response(_stream(reply), done=False)
+        return sse_response(_stream(reply), done=False, keepalive=state.config.http.sse_keepalive)
     (cand,) = await run.collect()
     # formatted off the loop: a long reply's logprobs x targets are seconds of work
     return Response(await off_loop(_answer, reply, cand), media_type="application/json")

@@ -1,7 +1,10 @@
-"""Server-sent events: `data: {json}` lines, then `data: [DONE]`."""
+"""Server-sent events: `data: {json}` lines, then `data: [DONE]`; a comment line through long
+silences."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -21,13 +24,49 @@ def event(payload: BaseModel | dict) -> str:
 DONE = "data: [DONE]\n\n"
 
 
-def sse_response(events: AsyncIterator[str], done: bool = True) -> StreamingResponse:
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it, proxies see traffic
+
+
+async def with_keepalive(events: AsyncIterator[str], seconds: float) -> AsyncIterator[str]:
+    """`events`, with a comment line after every `seconds` of silence (a long prefill, a queue)
+    so no proxy's idle timeout closes the stream; 0: none."""
+    if seconds <= 0:
+        async for item in events:
+            yield item
+        return
+    it = aiter(events)
+    pending: asyncio.Future[str] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=seconds)
+            if not done:
+                yield KEEPALIVE
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+
+
+def sse_response(
+    events: AsyncIterator[str], done: bool = True, keepalive: float = 15.0
+) -> StreamingResponse:
     """Stream `events`; an APIError after the headers went out becomes an error event. `done`:
-    end with `data: [DONE]` (completions and chat; the Responses API sends none)."""
+    end with `data: [DONE]` (completions and chat; the Responses API sends none). `keepalive`:
+    seconds of silence before a comment line (with_keepalive)."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
-            async for item in events:
+            async for item in with_keepalive(events, keepalive):
                 yield item
         except APIError as exc:
             yield event(error_body(exc.status, exc.message, exc.param, exc.code))
