@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from race import Server
 
 
 def cpu_seconds(pid: int) -> float:
@@ -52,25 +51,16 @@ async def measure(url: str, pid: int, queued: int, seconds: float) -> dict[str, 
 
 
 def run_tree(label: str, src: Path, args: argparse.Namespace, port: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    cmd = [sys.executable, "-m", "probserve.cli", "serve", "--port", str(port), "--max-num-seqs",
-           "1", "--max-queued", str(args.queued + 16), "--request-timeout", "0"]  # fmt: skip
-    log = open(f"/tmp/idle-queue-{label}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    cmd = ["env", f"PYTHONPATH={src}", sys.executable, "-m", "probserve.cli", "serve", "--port",
+           str(port), "--max-num-seqs", "1", "--max-queued", str(args.queued + 16),
+           "--request-timeout", "0"]  # fmt: skip
+    server = Server(label, cmd, port, "", Path(f"/tmp/idle-queue-{label}.log"))
+    server.start()
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        return asyncio.run(measure(url, proc.pid, args.queued, args.seconds))
+        pid = server.proc.pid  # type: ignore[union-attr]  # the API process (`env` execs it)
+        return asyncio.run(measure(server.url, pid, args.queued, args.seconds))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
+        server.stop()
 
 
 def main() -> None:
