@@ -40,6 +40,7 @@ from probserve.models import (
     load_tokenizer,
     resolve_model,
 )
+from probserve.models.generation_config import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -277,11 +278,14 @@ def start_model(
     except BaseException:
         engine.stop()
         raise
+    choice = from_args(ServerConfig, args).generation_config
+    defaults = sampling_defaults(source, choice)
     if inline:
         assert loaded is not None
-        return ServedModel(served_names(served_name, loaded.name), loaded, engine), make
+        names = served_names(served_name, loaded.name)
+        return ServedModel(names, loaded, engine, defaults), make
     served = served_record(engine.info, tokenizer, name, source)
-    return ServedModel(served_names(served_name, name), served, engine), make
+    return ServedModel(served_names(served_name, name), served, engine, defaults), make
 
 
 def served_names(served_name: str | None, own: str) -> tuple[str, ...]:

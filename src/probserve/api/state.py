@@ -21,6 +21,7 @@ from probserve.engine import ClientLimits, EngineClient, LogprobsMode
 from probserve.engine.grammar import llguidance_tokenizer
 from probserve.flags import setting
 from probserve.models import LoadedModel
+from probserve.models.generation_config import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class ServerConfig:
         "processed (the one sampled from), both",
     )
     open_metrics: bool = setting(False, "serve /metrics without an API key")
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "
+        "min_p, repetition_penalty): auto (the model's generation_config.json, as vLLM), vllm "
+        "or none (OpenAI's defaults), or a directory with a generation_config.json",
+        group="model",
+    )
     allowed_origins: tuple[str, ...] = setting(
         (),
         "an origin a browser page may call the API from (CORS; repeat for several, `*` for "
@@ -67,6 +75,8 @@ class ServedModel:
     names: tuple[str, ...]
     loaded: LoadedModel
     engine: EngineClient
+    # what a request's left-out sampling fields default to (--generation-config)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
     restarting: str | None = field(default=None, init=False)  # why, while a restart runs

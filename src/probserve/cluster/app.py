@@ -49,6 +49,7 @@ class Ingress:
     async def __init__(  # type: ignore[misc]
         self, models: list[ModelEntry], config: ServerConfig, retries: int
     ) -> None:
+        from probserve.models.generation_config import sampling_defaults
         from probserve.models.loader import prepared_source
 
         served = []
@@ -61,7 +62,8 @@ class Ingress:
             engine = RayEngine(
                 entry.handle, info, limits.max_queued, limits.engine_stall_timeout, retries
             )
-            served.append(ServedModel(entry.names, loaded, engine))
+            defaults = sampling_defaults(source, config.generation_config)
+            served.append(ServedModel(entry.names, loaded, engine, defaults))
         self.state = ServerState(served, config)
 
     def __serve_build_asgi_app__(self) -> Any:

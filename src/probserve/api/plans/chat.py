@@ -38,7 +38,9 @@ async def chat_plan(
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
     asked = grammar_ask(body)
-    sampling = candidate_params(body, max_tokens, state.loaded.vocab_size, body.n)
+    sampling = candidate_params(
+        body, max_tokens, state.loaded.vocab_size, body.n, state.model.sampling_defaults
+    )
     dicts = check_messages(limits, messages, tools.chars() if tools is not None else 0)
     fmt = tool_format(state)
     shown = tool_prompt(dicts, tools, fmt)

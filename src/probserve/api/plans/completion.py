@@ -58,7 +58,9 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     limits.check_sequences(1, best_of, "best_of" if body.best_of else "n")
     stops = check_request(body, limits)
     asked = grammar_ask(body)
-    sampling = candidate_params(body, body.max_tokens, state.loaded.vocab_size, best_of)
+    sampling = candidate_params(
+        body, body.max_tokens, state.loaded.vocab_size, best_of, state.model.sampling_defaults
+    )
     prompts = completion_id_lists(body.prompt)
     if isinstance(prompts[0], str):
         check_text_size(limits, prompts)

@@ -8,6 +8,7 @@ from probserve.api.errors import bad_request
 from probserve.api.limits import Limits
 from probserve.api.protocol import SamplingFields
 from probserve.engine import SamplingParams
+from probserve.models.generation_config import SamplingDefaults
 
 
 def check_request(req: SamplingFields, limits: Limits) -> tuple[str, ...]:
@@ -41,23 +42,40 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     return out
 
 
+NO_DEFAULTS = SamplingDefaults()
+
+
+def _given(value: float | None, default: float | None, openai: float) -> float:
+    """The request's value, else the model's default, else OpenAI's."""
+    if value is not None:
+        return value
+    return openai if default is None else default
+
+
 def sampling_params(
-    req: SamplingFields, max_tokens: int | None, vocab_size: int, seed: int | None
+    req: SamplingFields,
+    max_tokens: int | None,
+    vocab_size: int,
+    seed: int | None,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
-    """The engine's parameters for one candidate (limits are checked by `check_request`)."""
+    """The engine's parameters for one candidate (limits are checked by `check_request`); a
+    sampling field the request leaves out takes the model's default (`defaults`), else
+    OpenAI's."""
+    d = defaults
     for tid in req.stop_token_ids or ():
         if not 0 <= tid < vocab_size:
             raise bad_request(f"stop_token_ids: {tid} is outside the vocabulary", "stop_token_ids")
     return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=_given(req.temperature, d.temperature, 1.0),
         # below 1/vocab every top_p keeps the one most likely token: a denormal one (5e-324)
         # would make the sampler's arithmetic non-finite, so it is raised to the same effect
-        top_p=1.0 if req.top_p is None else max(req.top_p, 1e-6),
-        top_k=max(0, req.top_k or 0),
-        min_p=req.min_p or 0.0,
+        top_p=max(_given(req.top_p, d.top_p, 1.0), 1e-6),
+        top_k=max(0, int(_given(req.top_k, d.top_k, 0))),
+        min_p=_given(req.min_p, d.min_p, 0.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
+        repetition_penalty=_given(req.repetition_penalty, d.repetition_penalty, 1.0),
         logit_bias=_logit_bias(req.logit_bias, vocab_size),
         seed=seed,
         max_tokens=max_tokens,
@@ -68,10 +86,14 @@ def sampling_params(
 
 
 def candidate_params(
-    req: SamplingFields, max_tokens: int | None, vocab_size: int, n: int
+    req: SamplingFields,
+    max_tokens: int | None,
+    vocab_size: int,
+    n: int,
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> list[SamplingParams]:
     """Sampling for each of `n` candidates: candidate i samples with seed + i."""
-    first = sampling_params(req, max_tokens, vocab_size, req.seed)
+    first = sampling_params(req, max_tokens, vocab_size, req.seed, defaults)
     if req.seed is None:
         return [first] * n
     return [dataclasses.replace(first, seed=req.seed + i) for i in range(n)]
