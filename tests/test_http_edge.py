@@ -136,7 +136,7 @@ def test_https_with_a_self_signed_certificate(tiny: LoadedModel, tmp_path: Path)
     ],
 )
 def test_tls_flags_that_do_not_go_together(
-    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str], kept_logging: None
 ) -> None:
     assert main(["serve", *flags]) == 2
     assert says in capsys.readouterr().err

@@ -78,22 +78,13 @@ def test_without_a_header_each_request_gets_its_own(served: tuple[str, list[str]
 
 
 def test_json_logs_carry_the_access_fields_and_the_request_id(
-    served: tuple[str, list[str]], capsys: pytest.CaptureFixture[str]
+    served: tuple[str, list[str]], capsys: pytest.CaptureFixture[str], kept_logging: None
 ) -> None:
     url, _ = served
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
     configure_logging("info", "json")
-    try:
-        r = httpx.post(f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "trace-42"})
-        assert r.status_code == 200
-        logging.getLogger("probserve.test").info("outside any request")
-    finally:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-        for h in handlers:
-            root.addHandler(h)
-        root.setLevel(level)
+    r = httpx.post(f"{url}/v1/completions", json=BODY, headers={"X-Request-Id": "trace-42"})
+    assert r.status_code == 200
+    logging.getLogger("probserve.test").info("outside any request")
     lines = [
         json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")
     ]
