@@ -168,3 +168,23 @@ def test_sse_keepalive_comments_through_silence() -> None:
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
 
     asyncio.run(leave_early())
+
+
+def test_a_busy_port_fails_before_any_model_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], kept_logging: None
+) -> None:
+    import socket
+
+    import probserve.serving
+
+    def no_load(*_: object) -> None:
+        raise AssertionError("the models were loaded before the port was bound")
+
+    monkeypatch.setattr(probserve.serving, "build_state", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "in use" in err

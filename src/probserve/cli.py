@@ -231,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     from probserve.api.errors import APIError
+    from probserve.api.http_server import ListenError
 
     try:
         return int(args.func(args) or 0)
-    except (ModelLoadError, APIError, EngineDead, UsageError) as exc:
+    except (ModelLoadError, APIError, EngineDead, UsageError, ListenError) as exc:
         print(f"probserve: error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from probserve.api.app import create_app
-from probserve.api.http_server import DrainingServer, uvicorn_config
+from probserve.api.http_server import DrainingServer, listening_socket, uvicorn_config
 from probserve.api.limits import HttpLimits, Limits
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.api.supervisor import Supervisor
@@ -335,7 +335,13 @@ def build_state(
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
     the server: never a live socket in front of a dead engine)."""
-    state, supervisor = build_state(args)
+    flags = from_args(ServeFlags, args)
+    sock = listening_socket(flags.host, flags.port)  # before the load: a busy port fails now
+    try:
+        state, supervisor = build_state(args)
+    except BaseException:
+        sock.close()
+        raise
     if "torch" in sys.modules and all(isinstance(m.engine, WorkerEngine) for m in state.models):
         # the models run in workers, so this process should not have loaded torch (see
         # probserve.engine); where a library did, its threads must not compete with theirs
@@ -344,9 +350,10 @@ def run_server(args: argparse.Namespace) -> int:
         torch.set_num_threads(1)
     app = create_app(state)
     names = ", ".join(m.name for m in state.models)
-    flags, http = from_args(ServeFlags, args), state.config.http
+    http = state.config.http
     scheme = "https" if flags.ssl_certfile else "http"
-    log.info("serving %s on %s://%s:%d/v1", names, scheme, flags.host, flags.port)
+    base = f"{scheme}://{flags.host}:{flags.port}"
+    log.info("serving %s on %s/v1 (playground: %s/playground)", names, base, base)
     config = uvicorn_config(
         app, http, flags.host, flags.port, flags.ssl_keyfile, flags.ssl_certfile
     )
@@ -358,7 +365,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     supervisor.on_gone = every_engine_died
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         supervisor.close()
+        sock.close()
     return 1 if all(m.health()[0] == "dead" for m in state.models) else 0

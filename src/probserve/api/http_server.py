@@ -20,6 +20,28 @@ from probserve.api.limits import HttpLimits
 log = logging.getLogger(__name__)
 
 
+class ListenError(RuntimeError):
+    """The server's address cannot be listened on (in use, not this machine's, no permission)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening before any model loads, so a busy port fails
+    at once instead of after the load; connections made while the models load wait in its
+    backlog. (uvicorn binds the same way: SO_REUSEADDR, which never shares a port another
+    socket listens on.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 def uvicorn_config(
     app: FastAPI,
     limits: HttpLimits,
