@@ -12,6 +12,7 @@ import pytest
 
 from probserve.api.plans.sampling import sampling_params
 from probserve.api.protocol import CompletionRequest
+from probserve.engine import SamplingParams
 from probserve.models import ModelLoadError, ModelSource, load_model
 from probserve.models.generation_config import SamplingDefaults, sampling_defaults
 
@@ -35,39 +36,22 @@ def test_the_files_sampling_values(tmp_path: Path) -> None:
     assert sampling_defaults(ModelSource(str(tmp_path / "empty")), "auto") == SamplingDefaults()
 
 
+def _values(p: SamplingParams) -> tuple[float, ...]:
+    return (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty)
+
+
 def test_a_request_keeps_what_it_sets() -> None:
     defaults = SamplingDefaults(
         temperature=0.0, top_p=0.5, top_k=7, min_p=0.1, repetition_penalty=1.2
     )
     left_out = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
-    p = sampling_params(left_out, 4, 100, None, defaults)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
-        0.0,
-        0.5,
-        7,
-        0.1,
-        1.2,
-    )
+    assert _values(sampling_params(left_out, 4, 100, None, defaults)) == (0.0, 0.5, 7, 0.1, 1.2)
     given = CompletionRequest.model_validate(
         {"model": "m", "prompt": "x", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
          "repetition_penalty": 1.0}
     )  # fmt: skip
-    p = sampling_params(given, 4, 100, None, defaults)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
-        1.0,
-        1.0,
-        0,
-        0.0,
-        1.0,
-    )
-    p = sampling_params(left_out, 4, 100, None)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
-        1.0,
-        1.0,
-        0,
-        0.0,
-        1.0,
-    )
+    assert _values(sampling_params(given, 4, 100, None, defaults)) == (1.0, 1.0, 0, 0.0, 1.0)
+    assert _values(sampling_params(left_out, 4, 100, None)) == (1.0, 1.0, 0, 0.0, 1.0)
 
 
 @pytest.mark.parametrize("choice", ["auto", "none"])
