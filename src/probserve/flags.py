@@ -209,20 +209,17 @@ def presets(
     repeatable flag too: argv's items replace the presets', never add to them). A key of the
     file that is no flag is a PresetError; other PROBSERVE_ variables are not flags and are
     left alone."""
-    fields: dict[str, tuple[Any, dataclasses.Field[Any]]] = {}
+    fields: dict[str, Any] = {}  # field name -> its type
+    spellings: dict[str, str] = {}  # --flag, --no-flag and the aliases' -> field name
     for cls in classes:
         hints = typing.get_type_hints(cls)
         for f in _flags(cls):
-            if not f.metadata.get("positional"):
-                fields[f.name] = (hints[f.name], f)
-    given = set()
-    for token in argv:
-        if token.startswith("--"):
-            name = token[2:].split("=", 1)[0].replace("-", "_")
-            given.add(name[3:] if name.startswith("no_") and name[3:] in fields else name)
-            for key, (_, f) in fields.items():  # an alias's spelling
-                if "--" + token[2:].split("=", 1)[0] in f.metadata.get("aliases", ()):
-                    given.add(key)
+            if f.metadata.get("positional"):
+                continue
+            fields[f.name] = hints[f.name]
+            for flag in (_flag(f.name), *f.metadata.get("aliases", ())):
+                spellings[flag] = spellings["--no-" + flag[2:]] = f.name
+    given = {spellings[t.split("=", 1)[0]] for t in argv if t.split("=", 1)[0] in spellings}
     chosen: dict[str, tuple[Any, str]] = {}
     for key, value in (file_values or {}).items():
         name = str(key).lstrip("-").replace("-", "_")
@@ -236,5 +233,5 @@ def presets(
     out: list[str] = []
     for name, (value, where) in chosen.items():
         if name not in given:
-            out += _tokens(name, fields[name][0], value, where)
+            out += _tokens(name, fields[name], value, where)
     return out
