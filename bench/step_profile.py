@@ -6,6 +6,7 @@ else (Python, torch's small operations, OpenMP's waits).
     .venv/bin/python bench/step_profile.py                      # the embedded model, one stream
     .venv/bin/python bench/step_profile.py --model tinyshape-q4_0.gguf --streams 1 16
     .venv/bin/python bench/step_profile.py --op-by-op           # the layers called from Python
+    .venv/bin/python bench/step_profile.py --scoring 8          # echo scoring, 8 prompts in flight
 
 Needs `perf` (linux-perf); run alone on the machine (see docs/benchmarks.md).
 """
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 GROUPS = [
@@ -66,9 +68,15 @@ def shares(out: str, show: int = 0) -> dict[str, float]:
     return {group: value / total for group, value in share.items()}
 
 
-def steps_while_recorded(core: Any, seconds: float, out: str | None) -> tuple[int, float]:
+def steps_while_recorded(
+    core: Any,
+    seconds: float,
+    out: str | None,
+    after_step: Callable[[list[Any]], None] | None = None,
+) -> tuple[int, float]:
     """Steps `core` while perf records this process into `out` (after a second for perf to
-    attach; None: for `seconds`, unrecorded): (steps, seconds they took)."""
+    attach; None: for `seconds`, unrecorded), handing each step's outputs to `after_step`:
+    (steps, seconds they took)."""
     done = threading.Event()
 
     def sample() -> None:
@@ -83,7 +91,9 @@ def steps_while_recorded(core: Any, seconds: float, out: str | None) -> tuple[in
     time.sleep(1.0)
     steps, start = 0, time.perf_counter()
     while not done.is_set():
-        core.step()
+        outputs = core.step()
+        if after_step is not None:
+            after_step(outputs)
         steps += 1
     elapsed = time.perf_counter() - start
     thread.join()
@@ -99,6 +109,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="print the N largest symbols")
     ap.add_argument("--no-perf", action="store_true", help="step times only, unsampled")
     ap.add_argument("--block-sums", action="store_true", help="the block-sum products")
+    ap.add_argument(
+        "--scoring", type=int, default=0, metavar="IN_FLIGHT",
+        help="profile echo scoring instead: unrelated 100-token prompts, this many in flight",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import torch
@@ -121,6 +135,9 @@ def main() -> None:
         )
     prompt = tuple(range(1000, 1100))
     print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")
+    if args.scoring:
+        profile_scoring(core, args.scoring, args.seconds, args.no_perf, args.top)
+        return
     for streams in args.streams:
         for i in range(streams):
             core.add_request(
@@ -151,6 +168,50 @@ def main() -> None:
             f"{streams:>3} streams: {elapsed / steps * 1e3:.2f} ms a step "
             f"({streams * steps / elapsed:.1f} tok/s); {text}"
         )
+
+
+def profile_scoring(core: Any, in_flight: int, seconds: float, no_perf: bool, top: int) -> None:
+    """Echo scoring as lm-evaluation-harness sends it (max_tokens 0, every prompt token's
+    logprob and rank): unrelated random 100-token prompts (no shared prefix), `in_flight` at a
+    time, each finished one replaced by a new one; ms per scored token and the profile."""
+    import random
+
+    from probserve.engine import EngineRequest, SamplingParams
+    from probserve.engine.types import LogprobsSpec
+
+    rng = random.Random(0)
+    scored = 0
+    count = 0
+
+    def submit() -> None:
+        nonlocal count
+        count += 1
+        ids = tuple(rng.randrange(1000, 40000) for _ in range(100))
+        core.add_request(
+            EngineRequest(
+                f"score-{count}", ids, SamplingParams(max_tokens=0), LogprobsSpec(prompt_top_k=0)
+            )
+        )
+
+    def after_step(outputs: list[Any]) -> None:
+        nonlocal scored
+        for out in outputs:
+            if out.finished:
+                scored += 99
+                submit()
+
+    for _ in range(in_flight):
+        submit()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "score.perf")
+        scored = 0
+        _, elapsed = steps_while_recorded(core, seconds, None if no_perf else out, after_step)
+        result = {} if no_perf else shares(out, top)
+    text = ", ".join(f"{k} {v:.0%}" for k, v in sorted(result.items(), key=lambda kv: -kv[1]))
+    print(
+        f"scoring, {in_flight} in flight: {elapsed / scored * 1e3:.3f} ms a scored token "
+        f"({scored / elapsed:.1f} prompt tok/s); {text}"
+    )
 
 
 if __name__ == "__main__":
