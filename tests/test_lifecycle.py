@@ -94,6 +94,44 @@ def test_sigterm_to_the_process_group_drains_restarts_nothing_and_leaves_nothing
         assert "restart" not in text and "died" not in text and "unexpectedly" not in text, text
 
 
+def test_health_says_loading_until_ready_and_a_sigterm_while_loading_ends_the_server(tmp_path):
+    """The port answers from the start: 503 "loading" on /health, 503 in the error envelope
+    elsewhere; a SIGTERM then stops the server (exit 0) and its half-started worker."""
+    with server_session(tmp_path) as (proc, url, log):
+        first: list[httpx.Response] = []
+
+        def answered() -> bool:
+            try:
+                first.append(httpx.get(f"{url}/health", timeout=2))
+            except httpx.HTTPError:
+                return proc.poll() is not None
+            return True
+
+        assert wait_until(answered, 60) and first, log.read_text()
+        # the worker imports torch and loads for seconds: the first answer comes before that
+        assert first[0].status_code == 503, first[0].text
+        assert first[0].json()["status"] == "loading"
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["code"] == "loading", r.text
+        assert wait_until(lambda: children(proc.pid), 60), log.read_text()
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert wait_until(lambda: not session_members(proc.pid), 15), session_members(proc.pid)
+        assert "stopped while the models were loading" in log.read_text()
+
+
+def test_health_turns_ok_once_loaded_and_the_ready_line_names_the_urls(tmp_path):
+    with server_session(tmp_path) as (proc, url, log):
+        assert wait_until(lambda: healthy(url) or proc.poll() is not None, 300), log.read_text()
+        text = log.read_text()
+        assert "/health says loading until the models are ready" in text
+        assert f"on {url}/v1 (playground: {url}/playground)" in text
+        assert "warming up" in text and "done in" in text, text
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
 # the stages of a worker's start, each told by what the test can see
 STAGES = {
     "spawn": lambda proc, url, log: children(proc.pid),  # the process exists, nothing more

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any, Literal
 from probserve.api.app import create_app
 from probserve.api.http_server import DrainingServer, listening_socket, uvicorn_config
 from probserve.api.limits import HttpLimits, Limits
+from probserve.api.loading import LoadingApp
 from probserve.api.state import ServedModel, ServerConfig, ServerState
 from probserve.api.supervisor import Supervisor
 from probserve.engine import (
@@ -332,41 +334,100 @@ def build_state(
     return state, supervisor
 
 
+class Loader:
+    """The models loaded on a thread of their own while the server already answers (`/health`
+    503 "loading": api/loading.py), then the app put in. The thread lives until `close()`: a
+    worker process is killed by the kernel when the thread that started it ends
+    (PR_SET_PDEATHSIG), so it must outlive the server's drain."""
+
+    def __init__(self, args: argparse.Namespace, front: LoadingApp) -> None:
+        self.args, self.front = args, front
+        self.state: ServerState | None = None
+        self.supervisor: Supervisor | None = None
+        self.error: BaseException | None = None
+        self.on_done: Callable[[], None] = lambda: None  # told when the load ends, either way
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probserve-load", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            state, supervisor = build_state(self.args)
+        except BaseException as exc:  # the command's error, raised again once the server stops
+            self.error = exc
+            self.on_done()
+            return
+        self.state, self.supervisor = state, supervisor
+        if "torch" in sys.modules and all(isinstance(m.engine, WorkerEngine) for m in state.models):
+            # the models run in workers, so this process should not have loaded torch (see
+            # probserve.engine); where a library did, its threads must not compete with theirs
+            import torch
+
+            torch.set_num_threads(1)
+        self.front.ready(create_app(state))
+        self.on_done()
+        self._closed.wait()
+
+    def shutting_down(self) -> None:
+        """The server begins to shut down: an engine's exit from now on is no crash."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+    def close(self) -> None:
+        """The engines stopped, then the supervisor and the thread ended."""
+        if self.state is not None:
+            for m in self.state.models:
+                m.engine.stop()
+        if self.supervisor is not None:
+            self.supervisor.close()
+        self._closed.set()
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serve until SIGTERM (exit 0), or until the engine dies (exit 1, so a supervisor restarts
-    the server: never a live socket in front of a dead engine)."""
+    the server: never a live socket in front of a dead engine). The port is served from the
+    start, `/health` saying "loading" until every model has loaded; a load that fails stops
+    the server and raises its error."""
     flags = from_args(ServeFlags, args)
+    http = from_args(HttpLimits, args)
     sock = listening_socket(flags.host, flags.port)  # before the load: a busy port fails now
-    try:
-        state, supervisor = build_state(args)
-    except BaseException:
-        sock.close()
-        raise
-    if "torch" in sys.modules and all(isinstance(m.engine, WorkerEngine) for m in state.models):
-        # the models run in workers, so this process should not have loaded torch (see
-        # probserve.engine); where a library did, its threads must not compete with theirs
-        import torch
-
-        torch.set_num_threads(1)
-    app = create_app(state)
-    names = ", ".join(m.name for m in state.models)
-    http = state.config.http
+    front = LoadingApp()
     scheme = "https" if flags.ssl_certfile else "http"
     base = f"{scheme}://{flags.host}:{flags.port}"
-    log.info("serving %s on %s/v1 (playground: %s/playground)", names, base, base)
     config = uvicorn_config(
-        app, http, flags.host, flags.port, flags.ssl_keyfile, flags.ssl_certfile
+        front, http, flags.host, flags.port, flags.ssl_keyfile, flags.ssl_certfile
     )
-    server = DrainingServer(config, http.drain_timeout, supervisor.stop)
+    loader = Loader(args, front)
+    server = DrainingServer(config, http.drain_timeout, loader.shutting_down)
 
-    def every_engine_died(reason: str) -> None:
-        log.critical("shutting down: no model can serve (%s)", reason)
-        server.should_exit = True
+    def loaded() -> None:
+        if loader.error is not None or loader.state is None:
+            server.should_exit = True
+            return
+        state, supervisor = loader.state, loader.supervisor
+        assert supervisor is not None
+        names = ", ".join(m.name for m in state.models)
+        log.info("serving %s on %s/v1 (playground: %s/playground)", names, base, base)
 
-    supervisor.on_gone = every_engine_died
+        def every_engine_died(reason: str) -> None:
+            log.critical("shutting down: no model can serve (%s)", reason)
+            server.should_exit = True
+
+        supervisor.on_gone = every_engine_died
+
+    loader.on_done = loaded
+    log.info("listening on %s (/health says loading until the models are ready)", base)
+    loader.start()
     try:
         server.run(sockets=[sock])
     finally:
-        supervisor.close()
+        loader.close()
         sock.close()
-    return 1 if all(m.health()[0] == "dead" for m in state.models) else 0
+    if loader.error is not None:
+        raise loader.error
+    if loader.state is None:
+        log.warning("stopped while the models were loading")
+        return 0
+    return 1 if all(m.health()[0] == "dead" for m in loader.state.models) else 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from probserve.api.connections import guarded_protocol
 from probserve.api.limits import HttpLimits
@@ -43,7 +43,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def uvicorn_config(
-    app: FastAPI,
+    app: ASGIApp,
     limits: HttpLimits,
     host: str,
     port: int,
