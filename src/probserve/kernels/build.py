@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -26,6 +27,9 @@ from pathlib import Path
 import torch  # noqa: F401  (loads torch's OpenMP runtime before ours binds to one)
 
 from probserve.cache_dir import cache_root
+from probserve.progress import Stage
+
+log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp", HERE / "layer.cpp")  # one library
@@ -101,8 +105,32 @@ def library_path(cxx: str) -> Path:
     return cache_root() / "kernels" / f"invariant-{key[:16]}.so"
 
 
+# the instruction sets simd.h needs (AVX-512 F alone also does, where these are all there)
+NEEDED = ("avx2", "fma", "f16c")
+
+
+def unsupported_host() -> str | None:
+    """Why the kernels cannot build on this machine (one line), or None where they can: they
+    are x86-64 Linux code (AVX2, FMA and F16C, or AVX-512)."""
+    if not sys.platform.startswith("linux"):
+        return f"probserve's C++ kernels build on x86-64 Linux only (this is {platform.system()})"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"probserve's C++ kernels need an x86-64 CPU (this is {platform.machine()})"
+    flags = set(_cpu_features().split())
+    missing = [f for f in NEEDED if f not in flags]
+    if missing and "avx512f" not in flags:
+        return (
+            "probserve's C++ kernels need a CPU with AVX2, FMA and F16C, or AVX-512 (this one "
+            f"lacks {', '.join(m.upper() for m in missing)})"
+        )
+    return None
+
+
 def build() -> Path:
     """The compiled library's path, building it if this machine has none cached."""
+    why = unsupported_host()
+    if why is not None:
+        raise KernelBuildError(why)
     cxx = compiler()
     path = library_path(cxx)
     if path.exists():
@@ -110,13 +138,15 @@ def build() -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
+    what = f"building the C++ kernels for this CPU with {Path(cxx).name}"
     try:
-        done = subprocess.run(
-            [cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        with Stage(log, what, once=f"kept in {path.parent} for this CPU and compiler"):
+            done = subprocess.run(
+                [cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         if done.returncode != 0:
             names = ", ".join(f.name for f in SOURCES)
             raise KernelBuildError(f"building {names} with {cxx} failed:\n{done.stderr}")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from probserve.cache_dir import cache_root
+from probserve.progress import Stage
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,8 @@ def written(target: Path, write: Callable[[Path], None], what: str) -> Path | No
         log.warning("model cache %s is not writable (%s)", target, exc)
         return None
     try:
-        log.info("writing %s once into %s", what, target)
-        write(tmp)
+        with Stage(log, f"writing {what}", once=f"kept in {target} for later starts"):
+            write(tmp)
         (tmp / _DONE).touch()
         try:
             tmp.rename(target)

@@ -17,7 +17,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 
 from probserve.kernels.qlayout import FORMATS
 from probserve.models.gguf_once import release_pages
+from probserve.progress import Stage
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,13 @@ def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     if not cache.is_file():
         weights = read_weights(path, skeleton)
         tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+        size = Path(path).stat().st_size / 2**20
         try:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            _write_cache(weights, tmp)
+            what = f"caching the weight blocks of {Path(path).name}"
+            once = f"later starts read {cache}"
+            with Stage(log, what, once, total=size, unit="MiB") as stage:
+                _write_cache(weights, tmp, lambda n: stage.advance(n / 2**20))
             os.replace(tmp, cache)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -136,7 +141,9 @@ def load_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
 _NP_TO_ST = {"uint8": "U8", "float16": "F16", "float32": "F32", "int8": "I8", "int16": "I16"}
 
 
-def _write_cache(weights: dict[str, Weight], path: Path) -> None:
+def _write_cache(
+    weights: dict[str, Weight], path: Path, written: Callable[[int], None] | None = None
+) -> None:
     """The weights as a safetensors file, written a tensor at a time (safetensors' own writer
     holds a copy of every tensor's bytes at once: the file's size again in memory). Blocks carry
     their format and row length in the header's metadata; a tied twin is stored once."""
@@ -168,6 +175,8 @@ def _write_cache(weights: dict[str, Weight], path: Path) -> None:
         f.write(text)
         for array in arrays.values():
             f.write(np.ascontiguousarray(array).data)
+            if written is not None:
+                written(array.nbytes)
 
 
 def _from_cache(cache: Path, skeleton: Any) -> dict[str, Weight]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from probserve.engine.config import EngineConfig
 from probserve.engine.core.engine import EngineCore
 from probserve.models.loader import ModelSource, loaded_source, tokenizer_class
+from probserve.progress import Stage
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ def start_engine(
     threads = configure_threads(config.threads)
     source, loaded = loaded_source(spec, config.weights_to_load())
     core = EngineCore(loaded, config)
-    log.info("warming up")
-    warm(core)
+    with Stage(log, "warming up (the runner's buffers and a first request, each start)"):
+        warm(core)
     core.runner.release_source_weights()
     tokenizer = tokenizer_class(loaded.tokenizer)
     loaded.model = loaded.weights = None
