@@ -19,8 +19,11 @@ step() { echo "== wheel check: $*"; }
 step "building the wheel"
 "$PY" -m pip wheel -q --no-deps -w "$work/dist" "$here"
 wheel=$(ls "$work"/dist/probserve-*.whl)
-unzip -l "$wheel" | grep -q "probserve/kernels/simd.h" || { echo "the wheel lacks the kernels' sources"; exit 1; }
-unzip -l "$wheel" | grep -q "licenses/LICENSE" || { echo "the wheel lacks its LICENSE"; exit 1; }
+# the listing is read whole first: `unzip -l | grep -q` under pipefail fails when grep stops early
+listing=$(unzip -l "$wheel")
+grep -q "probserve/kernels/simd.h" <<<"$listing" || { echo "the wheel lacks the kernels' sources"; exit 1; }
+grep -q "dist-info/licenses/LICENSE" <<<"$listing" || {
+  echo "the wheel lacks its LICENSE; its metadata files:"; grep "dist-info/" <<<"$listing"; exit 1; }
 
 step "installing $(basename "$wheel") into a fresh venv"
 "$PY" -m venv "$work/venv"

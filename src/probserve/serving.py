@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from probserve.api.app import create_app
+from probserve.api.connections import HttpParser
 from probserve.api.http_server import DrainingServer, listening_socket, uvicorn_config
 from probserve.api.limits import HttpLimits, Limits
 from probserve.api.loading import LoadingApp
@@ -98,6 +99,12 @@ class ServeFlags:
         None,
         "serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)",
         metavar="FILE",
+        group="server",
+    )
+    http_parser: HttpParser = setting(
+        "auto",
+        "the HTTP/1.1 parser: httptools (C) where it is installed, else h11 (pure Python); "
+        "either has the header deadline (--header-timeout)",
         group="server",
     )
     log_level: Literal["debug", "info", "warning", "error", "critical"] = setting(
@@ -397,7 +404,13 @@ def run_server(args: argparse.Namespace) -> int:
     scheme = "https" if flags.ssl_certfile else "http"
     base = f"{scheme}://{flags.host}:{flags.port}"
     config = uvicorn_config(
-        front, http, flags.host, flags.port, flags.ssl_keyfile, flags.ssl_certfile
+        front,
+        http,
+        flags.host,
+        flags.port,
+        flags.ssl_keyfile,
+        flags.ssl_certfile,
+        flags.http_parser,
     )
     loader = Loader(args, front)
     server = DrainingServer(config, http.drain_timeout, loader.shutting_down)

@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from probserve.api.connections import guarded_protocol
+from probserve.api.connections import HttpParser, guarded_protocol
 from probserve.api.limits import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,17 @@ def uvicorn_config(
     port: int,
     ssl_keyfile: str | None = None,
     ssl_certfile: str | None = None,
+    parser: HttpParser = "auto",
 ) -> uvicorn.Config:
-    """uvicorn for probserve: header deadline, bounded connections, our own access log; HTTPS
-    where a key and certificate are given."""
+    """uvicorn for probserve: `parser`'s protocol with the header deadline, bounded
+    connections, our own access log; HTTPS where a key and certificate are given."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         ssl_keyfile=ssl_keyfile,
         ssl_certfile=ssl_certfile,
-        http=guarded_protocol(limits.header_timeout),
+        http=guarded_protocol(limits.header_timeout, parser),
         limit_concurrency=limits.max_connections,
         log_level="warning",
         access_log=False,
