@@ -418,7 +418,7 @@ def test_a_hung_up_stream_is_logged_and_counted(served, c: httpx.Client, caplog,
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
-            if line.startswith("probserve:http_requests_total{") and 'status="499"' in line
+            if line.startswith("http_requests_total{") and 'status="499"' in line
         )
 
     before = count()

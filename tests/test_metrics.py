@@ -85,9 +85,93 @@ def test_metrics_count_what_was_served(smol: LoadedModel):
     hits = _get(s, "vllm:prefix_cache_hits_total")
     assert queries >= prompt_tokens - 1 and 0 < hits < queries  # the long prompt came back
     assert _get(s, "vllm:num_preemptions_total") == 0
-    http = "probserve:http_requests_total"
-    assert s[(http, (("route", "/v1/completions"), ("status", "200")))] == 4
-    assert s[(http, (("route", "/v1/completions"), ("status", "400")))] == 1
+    http = "http_requests_total"
+    post = (("handler", "/v1/completions"), ("method", "POST"))
+    assert s[(http, (*post, ("status", "200")))] == 4
+    assert s[(http, (*post, ("status", "400")))] == 1
+    assert s[("http_request_duration_seconds_count", post)] == 5
+    # per-request token histograms: one prompt figure a request, one generation figure a
+    # sequence, the request's longest sequence once a request
+    requests = len(bodies) + 1
+    assert _get(s, "vllm:request_prompt_tokens_count") == requests
+    assert _get(s, "vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert _get(s, "vllm:request_generation_tokens_count") == candidates
+    assert _get(s, "vllm:request_generation_tokens_sum") == completion_tokens
+    assert _get(s, "vllm:request_max_num_generation_tokens_count") == requests
+    assert _get(s, "vllm:request_max_num_generation_tokens_sum") == 5 + 3 + 0 + 4 + 5
+    # prefill / decode / inference time: one each a scheduled sequence (decode: a producing one)
+    assert _get(s, "vllm:request_prefill_time_seconds_count") == candidates
+    assert _get(s, "vllm:request_inference_time_seconds_count") == candidates
+    assert _get(s, "vllm:request_decode_time_seconds_count") == producing
+    assert _get(s, "vllm:time_per_output_token_seconds_count") == itl
+    # every step counted, each with at least one token
+    steps = _get(s, "vllm:iteration_tokens_total_count")
+    assert steps >= completion_tokens - producing
+    assert _get(s, "vllm:iteration_tokens_total_sum") >= steps
+    assert _get(s, "vllm:iteration_tokens_total_bucket", le="+Inf") == steps
+    assert _get(s, "vllm:iteration_tokens_total_bucket", le="1.0") <= steps
+    # the cache's configuration, the engine worker's process and this one's
+    info = [k for k in s if k[0] == "vllm:cache_config_info"]
+    assert len(info) == 1 and dict(info[0][1])["block_size"] == "16", info
+    assert _get(s, "probserve:engine_resident_memory_bytes") > 100e6  # torch and the weights
+    assert _get(s, "probserve:engine_cpu_seconds_total") > 0
+    assert s[("process_resident_memory_bytes", ())] > 10e6
+    assert _get(s, "vllm:gpu_cache_usage_perc") == _get(s, "vllm:kv_cache_usage_perc")
+
+
+# the series vLLM's Grafana dashboard reads (examples/online_serving/prometheus_grafana)
+DASHBOARD = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+)  # fmt: skip
+
+
+def test_every_series_of_vllms_grafana_dashboard_is_there(smol: LoadedModel):
+    with running_server(smol, "--kv-cache-gib", "0.25") as url:
+        body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        s = _samples(httpx.get(f"{url}/metrics").text)
+    names = {name for name, labels in s if dict(labels).get("model_name") == MODEL}
+    missing = [n for n in DASHBOARD if n not in names]
+    assert not missing, missing
+
+
+def test_cached_tokens_are_the_prefix_caches_on_every_route(smol: LoadedModel):
+    long_prompt = " ".join(f"c{i}" for i in range(120))
+    with (
+        running_server(smol, "--kv-cache-gib", "0.25") as url,
+        httpx.Client(base_url=url, timeout=120) as c,
+    ):
+
+        def cached(path: str, body: dict, field: str = "prompt_tokens_details") -> int:
+            r = c.post(path, json=body)
+            assert r.status_code == 200, r.text
+            return int(r.json()["usage"][field]["cached_tokens"])
+
+        first = cached("/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
+        again = cached("/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
+        assert first == 0 and again >= 96, (first, again)  # whole blocks of 16 found again
+        scored = cached("/v1/completions", {"prompt": long_prompt, "max_tokens": 0, "echo": True,
+                                             "logprobs": 0})  # fmt: skip
+        assert scored == again
+        chat = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 1}
+        assert cached("/v1/chat/completions", chat) == 0
+        assert cached("/v1/chat/completions", chat) >= 96
+        inputs = {"input": long_prompt, "max_output_tokens": 1}
+        assert cached("/v1/responses", inputs, "input_tokens_details") >= 0
+        assert cached("/v1/responses", inputs, "input_tokens_details") >= 96
+        # n candidates of one prompt: the prompt counted once, as it is billed once
+        fresh = {"prompt": long_prompt + " more words here", "max_tokens": 1, "n": 3}
+        assert cached("/v1/completions", fresh) == again
 
 
 def test_metrics_behind_the_key_unless_opened(smol: LoadedModel):

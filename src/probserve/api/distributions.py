@@ -61,8 +61,9 @@ async def distributions(
         dtype = np.float16 if body.dtype == "float16" else np.float32
         array = await off_loop(_contiguous, rows, dtype)  # a float16 copy is 25M values
         response = _answer(
-            request, body, model, ids, positions, array, release_once(budget, len(positions))
-        )
+            request, body, model, ids, positions, array, release_once(budget, len(positions)),
+            run.cached_tokens,
+        )  # fmt: skip
         response.send_timeout = state.config.http.send_timeout
         return response
     except BaseException:
@@ -160,6 +161,7 @@ def _answer(
     positions: list[int],
     array: np.ndarray,
     release: Callable[[], None],
+    cached_tokens: int = 0,
 ) -> RowsResponse:
     shape = [int(array.shape[0]), int(array.shape[1])]
     data = array.data.cast("B")  # array.data: memoryview(array)
@@ -181,7 +183,7 @@ def _answer(
         shape=shape,
         dtype=body.dtype,
         data="",
-        usage=Usage.of(len(ids), 0),
+        usage=Usage.of(len(ids), 0, cached_tokens),
     )
     # the JSON around the data: `data` is the last field before `usage`, whose values are
     # numbers, so its last occurrence is the field itself

@@ -58,6 +58,7 @@ class Candidate:
     # for metrics: when each output with tokens arrived, and the engine's queue time
     token_times: list[float] = field(default_factory=list)
     queue_time: float | None = None
+    cached_tokens: int | None = None  # of its prompt, found in the prefix cache
 
     @property
     def mean_logprob(self) -> float:
@@ -74,6 +75,8 @@ class Candidate:
                     self.token_times.append(time.monotonic())
                 if self.queue_time is None:
                     self.queue_time = out.queue_time
+                if self.cached_tokens is None:
+                    self.cached_tokens = out.cached_tokens
                 for j, tid in enumerate(out.new_token_ids):
                     hidden = out.finish_reason == FinishReason.STOP and j == n - 1
                     self.text.add(tid, out.logprobs, j, hidden=hidden)

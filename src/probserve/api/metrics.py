@@ -1,12 +1,15 @@
 """Prometheus metrics under vLLM's names, so routers and dashboards built for vLLM work as they
 are: `GET /metrics` in the text exposition format.
 
-Request-level figures (tokens, finish reasons, time to first token, inter-token latency,
-end-to-end latency, queue time) are observed by each `Run` when it ends, from the engine's
-outputs; engine-level ones (running and waiting requests, KV cache usage, prefix cache queries
-and hits, preemptions) are read from the engine's stats at scrape time. Both come from the
-engine's protocol, so they stay right wherever the engine runs. Each app has its own registry:
-no module-level state.
+Request-level figures (tokens and tokens per request, finish reasons, time to first token,
+inter-token latency, end-to-end, queue, prefill, decode and inference time) are observed by
+each `Run` when it ends, from the engine's outputs; engine-level ones (running and waiting
+requests, KV cache usage, prefix cache queries and hits, preemptions, tokens per step, the
+engine process's memory and CPU, the cache's configuration) are read from the engine's stats
+and info at scrape time. Both come from the engine's protocol, so they stay right wherever the
+engine runs. HTTP requests are counted and timed under the usual `http_requests_total` and
+`http_request_duration_seconds`, and this process's own `process_*` figures are there too.
+Each app has its own registry: no module-level state.
 """
 
 from __future__ import annotations
@@ -16,9 +19,23 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from probserve.engine.usage import BUCKET_KEY, ITERATION_BUCKETS
 
 
 class Served(Protocol):
@@ -28,7 +45,10 @@ class Served(Protocol):
     def name(self) -> str: ...
 
     @property
-    def engine(self) -> Any: ...  # its EngineClient: `stats()`
+    def engine(self) -> Any: ...  # its EngineClient: `stats()`, `info`
+
+    @property
+    def context_length(self) -> int: ...
 
 
 class Finished(Protocol):
@@ -43,6 +63,9 @@ class Finished(Protocol):
     @property
     def token_times(self) -> Sequence[float]: ...
 
+    @property
+    def num_tokens(self) -> int: ...
+
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -52,13 +75,35 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0, 300.0)  # fmt: skip
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def token_buckets(most: int) -> tuple[float, ...]:
+    """vLLM's 1-2-5 buckets for token counts, up to a model's context (build_1_2_5_buckets)."""
+    out: list[float] = []
+    for exponent in itertools.count():
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > most:
+                return tuple(out)
+            out.append(float(value))
+    raise AssertionError("unreachable")
 
 
 GAUGES = (
     ("vllm:num_requests_running", "Sequences in the running batch.", "running"),
     ("vllm:num_requests_waiting", "Sequences waiting to run.", "waiting"),
     ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", "kv_cache_usage"),
+    # the older name, which vLLM's own Grafana dashboard still reads
+    ("vllm:gpu_cache_usage_perc", "KV cache usage (1 = full; the older name).", "kv_cache_usage"),
+    (
+        "probserve:engine_resident_memory_bytes",
+        "Resident memory of the engine's process.",
+        "process_resident_memory_bytes",
+    ),
     (
         "probserve:kv_cache_resident_perc",
         "Part of the KV cache's reserved memory ever written, so resident (1 = all of it).",
@@ -70,6 +115,8 @@ COUNTERS = (
      "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("vllm:num_preemptions", "Sequences preempted (recomputed later).", "preemptions"),
+    ("probserve:engine_cpu_seconds", "CPU time the engine's process has used.",
+     "process_cpu_seconds"),
 )  # fmt: skip
 
 
@@ -86,14 +133,44 @@ class _EngineCollector(Collector):
             for name, doc, key in kinds:
                 metric = family(name, doc, labels=["model_name"])
                 for model, s in stats:
-                    metric.add_metric([model], float(s[key]))
+                    metric.add_metric([model], float(s.get(key, 0.0)))
                 yield metric
+        steps = HistogramMetricFamily(
+            "vllm:iteration_tokens_total", "Tokens computed per engine step.",
+            labels=["model_name"],
+        )  # fmt: skip
+        for model, s in stats:
+            buckets = [(str(float(b)), s.get(f"{BUCKET_KEY}{b}", 0.0)) for b in ITERATION_BUCKETS]
+            steps.add_metric(
+                [model],
+                [*buckets, ("+Inf", s.get("iteration_tokens_count", 0.0))],
+                s.get("iteration_tokens_sum", 0.0),
+            )
+        yield steps
+        config = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache's configuration (the labels; value 1).",
+            labels=["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype",
+                    "enable_prefix_caching"],
+        )  # fmt: skip
+        for m in self.models:
+            info = getattr(m.engine, "info", None)
+            if info is None:
+                continue
+            block = info.block_size or 1
+            config.add_metric(
+                [m.name, str(info.block_size), str(info.kv_cache_tokens // block), "0",
+                 "float32", str(info.prefix_caching)],
+                1.0,
+            )  # fmt: skip
+        yield config
 
 
 class Metrics:
     def __init__(self, models: Sequence[Served]) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # this (the API) process: process_resident_memory_bytes...
+        PlatformCollector(registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens.", m, registry=r)
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generated tokens.", m, registry=r
@@ -117,9 +194,45 @@ class Metrics:
         self.queue = histogram(
             "vllm:request_queue_time_seconds", "Time before first scheduled.", REQUEST_BUCKETS
         )
+        most = max((mod.context_length for mod in models), default=1)
+        tokens = token_buckets(max(1, most))
+        self.request_prompt = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each request.", tokens
+        )
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each sequence.", tokens
+        )
+        self.request_max_generation = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The most tokens any sequence of a request generated.", tokens,
+        )  # fmt: skip
+        self.tpot = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time between tokens (the older name of inter_token_latency).", ITL_BUCKETS,
+        )  # fmt: skip
+        self.request_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Each sequence's decode time over its tokens after the first.", ITL_BUCKETS,
+        )  # fmt: skip
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "From first scheduled to the first token (the prompt's prefill).", REQUEST_BUCKETS,
+        )  # fmt: skip
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds", "From the first token to the last.",
+            REQUEST_BUCKETS,
+        )  # fmt: skip
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds", "From first scheduled to the last token.",
+            REQUEST_BUCKETS,
+        )  # fmt: skip
         self.http = Counter(
-            "probserve:http_requests", "HTTP requests by route and status.",
-            ["route", "status"], registry=r,
+            "http_requests", "HTTP requests by method, route and status.",
+            ["method", "handler", "status"], registry=r,
+        )  # fmt: skip
+        self.http_duration = Histogram(
+            "http_request_duration_seconds", "HTTP request latency (to the last byte sent).",
+            ["method", "handler"], buckets=HTTP_BUCKETS, registry=r,
         )  # fmt: skip
         self.registry.register(_EngineCollector(models))
 
@@ -132,22 +245,39 @@ class Metrics:
         started: float,
     ) -> None:
         """A request's run, when it ends (`started`: its time.monotonic() at arrival)."""
+        now = time.monotonic()
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(completion_tokens)
+        self.request_prompt.labels(name).observe(prompt_tokens)
+        most = 0
         for cand in candidates:
             reason = cand.finish_reason or "abort"
             self.request_success.labels(name, reason).inc()
+            times = cand.token_times
+            self.request_generation.labels(name).observe(cand.num_tokens)
+            most = max(most, cand.num_tokens)
             if cand.queue_time is not None:
                 self.queue.labels(name).observe(cand.queue_time)
-            times = cand.token_times
+                scheduled = started + cand.queue_time
+                # a scored prompt (no tokens): its prefill ends with its answer
+                first, last = (times[0], times[-1]) if times else (now, now)
+                self.prefill.labels(name).observe(max(0.0, first - scheduled))
+                self.inference.labels(name).observe(max(0.0, last - scheduled))
             if times:
                 self.ttft.labels(name).observe(times[0] - started)
+                self.decode.labels(name).observe(times[-1] - times[0])
+                if len(times) > 1:
+                    per = (times[-1] - times[0]) / (len(times) - 1)
+                    self.request_tpot.labels(name).observe(per)
             for a, b in itertools.pairwise(times):
                 self.itl.labels(name).observe(b - a)
-        self.e2e.labels(name).observe(max(0.0, time.monotonic() - started))
+                self.tpot.labels(name).observe(b - a)
+        self.request_max_generation.labels(name).observe(most)
+        self.e2e.labels(name).observe(max(0.0, now - started))
 
-    def observe_http(self, route: str, status: int) -> None:
-        self.http.labels(route, str(status)).inc()
+    def observe_http(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.http.labels(method, route, str(status)).inc()
+        self.http_duration.labels(method, route).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -139,6 +139,8 @@ class BodyLimitMiddleware:
 
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged for a response cut short
+# the methods counted by name in http_requests_total (any other is "other")
+HTTP_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 
 
 class AccessLogMiddleware:
@@ -148,9 +150,12 @@ class AccessLogMiddleware:
     response's X-Request-Id, kept in the request's state for its engine requests' ids, and set
     for every log line of the request."""
 
-    def __init__(self, app: ASGIApp, on_response: Callable[[str, int], None] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, on_response: Callable[[str, str, int, float], None] | None = None
+    ) -> None:
         self.app = app
-        self.on_response = on_response  # (route template, status): the HTTP request counter
+        # (method, route template, status, seconds): the HTTP requests' counter and histogram
+        self.on_response = on_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -193,13 +198,15 @@ class AccessLogMiddleware:
 
     def _log(self, scope: Scope, status: int, started: float) -> None:
         route = getattr(scope.get("route"), "path", "unmatched")
+        seconds = time.perf_counter() - started
+        method, path = escape_log(str(scope.get("method"))), escape_log(str(scope.get("path")))
         if self.on_response is not None:
-            self.on_response(route, status)
+            known = method if method in HTTP_METHODS else "other"  # no label explodes
+            self.on_response(known, route, status, seconds)
         state: Any = scope.get("state") or {}
         usage = state.get("usage") if isinstance(state, dict) else None
         tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
-        latency = (time.perf_counter() - started) * 1000
-        method, path = escape_log(str(scope.get("method"))), escape_log(str(scope.get("path")))
+        latency = seconds * 1000
         access = {  # the line's fields, each a field of its own in --log-format json
             "method": method,
             "path": path,

@@ -284,13 +284,16 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's: of the prompt tokens, those the prefix cache held (not computed again)
+    prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details={"cached_tokens": cached_tokens},
         )
 
 

@@ -188,6 +188,7 @@ class _Reply:
             usage=(
                 ResponseUsage(
                     input_tokens=usage.prompt_tokens,
+                    input_tokens_details=usage.prompt_tokens_details,
                     output_tokens=usage.completion_tokens,
                     total_tokens=usage.total_tokens,
                 )

@@ -104,7 +104,20 @@ class Run:
     @property
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
-        return Usage.of(prompt_tokens, sum(c.num_tokens for c in self.candidates))
+        return Usage.of(
+            prompt_tokens, sum(c.num_tokens for c in self.candidates), self.cached_tokens
+        )
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, each prompt counted once as it is billed once:
+        its least-cached candidate's (the siblings of the one that computed it find it cached)."""
+        per = self.plan.per_prompt
+        total = 0
+        for i in range(0, len(self.candidates), per):
+            found = [c.cached_tokens for c in self.candidates[i : i + per]]
+            total += min((n for n in found if n is not None), default=0)
+        return total
 
     def _finish(self) -> None:
         if self._finished:

@@ -45,5 +45,5 @@ async def score(
             scores.append([e / sum(exps) for e in exps])
         else:
             scores.append([math.exp(v) for v in values])
-    usage = Usage.of(run.usage.prompt_tokens, 0)
+    usage = Usage.of(run.usage.prompt_tokens, 0, run.cached_tokens)
     return ScoreResponse(model=state.name, scores=scores, usage=usage)

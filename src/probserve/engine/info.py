@@ -23,6 +23,7 @@ class EngineInfo:
     weights_in_blocks: float = 0.0  # the fraction of the parameters held in those blocks
     block_sums: bool = False  # the blocks' products apply scales per sub-block sum (in effect)
     architecture: str = ""  # the model's own type (its config's model_type: "llama", "gemma3")
+    block_size: int = 0  # tokens a KV cache block holds
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

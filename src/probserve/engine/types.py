@@ -186,6 +186,8 @@ class EngineOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first being scheduled
+    # prompt tokens found in the prefix cache when it was first scheduled (not computed again)
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.error is not None:

@@ -30,6 +30,7 @@ from probserve.engine.types import (
     SamplingParams,
     TokenLogprobs,
 )
+from probserve.engine.usage import IterationTokens, process_usage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineCore:
             self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
         self.token_capacity = (num_blocks - 1) * self.config.block_size
+        self.iteration_tokens = IterationTokens()
         self.info = EngineInfo(
             vocab_size=self.vocab_size,
             context_length=self.context_length,
@@ -82,6 +84,7 @@ class EngineCore:
             weights_in_blocks=round(loaded.weights_in_blocks, 4),
             block_sums=self.config.block_sums and loaded.weights_in_blocks > 0,
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
+            block_size=self.config.block_size,
         )
 
     @property
@@ -153,6 +156,8 @@ class EngineCore:
             "prefix_cache_queries": sched.prefix_query_tokens,
             "prefix_cache_hits": sched.prefix_hit_tokens,
             "preemptions": sched.num_preemptions,
+            **self.iteration_tokens.stats(),
+            **process_usage(),
         }
 
     # ---- the step -------------------------------------------------------------------------
@@ -161,6 +166,7 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        self.iteration_tokens.observe(sum(ch.length for ch in chunks))
         masks = self.grammars.start([ch.seq for ch in chunks if ch.samples])
         run = self.runner.run(chunks)
         self.scheduler.computed(chunks)
@@ -299,6 +305,7 @@ class EngineCore:
             finish_reason=finish,
             error=error,
             queue_time=seq.queue_time,
+            cached_tokens=seq.cached_tokens,
         )
 
     def _fail(self, seq: Sequence, message: str) -> EngineOutput:

@@ -188,6 +188,7 @@ class Scheduler:
             self.prefix_query_tokens += seq.num_tokens
             if seq.queue_time is None:
                 seq.queue_time = time.monotonic() - seq.arrival
+                seq.cached_tokens = seq.num_cached
             for h in missing:
                 self._in_flight.setdefault(h, seq)
             seq.status = SeqStatus.RUNNING

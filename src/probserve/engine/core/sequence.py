@@ -46,6 +46,7 @@ class Sequence:
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first being scheduled
+    cached_tokens: int | None = None  # prompt tokens the prefix cache held at that first time
     prompt_tensor: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
