@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -135,22 +136,25 @@ DASHBOARD = (
 )  # fmt: skip
 
 
-def test_every_series_of_vllms_grafana_dashboard_is_there(smol: LoadedModel):
+@pytest.fixture(scope="module")
+def url(smol: LoadedModel) -> Iterator[str]:
+    """One server for the tests that need no fresh counters."""
     with running_server(smol, "--kv-cache-gib", "0.25") as url:
-        body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
-        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
-        s = _samples(httpx.get(f"{url}/metrics").text)
+        yield url
+
+
+def test_every_series_of_vllms_grafana_dashboard_is_there(url: str):
+    body = {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+    s = _samples(httpx.get(f"{url}/metrics").text)
     names = {name for name, labels in s if dict(labels).get("model_name") == MODEL}
     missing = [n for n in DASHBOARD if n not in names]
     assert not missing, missing
 
 
-def test_cached_tokens_are_the_prefix_caches_on_every_route(smol: LoadedModel):
+def test_cached_tokens_are_the_prefix_caches_on_every_route(url: str):
     long_prompt = " ".join(f"c{i}" for i in range(120))
-    with (
-        running_server(smol, "--kv-cache-gib", "0.25") as url,
-        httpx.Client(base_url=url, timeout=120) as c,
-    ):
+    with httpx.Client(base_url=url, timeout=120) as c:
 
         def cached(path: str, body: dict, field: str = "prompt_tokens_details") -> int:
             r = c.post(path, json=body)
