@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import resource
+import time
 from pathlib import Path
 
 # vLLM's buckets for tokens a step (vllm/v1/metrics/loggers.py: capture sizes and the budget)
@@ -46,3 +47,20 @@ def process_usage() -> dict[str, float]:
     except (OSError, IndexError, ValueError):
         rss = float(ru.ru_maxrss) * 1024  # Linux reports KiB; where /proc is absent: the peak
     return {"process_resident_memory_bytes": rss, "process_cpu_seconds": ru.ru_utime + ru.ru_stime}
+
+
+class ProcessUsage:
+    """`process_usage()` read at most once every `every` seconds: the stats go out with every
+    step, and two system calls a step would be work on the step's path for a figure scraped
+    every few seconds."""
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.every = every
+        self._read_at = -float("inf")
+        self._last: dict[str, float] = {}
+
+    def stats(self) -> dict[str, float]:
+        now = time.monotonic()
+        if now - self._read_at >= self.every:
+            self._read_at, self._last = now, process_usage()
+        return self._last

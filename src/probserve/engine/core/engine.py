@@ -30,7 +30,7 @@ from probserve.engine.types import (
     SamplingParams,
     TokenLogprobs,
 )
-from probserve.engine.usage import IterationTokens, process_usage
+from probserve.engine.usage import IterationTokens, ProcessUsage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class EngineCore:
         )
         self.token_capacity = (num_blocks - 1) * self.config.block_size
         self.iteration_tokens = IterationTokens()
+        self.process_usage = ProcessUsage()
         self.info = EngineInfo(
             vocab_size=self.vocab_size,
             context_length=self.context_length,
@@ -157,7 +158,7 @@ class EngineCore:
             "prefix_cache_hits": sched.prefix_hit_tokens,
             "preemptions": sched.num_preemptions,
             **self.iteration_tokens.stats(),
-            **process_usage(),
+            **self.process_usage.stats(),
         }
 
     # ---- the step -------------------------------------------------------------------------
