@@ -70,7 +70,7 @@ def test_models_and_tokenizer_routes(http, smol: LoadedModel):
 
 
 def test_auth(smol: LoadedModel):
-    with running_server(smol, "--api-key", "k1,k2") as url:
+    with running_server(smol, "--api-key", "k1,k2", "--worker", "inline") as url:
         assert httpx.get(f"{url}/health").status_code == 200  # health stays open
         err = _envelope(httpx.get(f"{url}/v1/models"), 401)
         assert err["type"] == "authentication_error"

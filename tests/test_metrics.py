@@ -179,10 +179,10 @@ def test_cached_tokens_are_the_prefix_caches_on_every_route(url: str):
 
 
 def test_metrics_behind_the_key_unless_opened(smol: LoadedModel):
-    with running_server(smol, "--api-key", "k1") as url:
+    with running_server(smol, "--api-key", "k1", "--worker", "inline") as url:
         assert httpx.get(f"{url}/metrics").status_code == 401
         auth = {"Authorization": "Bearer k1"}
         assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
-    with running_server(smol, "--api-key", "k1", "--open-metrics") as url:
+    with running_server(smol, "--api-key", "k1", "--open-metrics", "--worker", "inline") as url:
         assert httpx.get(f"{url}/metrics").status_code == 200
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}).status_code == 401
