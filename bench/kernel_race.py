@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "src/probserve/kernels"
 
 
-def build_tree(commit: str | None, out: Path) -> ctypes.CDLL:
-    """The kernels of `commit` (None: the working tree), compiled as the server compiles them."""
+def build_tree(commit: str | None, out: Path) -> tuple[ctypes.CDLL, Callable[..., np.ndarray]]:
+    """The kernels of `commit` (None: the working tree), compiled as the server compiles them,
+    and that tree's `pack_blocks` (kernels/qlayout.py: the panels its kernels read)."""
     from probserve.kernels.build import FLAGS, SIGNATURES, compiler
 
     out.mkdir(parents=True)
@@ -40,7 +45,7 @@ def build_tree(commit: str | None, out: Path) -> ctypes.CDLL:
             cwd=ROOT, check=True, capture_output=True, text=True,
         ).stdout.split()  # fmt: skip
         for name in names:
-            if name.endswith((".cpp", ".h")):
+            if name.endswith((".cpp", ".h", ".py")):
                 text = subprocess.run(
                     ["git", "show", f"{commit}:{KERNELS}/{name}"],
                     cwd=ROOT, check=True, capture_output=True,
@@ -54,7 +59,30 @@ def build_tree(commit: str | None, out: Path) -> ctypes.CDLL:
         if hasattr(cdll, name):
             getattr(cdll, name).restype = res
             getattr(cdll, name).argtypes = args
-    return cdll
+    spec = importlib.util.spec_from_file_location(f"qlayout_{out.name}", src / "qlayout.py")
+    assert spec is not None and spec.loader is not None
+    layout = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = layout  # its dataclasses look their module up
+    spec.loader.exec_module(layout)
+    return cdll, layout.pack_blocks
+
+
+# the float16 fields of the K-quants' blocks (d first, then dmin), by byte offset
+K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def weight_blocks(gguf: Any, qtype: Any, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """An [n, k] weight in `qtype`'s blocks: gguf's quantization of random normals where gguf
+    has one, else (the K-quants) random quants and sub-block scales with small float16 fields."""
+    try:
+        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    except NotImplementedError:
+        qk, size = gguf.GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n, k // qk, size), dtype=np.uint8)
+        for at in K_HALVES[qtype.name]:
+            half = (rng.random((n, k // qk)) * 1e-3).astype(np.float16)
+            raw[..., at : at + 2] = half.view(np.uint8).reshape(n, k // qk, 2)
+        return raw.reshape(n, -1)
 
 
 def main() -> None:
@@ -70,31 +98,36 @@ def main() -> None:
 
     import gguf
 
-    from probserve.kernels.qlayout import FORMATS, pack_blocks
+    from probserve.kernels.qlayout import FORMATS
 
     qtype = gguf.GGMLQuantizationType[args.format]
     n, k = args.shape
     rng = np.random.default_rng(0)
-    blocks = gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    blocks = weight_blocks(gguf, qtype, n, k, rng)
     fmt = FORMATS[qtype.value].fmt
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {
+        trees = {
             "now": build_tree(None, Path(tmp) / "now"),
             "before": build_tree(args.before, Path(tmp) / "before"),
         }
-        contenders = [(name, lib, fmt) for name, lib in libs.items()]
+        panel = int(trees["now"][0].ps_panel_width())
+        # each tree's kernels on its own packing of the same blocks
+        packs = {
+            name: np.ascontiguousarray(pack(blocks, qtype.value, panel))
+            for name, (_, pack) in trees.items()
+        }
+        contenders = [(name, lib, fmt, packs[name]) for name, (lib, _) in trees.items()]
         if args.block_sums:
-            flag = int(libs["now"].ps_block_sums_flag())
-            contenders.append(("now --block-sums", libs["now"], fmt + flag))
-        panel = int(libs["now"].ps_panel_width())
-        packed = np.ascontiguousarray(pack_blocks(blocks, qtype.value, panel))
+            now = trees["now"][0]
+            flag = int(now.ps_block_sums_flag())
+            contenders.append(("now --block-sums", now, fmt + flag, packs["now"]))
         for rows in args.rows:
             x = rng.standard_normal((rows, k), dtype=np.float32)
-            times: dict[str, list[float]] = {name: [] for name, _, _ in contenders}
+            times: dict[str, list[float]] = {name: [] for name, *_ in contenders}
             outs = {}
             for r in range(args.rounds):
                 order = contenders if r % 2 == 0 else contenders[::-1]
-                for name, lib, f in order:
+                for name, lib, f, packed in order:
                     out = np.empty((rows, n), dtype=np.float32)
                     call = (f, x.ctypes.data, rows, k, packed.ctypes.data, n, None, out.ctypes.data)
                     lib.ps_qlinear(*call)  # warm

@@ -7,9 +7,10 @@ and Q5_1's m or the K-quants' dmin: column c's two bytes at 2c), the K-quants' p
 scale bytes as the file holds them (byte i of column c at i * P + c: Q4_K and Q5_K's twelve
 packed 6-bit scales and mins, Q6_K's sixteen int8 scales), then `qk` rows of P quants, one row
 per k: 8-bit formats one byte a column; the others the low nibbles two columns a byte (byte j
-holds column j in its low nibble and column j + P/2 in its high one), then for a 5-bit format
-one bit plane, for Q6_K two (bit c of the P-bit little-endian word: column c's bit 4, then its
-bit 5). No value changes, only places: a panel holds exactly the file's bytes for its columns
+holds column j in its low nibble and column j + P/2 in its high one). The 5- and 6-bit formats
+take their k's in groups of g = 8 or 4: the g rows of nibbles, then a high row of P bytes, byte c
+holding column c's high bits of the g k's (5-bit: bit j is the group's k j's bit 4; Q6_K: bits 2j
+and 2j + 1 its bits 4 and 5). No value changes, only places: a panel holds exactly the file's bytes for its columns
 (P times the file's block size per block), and padded columns are zeros (d = 0: weights 0).
 """
 
@@ -106,11 +107,14 @@ def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     if f.bits == 8:
         rows = q
     else:
-        planes: list[np.ndarray] = [(q[..., :half] & 15) | ((q[..., half:] & 15) << 4)]
-        planes += [
-            np.packbits((q >> bit) & 1, axis=-1, bitorder="little") for bit in range(4, f.bits)
-        ]
-        rows = np.concatenate(planes, axis=-1)
+        rows = (q[..., :half] & 15) | ((q[..., half:] & 15) << 4)  # [panels, nb, qk, half]
+        if f.bits > 4:  # groups of g k's: their nibble rows, then their high row
+            width = f.bits - 4
+            g = 8 // width
+            shift = (np.arange(g, dtype=np.uint8) * width).reshape(g, 1)
+            high = (q >> 4).reshape(panels, nb, f.qk // g, g, p) << shift
+            nibbles = rows.reshape(panels, nb, f.qk // g, g * half)
+            rows = np.concatenate([nibbles, np.bitwise_or.reduce(high, axis=-2)], axis=-1)
     parts.append(rows.reshape(panels, nb, -1))
     data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     assert data.shape[-1] == p * f.size

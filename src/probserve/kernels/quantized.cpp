@@ -31,11 +31,12 @@
 // and Q5_1 or dmin[NR] for Q4_K and Q5_K), the K-quants' scale bytes as the file holds them
 // (byte i of column c at i * NR + c: Q4_K/Q5_K's 12 packed bytes, Q6_K's 16 int8), then the QK
 // rows of NR quants, one row per k: Q8 one int8 a column; otherwise the low 4 bits two columns a
-// byte (byte j holds column j in its low nibble and column j + W in its high one), then for the
-// 5-bit formats one bit plane of NR bits (bit c, little-endian: column c's bit 4) and for Q6_K a
-// second (bit 5). A panel is then the file's bytes for its columns, moved. Padded columns are
-// zeros (d = 0).
-#include <cstring>
+// byte (byte j holds column j in its low nibble and column j + W in its high one). The 5- and
+// 6-bit formats group their k's, G = 8 or 4 at a time: the G rows of low nibbles, then one high
+// row of NR bytes, byte c holding column c's high bits of the G k's (5-bit: bit j is k j's bit
+// 4; Q6_K: bits 2j and 2j + 1 are its bits 4 and 5), so a k's high bits come out of a vector of
+// bytes with one shift and one mask, every lane at once. A panel is then the file's bytes for its
+// columns, moved. Padded columns are zeros (d = 0).
 #include <memory>
 
 #include "simd.h"
@@ -55,23 +56,19 @@ struct Layout {
     static constexpr int offset = F == Q4_0 ? -8 : F == Q5_0 ? -16 : F == Q6_K ? -32 : 0;
     static constexpr int64_t halves = (plus_m || kmin) ? 2 : 1;    // float16 fields
     static constexpr int64_t scale_bytes = F == Q6_K ? 16 : kmin ? 12 : 0;  // per column
-    static constexpr int64_t plane = NR / 8;                        // bytes of one bit of a row
-    static constexpr int64_t row = bits == 8 ? NR : NR / 2 + (bits - 4) * plane;  // one k's quants
+    static constexpr bool high = bits == 5 || bits == 6;            // a high row per group
+    static constexpr int G = bits == 5 ? 8 : bits == 6 ? 4 : 1;     // k's a group
+    static constexpr int64_t group = bits == 8 ? NR : G * (NR / 2) + (high ? NR : 0);  // its bytes
+    static constexpr int64_t row = group / G;                       // a k's bytes, on average
     static constexpr int64_t head = (halves * 2 + scale_bytes) * NR;
     static constexpr int64_t block = head + QK * row;
-    static_assert(NR % 8 == 0 && plane <= 4, "a bit plane is read as one 32-bit word");
+    static_assert(SUB % G == 0 && group % G == 0, "a sub-block is whole groups");
 };
-
-// NR bits of a bit plane, little-endian: bit c is column c's
-inline uint32_t plane_bits(const uint8_t* p) {
-    uint32_t v = 0;
-    std::memcpy(&v, p, Layout<Q5_0>::plane);
-    return v;
-}
 
 // the scale s and offset o of sub-block j of a block, columns [0, W) in s0/o0 and [W, NR) in
 // s1/o1, as gguf computes them: Q4_0/Q5_0/Q8_0 s = d; Q4_1/Q5_1 s = d, o = m; Q4_K/Q5_K s =
-// d * sc, o = dmin * mn (get_scale_min_k4's 6-bit values); Q6_K s = d * sc. Products exact.
+// d * sc, o = dmin * mn (get_scale_min_k4's 6-bit values); Q6_K s = d * sc; and for the formats
+// with an offset (Q4_0, Q5_0, Q6_K) o = offset * s, for dequant's FMA. Products exact.
 template <int F>
 inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf& o1) {
     using L = Layout<F>;
@@ -108,47 +105,87 @@ inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf
             o1 = vhalf(h + NR + W);
         }
     }
+    if constexpr (L::offset != 0) {  // offset s: exact (a power of two), for dequant's FMA
+        o0 = vmul(s0, vset1(static_cast<float>(L::offset)));
+        o1 = vmul(s1, vset1(static_cast<float>(L::offset)));
+    }
 }
 
-// the NR quants of one k as exact floats, offset applied: columns [0, W) in q0, [W, NR) in q1.
-// They come out of the table as exact small integers (q & 15) + offset, the high bits add 16
-// and 32 exactly.
+// a group's high rows (the 5- and 6-bit formats): byte c holds column c's high bits, columns
+// [0, W) in h0 and [W, NR) in h1, as integer lanes
+struct High {
+    vi h0, h1;
+};
+
 template <int F>
-inline void quants(const uint8_t* q, const Nibbles& nib, vf& q0, vf& q1) {
+inline High high_rows(const uint8_t* grp) {
+    using L = Layout<F>;
+    if constexpr (L::high) {
+        const uint8_t* h = grp + L::G * (NR / 2);
+        return {vload_u8(h), vload_u8(h + W)};
+    } else {
+        return High{vzero_i(), vzero_i()};
+    }
+}
+
+// k J of a group's high bits at bit 4 (Q6_K: bits 4 and 5) of each lane, the rest zero
+template <int F, int J>
+inline vi high_bits(vi h) {
+    using L = Layout<F>;
+    constexpr int at = J * (L::bits - 4);  // where k J's bits are in its byte
+    constexpr int mask = L::bits == 5 ? 16 : 48;
+    if constexpr (at <= 4) {
+        return vand_i(vsll_i<4 - at>(h), mask);
+    } else {
+        return vand_i(vsrl_i<at - 4>(h), mask);
+    }
+}
+
+// the NR quants of k J of a group as exact floats, with the format's offset (OFFSET: q - 8,
+// q - 16, q - 32, the block sums' values) or as stored (the exact product's: dequant folds the
+// offset into its FMA): columns [0, W) in q0, [W, NR) in q1. `nib` is quant_nibbles<F, OFFSET>().
+// They are exact small integers: (q & 15) | the high bits, + offset.
+template <int F, int J, bool OFFSET>
+inline void quants(const uint8_t* grp, const High& hi, const Nibbles& nib, vf& q0, vf& q1) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
-        q0 = vcvt(vload_i8(q));
-        q1 = vcvt(vload_i8(q + W));
-    } else {
-        const vi b = vload_u8(q);
+        q0 = vcvt(vload_i8(grp));
+        q1 = vcvt(vload_i8(grp + W));
+    } else if constexpr (!L::high) {
+        const vi b = vload_u8(grp);
         q0 = nib.lo(b);
         q1 = nib.hi(b);
-        if constexpr (L::bits >= 5) {
-            const uint32_t h4 = plane_bits(q + NR / 2);
-            const vf sixteen = vset1(16.0f);
-            q0 = vadd_where(q0, h4, sixteen);
-            q1 = vadd_where(q1, h4 >> W, sixteen);
-        }
-        if constexpr (L::bits == 6) {
-            const uint32_t h5 = plane_bits(q + NR / 2 + L::plane);
-            const vf thirty_two = vset1(32.0f);
-            q0 = vadd_where(q0, h5, thirty_two);
-            q1 = vadd_where(q1, h5 >> W, thirty_two);
+    } else {
+        const vi b = vload_u8(grp + J * (NR / 2));
+        q0 = vcvt(vor_i(vand_i(b, 15), high_bits<F, J>(hi.h0)));
+        q1 = vcvt(vor_i(vsrl_i<4>(b), high_bits<F, J>(hi.h1)));
+        if constexpr (OFFSET && L::offset != 0) {
+            q0 = vadd(q0, vset1(static_cast<float>(L::offset)));
+            q1 = vadd(q1, vset1(static_cast<float>(L::offset)));
         }
     }
 }
 
-// the NR weights of one k: columns [0, W) in w0, [W, NR) in w1, each gguf's float32 value
-template <int F>
-inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, vf o1, vf& w0,
-                    vf& w1) {
+// the 4-bit formats' nibble decoder, with the offset or without (quants' OFFSET)
+template <int F, bool OFFSET>
+inline Nibbles quant_nibbles() {
+    return Nibbles(OFFSET ? Layout<F>::offset : 0);
+}
+
+// the NR weights of k J of a group: columns [0, W) in w0, [W, NR) in w1, each gguf's float32
+// value. The quants come as stored (`nib` is quant_nibbles<F, false>()): the offset is folded
+// into the one FMA (Q4_0, Q5_0, Q6_K: s q + (offset s), every term exact and so is s (q + offset),
+// the one rounding giving that exact value: an integer add a lane less than offsetting q).
+template <int F, int J>
+inline void dequant(const uint8_t* grp, const High& hi, const Nibbles& nib, vf s0, vf s1, vf o0,
+                    vf o1, vf& w0, vf& w1) {
     using L = Layout<F>;
     vf q0, q1;
-    quants<F>(q, nib, q0, q1);
+    quants<F, J, false>(grp, hi, nib, q0, q1);
     if constexpr (L::kmin) {  // (d sc) q exact: one rounding, as numpy's d * q - dm
         w0 = vfms(s0, q0, o0);
         w1 = vfms(s1, q1, o1);
-    } else if constexpr (L::plus_m) {  // d q exact: one rounding, as numpy's d * q + m
+    } else if constexpr (L::plus_m || L::offset != 0) {  // d q exact: one rounding, as d * q + m
         w0 = vfma(s0, q0, o0);
         w1 = vfma(s1, q1, o1);
     } else {
@@ -157,9 +194,17 @@ inline void dequant(const uint8_t* q, const Nibbles& nib, vf s0, vf s1, vf o0, v
     }
 }
 
-template <int F>
-inline Nibbles nibbles() {
-    return Nibbles(Layout<F>::offset);
+// every k of one sub-block (its quants from q) in order, a group at a time: body(kk, grp, hi, J)
+// with kk the k's index in the sub-block, grp its group, hi the group's high rows and J
+// (std::integral_constant) its index in the group
+template <int F, class Body>
+inline void each_k(const uint8_t* q, Body&& body) {
+    using L = Layout<F>;
+    for (int64_t g = 0; g < L::SUB / L::G; ++g) {
+        const uint8_t* grp = q + g * L::group;
+        const High hi = high_rows<F>(grp);
+        static_for<L::G>([&](auto J) { body(g * L::G + decltype(J)::value, grp, hi, J); });
+    }
 }
 
 // a panel's cache lines, requested ahead of use: the one-row product reads a Q4_0 block in
@@ -190,15 +235,15 @@ inline void walk_subblocks(const uint8_t* panel, int64_t K, Body&& body) {
 template <int F, class Body>
 inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
     using L = Layout<F>;
-    const Nibbles nib = nibbles<F>();
+    const Nibbles nib = quant_nibbles<F, false>();
     walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
         vf s0, s1, o0, o1;
         sub_scales<F>(b, j, s0, s1, o0, o1);
-        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
             vf w0, w1;
-            dequant<F>(q + kk * L::row, nib, s0, s1, o0, o1, w0, w1);
+            dequant<F, decltype(J)::value>(grp, hi, nib, s0, s1, o0, o1, w0, w1);
             body(k0 + kk, w0, w1);
-        }
+        });
     });
 }
 
@@ -222,7 +267,7 @@ template <int F, int P>
 void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, const float* bias,
                 float* out, int64_t ncols_last) {
     using L = Layout<F>;
-    const Nibbles nib = nibbles<F>();
+    const Nibbles nib = quant_nibbles<F, false>();
     vf a0[P], a1[P];
 #pragma GCC unroll 8
     for (int i = 0; i < P; ++i) a0[i] = a1[i] = vzero();
@@ -239,15 +284,23 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
             vf s0[P], s1[P], o0[P], o1[P];
 #pragma GCC unroll 8
             for (int i = 0; i < P; ++i) sub_scales<F>(bk + i * apart, j, s0[i], s1[i], o0[i], o1[i]);
-            for (int64_t kk = 0; kk < L::SUB; ++kk) {
-                const vf b = vset1(x[blk * L::QK + j * L::SUB + kk]);
+            const float* xs = x + blk * L::QK + j * L::SUB;
+            for (int64_t g = 0; g < L::SUB / L::G; ++g) {
+                const uint8_t* grp = q + g * L::group;
+                High hi[P];
 #pragma GCC unroll 8
-                for (int i = 0; i < P; ++i) {
-                    vf w0, w1;
-                    dequant<F>(q + i * apart + kk * L::row, nib, s0[i], s1[i], o0[i], o1[i], w0, w1);
-                    a0[i] = vfma(b, w0, a0[i]);
-                    a1[i] = vfma(b, w1, a1[i]);
-                }
+                for (int i = 0; i < P; ++i) hi[i] = high_rows<F>(grp + i * apart);
+                static_for<L::G>([&](auto J) {
+                    const vf b = vset1(xs[g * L::G + decltype(J)::value]);
+#pragma GCC unroll 8
+                    for (int i = 0; i < P; ++i) {
+                        vf w0, w1;
+                        dequant<F, decltype(J)::value>(grp + i * apart, hi[i], nib, s0[i], s1[i],
+                                                       o0[i], o1[i], w0, w1);
+                        a0[i] = vfma(b, w0, a0[i]);
+                        a1[i] = vfma(b, w1, a1[i]);
+                    }
+                });
             }
         }
     }
@@ -372,7 +425,8 @@ void row_sums(const float* x, int64_t M, int64_t K, float* xs) {
 }
 
 // MR rows of x times one quantized panel, the scales applied per sub-block; the quants of k
-// from `qs` (unpacked in registers from the panel, or loaded from a buffer of them)
+// from `qs(grp, hi, J, k, q0, q1)` (unpacked in registers from the panel, or loaded from a
+// buffer of them)
 template <int MR, int F, class Quants>
 inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs,
                       const uint8_t* panel, int64_t K, const float* bias, float* out, int64_t ldo,
@@ -385,11 +439,11 @@ inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs
         vf b0[MR], b1[MR];
 #pragma GCC unroll 12
         for (int r = 0; r < MR; ++r) b0[r] = b1[r] = vzero();
-        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
             vf q0, q1;
-            qs(q + kk * L::row, k0 + kk, q0, q1);
+            qs(grp, hi, J, k0 + kk, q0, q1);
             accumulate<MR>(b0, b1, x, ldx, k0 + kk, q0, q1);
-        }
+        });
         vf s0, s1, o0, o1;
         sub_scales<F>(b, j, s0, s1, o0, o1);
         const int64_t sub = k0 / L::SUB;
@@ -415,9 +469,11 @@ inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs
 template <int MR, int F>
 void bsum_micro(const float* x, int64_t ldx, const float* xs, int64_t subs, const uint8_t* panel,
                 int64_t K, const float* bias, float* out, int64_t ldo, int64_t ncols) {
-    const Nibbles nib = nibbles<F>();
+    const Nibbles nib = quant_nibbles<F, true>();
     bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
-                     [&](const uint8_t* q, int64_t, vf& q0, vf& q1) { quants<F>(q, nib, q0, q1); });
+                     [&](const uint8_t* grp, const High& hi, auto J, int64_t, vf& q0, vf& q1) {
+                         quants<F, decltype(J)::value, true>(grp, hi, nib, q0, q1);
+                     });
 }
 
 template <int MR, int F>
@@ -425,7 +481,7 @@ void bsum_micro_buf(const float* x, int64_t ldx, const float* xs, int64_t subs,
                     const uint8_t* panel, const float* qbuf, int64_t K, const float* bias,
                     float* out, int64_t ldo, int64_t ncols) {
     bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
-                     [qbuf](const uint8_t*, int64_t k, vf& q0, vf& q1) {
+                     [qbuf](const uint8_t*, const High&, auto, int64_t k, vf& q0, vf& q1) {
                          q0 = vload(qbuf + k * NR);
                          q1 = vload(qbuf + k * NR + W);
                      });
@@ -434,15 +490,14 @@ void bsum_micro_buf(const float* x, int64_t ldx, const float* xs, int64_t subs,
 // one panel's quants as floats [K, NR], offset applied, unscaled
 template <int F>
 void quant_panel(const uint8_t* panel, int64_t K, float* dst) {
-    using L = Layout<F>;
-    const Nibbles nib = nibbles<F>();
+    const Nibbles nib = quant_nibbles<F, true>();
     walk_subblocks<F>(panel, K, [&](const uint8_t*, int64_t, const uint8_t* q, int64_t k0) {
-        for (int64_t kk = 0; kk < L::SUB; ++kk) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
             vf q0, q1;
-            quants<F>(q + kk * L::row, nib, q0, q1);
+            quants<F, decltype(J)::value, true>(grp, hi, nib, q0, q1);
             vstore(dst + (k0 + kk) * NR, q0);
             vstore(dst + (k0 + kk) * NR + W, q1);
-        }
+        });
     });
 }
 
@@ -480,16 +535,20 @@ void qlinear_bsum(const float* x, int64_t M, int64_t K, const uint8_t* packed, i
                });
 }
 
-// column c's quant at one k's row, offset applied (q - 8, q - 16, q - 32 or q)
+// column c's quant at k kk of a sub-block whose quants start at q, offset applied (q - 8,
+// q - 16, q - 32 or q)
 template <int F>
-inline int quant_at(const uint8_t* row, int64_t c) {
+inline int quant_at(const uint8_t* q, int64_t kk, int64_t c) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
-        return static_cast<int8_t>(row[c]);
+        return static_cast<int8_t>(q[kk * NR + c]);
     } else {
-        int v = c < W ? row[c] & 15 : row[c - W] >> 4;
-        for (int bit = 4; bit < L::bits; ++bit)
-            v |= ((row[NR / 2 + (bit - 4) * L::plane + c / 8] >> (c % 8)) & 1) << bit;
+        const uint8_t* grp = q + (kk / L::G) * L::group;
+        const int64_t j = kk % L::G;
+        const uint8_t* nibs = grp + j * (NR / 2);
+        int v = c < W ? nibs[c] & 15 : nibs[c - W] >> 4;
+        if constexpr (L::high)
+            v |= ((grp[L::G * (NR / 2) + c] >> (j * (L::bits - 4))) & ((1 << (L::bits - 4)) - 1)) << 4;
         return v + L::offset;
     }
 }
@@ -531,7 +590,7 @@ void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, floa
                     }
                     const uint8_t* q = b + L::head + j * L::SUB * L::row;
                     for (int64_t kk = 0; kk < L::SUB; ++kk) {
-                        float w = s * static_cast<float>(quant_at<F>(q + kk * L::row, c));
+                        float w = s * static_cast<float>(quant_at<F>(q, kk, c));
                         if constexpr (L::plus_m) w = w + off;
                         if constexpr (L::kmin) w = w - off;
                         o[blk * L::QK + j * L::SUB + kk] = w;

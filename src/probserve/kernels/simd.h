@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -124,15 +125,12 @@ struct Nibbles {
     vf lo(vi bytes) const { return _mm512_permutexvar_ps(bytes, table); }
     vf hi(vi bytes) const { return _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table); }
 };
-// integer lanes (the K-quants' packed 6-bit scales), and the 5- and 6-bit quants' high bits:
-// a + add in the lanes whose bit is set (lane i: bit i of `bits`), a elsewhere
+// integer lanes: the K-quants' packed 6-bit scales, the 5- and 6-bit quants' high bits
+inline vi vzero_i() { return _mm512_setzero_si512(); }
 inline vi vand_i(vi a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
 inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
 template <int N> inline vi vsrl_i(vi a) { return _mm512_srli_epi32(a, N); }
 template <int N> inline vi vsll_i(vi a) { return _mm512_slli_epi32(a, N); }
-inline vf vadd_where(vf a, uint32_t bits, vf add) {
-    return _mm512_mask_add_ps(a, static_cast<__mmask16>(bits), a, add);
-}
 inline vf vfms(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }  // a * b - c, one rounding
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int W = 8;
@@ -220,15 +218,11 @@ struct Nibbles {  // as AVX-512's, with a mask, an add and a conversion
     }
     vf hi(vi bytes) const { return vcvt(_mm256_add_epi32(_mm256_srli_epi32(bytes, 4), offset)); }
 };
+inline vi vzero_i() { return _mm256_setzero_si256(); }
 inline vi vand_i(vi a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
 inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
 template <int N> inline vi vsrl_i(vi a) { return _mm256_srli_epi32(a, N); }
 template <int N> inline vi vsll_i(vi a) { return _mm256_slli_epi32(a, N); }
-inline vf vadd_where(vf a, uint32_t bits, vf add) {  // lane i: bit i of bits' low 8
-    const vi bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const vi on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), bit), bit);
-    return _mm256_blendv_ps(a, _mm256_add_ps(a, add), _mm256_castsi256_ps(on));
-}
 inline vf vfms(vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); }
 #else
 #error "probserve's deterministic kernels need a CPU with AVX2, FMA and F16C, or AVX-512"
@@ -347,6 +341,16 @@ void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const flo
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
                        int64_t);
+
+// body(std::integral_constant<int, J>{}) for J = 0..N-1, unrolled (J a constant in each)
+template <class Body, int... J>
+inline void static_for_seq(Body&& body, std::integer_sequence<int, J...>) {
+    (body(std::integral_constant<int, J>{}), ...);
+}
+template <int N, class Body>
+inline void static_for(Body&& body) {
+    static_for_seq(body, std::make_integer_sequence<int, N>{});
+}
 
 template <int... R>
 constexpr auto micro_table(std::integer_sequence<int, R...>) {
