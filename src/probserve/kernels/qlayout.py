@@ -10,8 +10,9 @@ per k: 8-bit formats one byte a column; the others the low nibbles two columns a
 holds column j in its low nibble and column j + P/2 in its high one). The 5- and 6-bit formats
 take their k's in groups of g = 8 or 4: the g rows of nibbles, then a high row of P bytes, byte c
 holding column c's high bits of the g k's (5-bit: bit j is the group's k j's bit 4; Q6_K: bits 2j
-and 2j + 1 its bits 4 and 5). No value changes, only places: a panel holds exactly the file's bytes for its columns
-(P times the file's block size per block), and padded columns are zeros (d = 0: weights 0).
+and 2j + 1 its bits 4 and 5). No value changes, only places: a panel holds exactly the file's
+bytes for its columns (P times the file's block size per block), and padded columns are zeros
+(d = 0: weights 0).
 """
 
 from __future__ import annotations
