@@ -271,15 +271,19 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
     vf a0[P], a1[P];
 #pragma GCC unroll 8
     for (int i = 0; i < P; ++i) a0[i] = a1[i] = vzero();
-    const uint8_t* ahead = panel;  // the lines below it (and P - 1 panels on) have been requested
+    // the lines below `ahead` (and P - 1 panels on) have been requested; past the panel's end the
+    // next P panels' (the group a thread walks next: its groups are contiguous), so a thread's
+    // streams run on from group to group instead of starting cold (a 576-wide panel is ~6 KB)
+    const uint8_t* ahead = panel;
     for (int64_t blk = 0; blk < K / L::QK; ++blk) {
         const uint8_t* bk = panel + blk * L::block;
         for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
             const uint8_t* q = bk + L::head + j * L::SUB * L::row;
             for (const uint8_t* until = q + L::SUB * L::row + PREFETCH_BYTES<F>; ahead < until; ahead += 64) {
+                const int64_t next = ahead - panel >= apart ? (P - 1) * apart : 0;
 #pragma GCC unroll 8
                 for (int i = 0; i < P; ++i)
-                    _mm_prefetch(reinterpret_cast<const char*>(ahead + i * apart), _MM_HINT_T0);
+                    _mm_prefetch(reinterpret_cast<const char*>(ahead + i * apart + next), _MM_HINT_T0);
             }
             vf s0[P], s1[P], o0[P], o1[P];
 #pragma GCC unroll 8
