@@ -2,9 +2,11 @@
 process: each tree's kernels/*.cpp built with the same flags into a library of its own, then
 `ps_qlinear` on the same packed blocks and rows, the libraries alternated round by round (so
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
-block-sum product as a third contender.
+block-sum product as a third contender; `--copies N` runs each round over N copies of the weight
+in turn, so that with more bytes than the L3 holds every product reads its blocks from memory.
 
     .venv/bin/python bench/kernel_race.py --before HEAD~1 --shape 5632 2048 --rows 1 16 --block-sums
+    .venv/bin/python bench/kernel_race.py --format Q4_1 --shape 576 576 --rows 1 --copies 300
 
 Run alone on the machine (see docs/benchmarks.md).
 """
@@ -94,6 +96,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=0.5, help="of products per round")
     ap.add_argument("--block-sums", action="store_true")
+    ap.add_argument(
+        "--copies", type=int, default=1,
+        help="products over this many copies of the weight in turn (more than the L3 holds: "
+        "each read from memory, as a model's layers are)",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import gguf
@@ -113,9 +120,11 @@ def main() -> None:
         panel = int(trees["now"][0].ps_panel_width())
         # each tree's kernels on its own packing of the same blocks
         packs = {
-            name: np.ascontiguousarray(pack(blocks, qtype.value, panel))
+            name: [np.ascontiguousarray(pack(blocks, qtype.value, panel))]
             for name, (_, pack) in trees.items()
         }
+        for copies in packs.values():
+            copies += [copies[0].copy() for _ in range(args.copies - 1)]
         contenders = [(name, lib, fmt, packs[name]) for name, (lib, _) in trees.items()]
         if args.block_sums:
             now = trees["now"][0]
@@ -127,14 +136,19 @@ def main() -> None:
             outs = {}
             for r in range(args.rounds):
                 order = contenders if r % 2 == 0 else contenders[::-1]
-                for name, lib, f, packed in order:
+                for name, lib, f, copies in order:
                     out = np.empty((rows, n), dtype=np.float32)
-                    call = (f, x.ctypes.data, rows, k, packed.ctypes.data, n, None, out.ctypes.data)
-                    lib.ps_qlinear(*call)  # warm
+                    calls = [
+                        (f, x.ctypes.data, rows, k, c.ctypes.data, n, None, out.ctypes.data)
+                        for c in copies
+                    ]
+                    for call in calls:  # warm
+                        lib.ps_qlinear(*call)
                     count, start = 0, time.perf_counter()
                     while time.perf_counter() - start < args.seconds:
-                        lib.ps_qlinear(*call)
-                        count += 1
+                        for call in calls:
+                            lib.ps_qlinear(*call)
+                        count += len(calls)
                     times[name].append((time.perf_counter() - start) / count)
                     outs[name] = out
             same = outs["now"].tobytes() == outs["before"].tobytes()
@@ -143,7 +157,8 @@ def main() -> None:
                 med = statistics.median(series)
                 print(json.dumps({
                     "format": args.format, "shape": [n, k], "rows": rows, "kernels": name,
-                    "ms": round(1e3 * med, 3), "gweights_s": round(n * k / med / 1e9, 2),
+                    "copies": args.copies, "ms": round(1e3 * med, 3),
+                    "gweights_s": round(n * k / med / 1e9, 2),
                     "vs_before": round(base / med, 3), "bits_equal_before": same,
                 }))  # fmt: skip
 
