@@ -74,17 +74,17 @@ K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def weight_blocks(gguf: Any, qtype: Any, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """An [n, k] weight in `qtype`'s blocks: gguf's quantization of random normals where gguf
-    has one, else (the K-quants) random quants and sub-block scales with small float16 fields."""
-    try:
+    """An [n, k] weight in `qtype`'s blocks: gguf's quantization of random normals, or for the
+    K-quants (which gguf's Python package does not quantize) random quants and sub-block scales
+    with small float16 fields."""
+    if qtype.name not in K_HALVES:
         return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
-    except NotImplementedError:
-        qk, size = gguf.GGML_QUANT_SIZES[qtype]
-        raw = rng.integers(0, 256, size=(n, k // qk, size), dtype=np.uint8)
-        for at in K_HALVES[qtype.name]:
-            half = (rng.random((n, k // qk)) * 1e-3).astype(np.float16)
-            raw[..., at : at + 2] = half.view(np.uint8).reshape(n, k // qk, 2)
-        return raw.reshape(n, -1)
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // qk, size), dtype=np.uint8)
+    for at in K_HALVES[qtype.name]:
+        half = (rng.random((n, k // qk)) * 1e-3).astype(np.float16)
+        raw[..., at : at + 2] = half.view(np.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
 
 
 def main() -> None:

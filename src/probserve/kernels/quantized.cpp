@@ -194,15 +194,18 @@ inline void dequant(const uint8_t* grp, const High& hi, const Nibbles& nib, vf s
     }
 }
 
-// every k of one sub-block (its quants from q) in order, a group at a time: body(kk, grp, hi, J)
-// with kk the k's index in the sub-block, grp its group, hi the group's high rows and J
-// (std::integral_constant) its index in the group
-template <int F, class Body>
-inline void each_k(const uint8_t* q, Body&& body) {
+// every k of one sub-block (its quants from q) in order, a group at a time, in P panels in
+// lockstep (`apart` bytes from one to the next): body(kk, grp, hi, J) with kk the k's index in
+// the sub-block, grp its group in the first panel (panel i's at grp + i * apart), hi[P] the
+// groups' high rows and J (std::integral_constant) the k's index in its group
+template <int F, int P = 1, class Body>
+inline void each_k(const uint8_t* q, int64_t apart, Body&& body) {
     using L = Layout<F>;
     for (int64_t g = 0; g < L::SUB / L::G; ++g) {
         const uint8_t* grp = q + g * L::group;
-        const High hi = high_rows<F>(grp);
+        High hi[P];
+#pragma GCC unroll 8
+        for (int i = 0; i < P; ++i) hi[i] = high_rows<F>(grp + i * apart);
         static_for<L::G>([&](auto J) { body(g * L::G + decltype(J)::value, grp, hi, J); });
     }
 }
@@ -239,9 +242,9 @@ inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
     walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
         vf s0, s1, o0, o1;
         sub_scales<F>(b, j, s0, s1, o0, o1);
-        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
+        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
             vf w0, w1;
-            dequant<F, decltype(J)::value>(grp, hi, nib, s0, s1, o0, o1, w0, w1);
+            dequant<F, decltype(J)::value>(grp, hi[0], nib, s0, s1, o0, o1, w0, w1);
             body(k0 + kk, w0, w1);
         });
     });
@@ -289,23 +292,17 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
 #pragma GCC unroll 8
             for (int i = 0; i < P; ++i) sub_scales<F>(bk + i * apart, j, s0[i], s1[i], o0[i], o1[i]);
             const float* xs = x + blk * L::QK + j * L::SUB;
-            for (int64_t g = 0; g < L::SUB / L::G; ++g) {
-                const uint8_t* grp = q + g * L::group;
-                High hi[P];
+            each_k<F, P>(q, apart, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
+                const vf b = vset1(xs[kk]);
 #pragma GCC unroll 8
-                for (int i = 0; i < P; ++i) hi[i] = high_rows<F>(grp + i * apart);
-                static_for<L::G>([&](auto J) {
-                    const vf b = vset1(xs[g * L::G + decltype(J)::value]);
-#pragma GCC unroll 8
-                    for (int i = 0; i < P; ++i) {
-                        vf w0, w1;
-                        dequant<F, decltype(J)::value>(grp + i * apart, hi[i], nib, s0[i], s1[i],
-                                                       o0[i], o1[i], w0, w1);
-                        a0[i] = vfma(b, w0, a0[i]);
-                        a1[i] = vfma(b, w1, a1[i]);
-                    }
-                });
-            }
+                for (int i = 0; i < P; ++i) {
+                    vf w0, w1;
+                    dequant<F, decltype(J)::value>(grp + i * apart, hi[i], nib, s0[i], s1[i], o0[i],
+                                                   o1[i], w0, w1);
+                    a0[i] = vfma(b, w0, a0[i]);
+                    a1[i] = vfma(b, w1, a1[i]);
+                }
+            });
         }
     }
 #pragma GCC unroll 8
@@ -443,9 +440,9 @@ inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs
         vf b0[MR], b1[MR];
 #pragma GCC unroll 12
         for (int r = 0; r < MR; ++r) b0[r] = b1[r] = vzero();
-        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
+        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
             vf q0, q1;
-            qs(grp, hi, J, k0 + kk, q0, q1);
+            qs(grp, hi[0], J, k0 + kk, q0, q1);
             accumulate<MR>(b0, b1, x, ldx, k0 + kk, q0, q1);
         });
         vf s0, s1, o0, o1;
@@ -496,9 +493,9 @@ template <int F>
 void quant_panel(const uint8_t* panel, int64_t K, float* dst) {
     const Nibbles nib = quant_nibbles<F, true>();
     walk_subblocks<F>(panel, K, [&](const uint8_t*, int64_t, const uint8_t* q, int64_t k0) {
-        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, const High& hi, auto J) {
+        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
             vf q0, q1;
-            quants<F, decltype(J)::value, true>(grp, hi, nib, q0, q1);
+            quants<F, decltype(J)::value, true>(grp, hi[0], nib, q0, q1);
             vstore(dst + (k0 + kk) * NR, q0);
             vstore(dst + (k0 + kk) * NR + W, q1);
         });
