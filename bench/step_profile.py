@@ -7,6 +7,7 @@ else (Python, torch's small operations, OpenMP's waits).
     .venv/bin/python bench/step_profile.py --model tinyshape-q4_0.gguf --streams 1 16
     .venv/bin/python bench/step_profile.py --op-by-op           # the layers called from Python
     .venv/bin/python bench/step_profile.py --scoring 8          # echo scoring, 8 prompts in flight
+    .venv/bin/python bench/step_profile.py --scoring 32 --prompt-tokens 20
 
 Needs `perf` (linux-perf); run alone on the machine (see docs/benchmarks.md).
 """
@@ -111,8 +112,9 @@ def main() -> None:
     ap.add_argument("--block-sums", action="store_true", help="the block-sum products")
     ap.add_argument(
         "--scoring", type=int, default=0, metavar="IN_FLIGHT",
-        help="profile echo scoring instead: unrelated 100-token prompts, this many in flight",
+        help="profile echo scoring instead: unrelated prompts, this many in flight",
     )  # fmt: skip
+    ap.add_argument("--prompt-tokens", type=int, default=100, help="of each scored prompt")
     args = ap.parse_args()
 
     import torch
@@ -136,7 +138,9 @@ def main() -> None:
     prompt = tuple(range(1000, 1100))
     print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")
     if args.scoring:
-        profile_scoring(core, args.scoring, args.seconds, args.no_perf, args.top)
+        profile_scoring(
+            core, args.scoring, args.prompt_tokens, args.seconds, args.no_perf, args.top
+        )
         return
     for streams in args.streams:
         for i in range(streams):
@@ -170,10 +174,13 @@ def main() -> None:
         )
 
 
-def profile_scoring(core: Any, in_flight: int, seconds: float, no_perf: bool, top: int) -> None:
+def profile_scoring(
+    core: Any, in_flight: int, length: int, seconds: float, no_perf: bool, top: int
+) -> None:
     """Echo scoring as lm-evaluation-harness sends it (max_tokens 0, every prompt token's
-    logprob and rank): unrelated random 100-token prompts (no shared prefix), `in_flight` at a
-    time, each finished one replaced by a new one; ms per scored token and the profile."""
+    logprob and rank): unrelated random prompts of `length` tokens (no shared prefix),
+    `in_flight` at a time, each finished one replaced by a new one; ms per scored token and
+    the profile."""
     import random
 
     from probserve.engine import EngineRequest, SamplingParams
@@ -186,7 +193,7 @@ def profile_scoring(core: Any, in_flight: int, seconds: float, no_perf: bool, to
     def submit() -> None:
         nonlocal count
         count += 1
-        ids = tuple(rng.randrange(1000, 40000) for _ in range(100))
+        ids = tuple(rng.randrange(1000, 40000) for _ in range(length))
         core.add_request(
             EngineRequest(
                 f"score-{count}", ids, SamplingParams(max_tokens=0), LogprobsSpec(prompt_top_k=0)
@@ -197,7 +204,7 @@ def profile_scoring(core: Any, in_flight: int, seconds: float, no_perf: bool, to
         nonlocal scored
         for out in outputs:
             if out.finished:
-                scored += 99
+                scored += length - 1
                 submit()
 
     for _ in range(in_flight):

@@ -314,6 +314,42 @@ def test_a_request_among_63_others_is_bitwise_the_same(smol: LoadedModel):
         assert _bits(mixed["canary"]) == _bits(alone)
 
 
+def test_a_step_scores_every_prompt_with_one_head_pass_and_the_same_bits(
+    smol: LoadedModel, monkeypatch: pytest.MonkeyPatch
+):
+    from probserve.models.llama import LlamaForward
+
+    rng = random.Random(3)
+    reqs = [
+        EngineRequest(
+            f"p{i}",
+            tuple(rng.randrange(10, smol.vocab_size) for _ in range(rng.randrange(2, 40))),
+            SamplingParams(max_tokens=0),
+            LogprobsSpec(prompt_top_k=k, entropy=i == 5),
+        )
+        for i, k in enumerate([0, 3, 1, 20, 3, 2])
+    ]
+    core = EngineCore(smol, _det(max_num_seqs=8, prefix_caching=False))
+    alone = {r.request_id: run_core(core, [r])[r.request_id] for r in reqs}
+    calls: list[int] = []
+    real = LlamaForward.logits
+
+    def counting(self: LlamaForward, hidden: torch.Tensor) -> torch.Tensor:
+        calls.append(int(hidden.shape[0]))
+        return real(self, hidden)
+
+    monkeypatch.setattr(LlamaForward, "logits", counting)
+    together = run_core(core, reqs)
+    # one head product for the five plain prompts of the step, one for the one with entropy
+    assert len(calls) == 2, calls
+    for r in reqs:
+        got, want = together[r.request_id], alone[r.request_id]
+        scored = got[-1].prompt_logprobs
+        assert scored is not None and len(scored) == len(r.prompt_token_ids) - 1
+        assert scored.top_ids.shape[1] == r.logprobs.prompt_top_k  # type: ignore[union-attr]
+        assert _bits(got) == _bits(want), r.request_id
+
+
 @pytest.mark.parametrize("budget", [1, 6, 16, 512])
 def test_chunk_size_and_prefix_cache_leave_the_bits_alone(smol: LoadedModel, budget: int):
     reference = run_core(EngineCore(smol, _det(prefix_caching=False)), [_canary(smol)])["canary"]

@@ -135,20 +135,24 @@ class TokenLogprobs:
 
     def row(self, j: int, k: int | None = None) -> TokenLogprobs:
         """Row j alone (with at most k alternatives)."""
+        return self.span(j, j + 1, k)
 
-        def cut(a: np.ndarray | None) -> np.ndarray | None:
-            return None if a is None else a[j : j + 1]
+    def span(self, a: int, b: int, k: int | None = None) -> TokenLogprobs:
+        """Rows [a, b) (with at most k alternatives: a top-k is a prefix of a wider one)."""
+
+        def cut(x: np.ndarray | None) -> np.ndarray | None:
+            return None if x is None else x[a:b]
 
         return TokenLogprobs(
-            token_ids=self.token_ids[j : j + 1],
-            logprobs=self.logprobs[j : j + 1],
-            ranks=self.ranks[j : j + 1],
-            top_ids=self.top_ids[j : j + 1, :k],
-            top_logprobs=self.top_logprobs[j : j + 1, :k],
+            token_ids=self.token_ids[a:b],
+            logprobs=self.logprobs[a:b],
+            ranks=self.ranks[a:b],
+            top_ids=self.top_ids[a:b, :k],
+            top_logprobs=self.top_logprobs[a:b, :k],
             target_logprobs=cut(self.target_logprobs),
             target_ids=self.target_ids,
             entropy=cut(self.entropy),
-            processed=None if self.processed is None else self.processed.row(j, k),
+            processed=None if self.processed is None else self.processed.span(a, b, k),
             constraint_logmass=cut(self.constraint_logmass),
         )
 

@@ -190,10 +190,10 @@ class EngineCore:
         to_sample: list[Sequence] = []
         prompt_scores: dict[str, TokenLogprobs] = {}
         outputs: list[EngineOutput] = []
+        prompt_scoring.score_step(chunks, run.prompt_rows, self.runner.row_math)
         for ch in chunks:
             seq = ch.seq
-            rows = run.prompt_rows.get(seq.request_id)
-            prompt_lp = prompt_scoring.collect(ch, rows, self.runner.row_math)
+            prompt_lp = prompt_scoring.collect(ch)
             if seq.score_only:
                 if ch.end >= seq.num_tokens:
                     self.scheduler.finish(seq)

@@ -4,22 +4,25 @@ A sequence whose LogprobsSpec asks for them gets them once, in its first output 
 when max_tokens is 0). Each chunk of its prefill scores a range of positions: the logits at
 position p score prompt token p + 1 (`score_range`). The first chunk after a prefix-cache hit
 starts at position 0: runners keep each position's final hidden state beside its KV, so a cached
-prompt scores exactly as a fresh one. Runners hand the rows over as `ScoreRows`; `collect` turns
-them into logprobs a slice at a time (logprobs.score_positions) and, once the prompt is complete,
-returns them all.
+prompt scores exactly as a fresh one. Runners hand the rows over as `ScoreRows`; `score_step`
+turns a step's rows into logprobs, every sequence's together a slice at a time
+(logprobs.score_positions), and `collect` returns a prompt's once it is complete.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from probserve.engine.core.logprobs import score_positions
+from probserve.engine.core.step import ScoreRows
 from probserve.engine.types import TokenLogprobs
 
 if TYPE_CHECKING:
     from probserve.engine.core.row_math import RowMath
     from probserve.engine.core.sequence import Sequence
-    from probserve.engine.core.step import Chunk, ScoreRows
+    from probserve.engine.core.step import Chunk
 
 
 def wanted(seq: Sequence) -> bool:
@@ -38,16 +41,49 @@ def score_range(ch: Chunk) -> tuple[int, int]:
     return (first, min(ch.end, seq.num_prompt_tokens - 1))
 
 
-def collect(ch: Chunk, rows: ScoreRows | None, math: RowMath) -> TokenLogprobs | None:
-    """Score this chunk's rows; once the prompt is complete, return the whole prompt's scores."""
+def score_step(chunks: list[Chunk], prompt_rows: dict[str, ScoreRows], math: RowMath) -> None:
+    """Score every chunk's rows of this step, each sequence's part kept for `collect`.
+
+    The rows of every sequence that asks the same things (the same head, target ids and entropy)
+    are scored together: one head product and one scoring pass over all of this step's scored
+    positions, in slices of SCORE_CHUNK_ROWS rows whoever's they are, instead of a head call per
+    sequence (unrelated 100-token prompts would each run the head over one short slice). A row's
+    numbers do not depend on the rows beside it (the row-invariant kernels), and each sequence
+    gets its own top-k as a prefix of the group's widest (ordered by value, then id). A sequence
+    that also asks whole rows (`full_positions`) is scored alone."""
+    groups: dict[tuple[object, ...], list[tuple[Sequence, ScoreRows, torch.Tensor, int]]] = {}
+    for ch in chunks:
+        rows = prompt_rows.get(ch.seq.request_id)
+        spec = ch.seq.request.logprobs
+        if rows is None or spec is None:
+            continue
+        a, b = score_range(ch)
+        k = spec.prompt_top_k or 0
+        targets = ch.seq.prompt_tensor[a + 1 : b + 1]
+        if spec.full_positions:
+            ch.seq.prompt_scores.parts.append(score_positions(math, rows, targets, k, spec, a))
+            continue
+        key = (rows.head, spec.target_ids, spec.entropy)
+        groups.setdefault(key, []).append((ch.seq, rows, targets, k))
+    for items in groups.values():
+        spec = items[0][0].request.logprobs
+        if len(items) == 1:
+            seq, rows, targets, k = items[0]
+            seq.prompt_scores.parts.append(score_positions(math, rows, targets, k, spec))
+            continue
+        joined = ScoreRows(torch.cat([r.rows for _, r, _, _ in items]), items[0][1].head)
+        targets = torch.cat([t for _, _, t, _ in items])
+        scored = score_positions(math, joined, targets, max(k for *_, k in items), spec)
+        at = 0
+        for seq, rows, _, k in items:
+            seq.prompt_scores.parts.append(scored.span(at, at + len(rows), k))
+            at += len(rows)
+
+
+def collect(ch: Chunk) -> TokenLogprobs | None:
+    """Once this chunk completes its prompt, the whole prompt's scores (`score_step`'s parts)."""
     seq = ch.seq
     state = seq.prompt_scores
-    if rows is not None:
-        a, b = score_range(ch)
-        spec = seq.request.logprobs
-        k = (spec.prompt_top_k or 0) if spec else 0
-        targets = seq.prompt_tensor[a + 1 : b + 1]
-        state.parts.append(score_positions(math, rows, targets, k, spec, a))
     if wanted(seq) and ch.end >= seq.num_prompt_tokens:
         state.done = True
         parts, state.parts = state.parts, []
