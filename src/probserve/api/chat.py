@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from probserve.api.errors import ERRORS
 from probserve.api.generation import Delta
 from probserve.api.json_out import dump_json
+from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.lookup import serving_of
 from probserve.api.plans.chat import chat_completion_plan
 from probserve.api.prompts import ChatPrompt, off_loop
@@ -32,7 +33,7 @@ from probserve.api.protocol import (
     Usage,
 )
 from probserve.api.run import Run
-from probserve.api.sse import event, sse_response
+from probserve.api.sse import StreamUsage, event, sse_response
 from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
 from probserve.api.tools.reply import ReplyParser, finish_reason, whole_reply
@@ -41,10 +42,14 @@ from probserve.engine import TokenLogprobs
 router = APIRouter()
 
 
-def _logprobs(state: Serving, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
+def _fmt(run: Run, body: ChatCompletionRequest) -> LogprobsFormatter:
+    return run.state.formatter(body.return_tokens_as_token_ids)
+
+
+def _logprobs(fmt: LogprobsFormatter, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
     if k is None:
         return None
-    return ChatLogprobs(content=state.fmt.chat(pieces, k), refusal=None)
+    return ChatLogprobs(content=fmt.chat(pieces, k), refusal=None)
 
 
 def _prompt_extras(
@@ -55,7 +60,7 @@ def _prompt_extras(
         return {}
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt)
-    fmt = run.state.fmt
+    fmt = _fmt(run, body)
     extras: dict[str, object] = {
         "prompt_logprobs": fmt.prompt_logprobs(scores, body.prompt_logprobs),
         "prompt_token_sources": [
@@ -72,13 +77,15 @@ def _prompt_extras(
     return extras
 
 
-def _continuation(run: Run, scores: TokenLogprobs | None, k: int) -> ContinuationScore:
+def _continuation(
+    run: Run, body: ChatCompletionRequest, scores: TokenLogprobs | None, k: int
+) -> ContinuationScore:
     """Chat echo: the final assistant message's tokens, scored."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt) and scores is not None
     pieces = prompt.scored(scores, len(prompt.ids) - prompt.continuation)
     return ContinuationScore(
-        content=run.state.fmt.chat(pieces, k),
+        content=_fmt(run, body).chat(pieces, k),
         logprob_sum=float(sum(float(scores.logprobs[p.row]) for p in pieces)),
         is_greedy=all(int(scores.ranks[p.row]) == 1 for p in pieces),
     )
@@ -95,9 +102,8 @@ async def create_chat_completion(
     k = ask.alternatives
     run = await Run(state, request, plan, "chatcmpl").start()
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(
-            _stream(run, body, model, k, include_usage),
+            _stream(run, body, model, k, StreamUsage.of(body.stream_options)),
             keepalive=state.config.http.sse_keepalive,
         )
     await run.collect()
@@ -110,7 +116,7 @@ def _message(run: Run, text: str) -> tuple[AssistantMessage, ReplyParser | None]
     tools = run.plan.tools
     if tools is None:
         return AssistantMessage(content=text), None
-    reply = whole_reply(tools.fmt, text)
+    reply = whole_reply(tools.fmt, text, tools.forced)
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls
@@ -121,28 +127,44 @@ def _message(run: Run, text: str) -> tuple[AssistantMessage, ReplyParser | None]
 def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
     choices = []
+    fmt, ids = _fmt(run, body), body.return_token_ids
     for i, cand in enumerate(run.candidates):
         message, reply = _message(run, "".join(p.text for p in cand.pieces))
         choices.append(
             ChatChoice(
                 index=i,
                 message=message,
-                logprobs=_logprobs(run.state, cand.pieces, k),
+                logprobs=_logprobs(fmt, cand.pieces, k),
                 finish_reason=finish_reason(reply, cand.finish_reason),
-                continuation=_continuation(run, cand.prompt_scores, k or 0) if body.echo else None,
+                continuation=(
+                    _continuation(run, body, cand.prompt_scores, k or 0) if body.echo else None
+                ),
+                token_ids=[p.token_id for p in cand.pieces] if ids else None,
                 **_prompt_extras(run, body, cand.prompt_scores),
             )
         )
     resp = ChatCompletionResponse(
-        id=run.id, created=run.created, model=model, choices=choices, usage=run.usage
-    )
+        id=run.id, created=run.created, model=model, choices=choices, usage=run.usage,
+        prompt_token_ids=list(run.plan.prompts[0].ids) if ids else None,
+    )  # fmt: skip
     return dump_json(resp)
 
 
-def _chunk(run: Run, model: str, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+def _chunk(
+    run: Run,
+    model: str,
+    choices: list[ChatChunkChoice],
+    usage: Usage | None = None,
+    prompt_ids: list[int] | None = None,
+) -> str:
     return event(
         ChatCompletionChunk(
-            id=run.id, created=run.created, model=model, choices=choices, usage=usage
+            id=run.id,
+            created=run.created,
+            model=model,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_ids,
         )
     )
 
@@ -176,27 +198,31 @@ def _delta_events(
     i: int,
     delta: Delta,
     reply: ReplyParser | None,
+    usage: StreamUsage,
 ) -> list[str]:
     """The events of one delta of candidate i (the first may carry the prompt's scores). With
-    tools, `reply` splits the text into content and calls; the logprobs are every token's."""
+    tools, `reply` splits the text into content and calls; the logprobs are every token's; with
+    return_token_ids, the delta's token ids (each id in the chunk that first holds its text)."""
     events = []
-    lp = _logprobs(run.state, delta.pieces, k)
+    lp = _logprobs(_fmt(run, body), delta.pieces, k)
     extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
+    ids = [p.token_id for p in delta.pieces] if body.return_token_ids else None
     said = _chat_delta(reply, delta)
-    if said.content or said.tool_calls or (lp and lp.content) or extras:
+    each = run.usage if usage.each else None
+    if said.content or said.tool_calls or (lp and lp.content) or extras or ids:
         if reply is not None and said.content is None and not said.tool_calls:
             said = ChatDelta(content="")  # the logprobs of tokens held back (or of calls)
-        choice = ChatChunkChoice(index=i, delta=said, logprobs=lp, **extras)
-        events.append(_chunk(run, model, [choice]))
+        choice = ChatChunkChoice(index=i, delta=said, logprobs=lp, token_ids=ids, **extras)
+        events.append(_chunk(run, model, [choice], each))
     if delta.finish_reason:
         finish = finish_reason(reply, delta.finish_reason)
         done = ChatChunkChoice(index=i, delta=ChatDelta(), finish_reason=finish)
-        events.append(_chunk(run, model, [done]))
+        events.append(_chunk(run, model, [done], each))
     return events
 
 
 async def _stream(
-    run: Run, body: ChatCompletionRequest, model: str, k: int | None, include_usage: bool
+    run: Run, body: ChatCompletionRequest, model: str, k: int | None, usage: StreamUsage
 ) -> AsyncIterator[str]:
     yield _chunk(
         run,
@@ -205,16 +231,18 @@ async def _stream(
             ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
             for i in range(len(run.candidates))
         ],
+        run.usage if usage.each else None,
+        list(run.plan.prompts[0].ids) if body.return_token_ids else None,
     )
     tools = run.plan.tools
-    replies = [ReplyParser(tools.fmt) if tools else None for _ in run.candidates]
+    replies = [ReplyParser(tools.fmt, tools.forced) if tools else None for _ in run.candidates]
     async for i, delta in run.deltas():
         if delta.prompt_scores is not None and body.prompt_logprobs is not None:
             # the prompt's scores: formatted off the loop, as the non-streamed answer is
-            events = await off_loop(_delta_events, run, body, model, k, i, delta, replies[i])
+            events = await off_loop(_delta_events, run, body, model, k, i, delta, replies[i], usage)
         else:
-            events = _delta_events(run, body, model, k, i, delta, replies[i])
+            events = _delta_events(run, body, model, k, i, delta, replies[i], usage)
         for e in events:
             yield e
-    if include_usage:
+    if usage.final:
         yield _chunk(run, model, [], run.usage)

@@ -21,7 +21,7 @@ from probserve.api.protocol import (
     CompletionResponse,
 )
 from probserve.api.run import Run
-from probserve.api.sse import event, sse_response
+from probserve.api.sse import StreamUsage, event, sse_response
 from probserve.api.state import Serving
 from probserve.api.text_stream import Piece
 from probserve.engine import TokenLogprobs
@@ -42,7 +42,7 @@ def _choice_logprobs(
     if k is None:
         return None
     echoed = [prompt.pieces[0], *prompt.scored(scores)] if with_prompt else []
-    return state.fmt.completion(echoed + pieces, k)
+    return state.formatter(shape.as_ids).completion(echoed + pieces, k)
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
@@ -55,9 +55,9 @@ async def create_completion(
     plan, shape = await completion_plan(state, body)
     run = await Run(state, request, plan, "cmpl").start()
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        usage = StreamUsage.of(body.stream_options)
         return sse_response(
-            _stream(run, shape, model, include_usage), keepalive=state.config.http.sse_keepalive
+            _stream(run, shape, model, usage), keepalive=state.config.http.sse_keepalive
         )
     await run.collect()
     # formatted off the loop: echoed prompts' logprobs x targets are seconds of work
@@ -82,6 +82,8 @@ def _answer(run: Run, shape: CompletionShape, model: str) -> bytes:
                         state, shape, prompt, cand.pieces, cand.prompt_scores, shape.echo
                     ),
                     finish_reason=cand.finish_reason,
+                    prompt_token_ids=list(prompt.ids) if shape.token_ids else None,
+                    token_ids=[p.token_id for p in cand.pieces] if shape.token_ids else None,
                 )
             )
     resp = CompletionResponse(
@@ -91,17 +93,20 @@ def _answer(run: Run, shape: CompletionShape, model: str) -> bytes:
 
 
 async def _stream(
-    run: Run, shape: CompletionShape, model: str, include_usage: bool
+    run: Run, shape: CompletionShape, model: str, usage: StreamUsage
 ) -> AsyncIterator[str]:
     started = [False] * len(run.candidates)
     async for i, delta in run.deltas():
-        echo_now = shape.echo and not started[i]
+        first = not started[i]
         started[i] = True
-        if echo_now and delta.prompt_scores is not None:  # the prompt's scores: off the loop
-            yield await off_loop(_event, run, shape, model, i, delta, echo_now)
+        if first and shape.echo and delta.prompt_scores is not None:  # off the loop
+            chunk = await off_loop(_chunk, run, shape, model, i, delta, first)
         else:
-            yield _event(run, shape, model, i, delta, echo_now)
-    if include_usage:
+            chunk = _chunk(run, shape, model, i, delta, first)
+        if usage.each:
+            chunk.usage = run.usage
+        yield event(chunk)
+    if usage.final:
         yield event(
             CompletionResponse(
                 id=run.id, created=run.created, model=model, choices=[], usage=run.usage
@@ -109,16 +114,12 @@ async def _stream(
         )
 
 
-def _event(
-    run: Run, shape: CompletionShape, model: str, index: int, delta: Delta, echo_now: bool
-) -> str:
-    return event(_chunk(run, shape, model, index, delta, echo_now))
-
-
 def _chunk(
-    run: Run, shape: CompletionShape, model: str, index: int, delta: Delta, echo_now: bool
+    run: Run, shape: CompletionShape, model: str, index: int, delta: Delta, first: bool
 ) -> CompletionResponse:
+    """Candidate `index`'s delta as a chunk (its `first` carries the echo and prompt ids)."""
     prompt = run.prompt_of(index)
+    echo_now = first and shape.echo
     return CompletionResponse(
         id=run.id,
         created=run.created,
@@ -131,6 +132,8 @@ def _chunk(
                     run.state, shape, prompt, delta.pieces, delta.prompt_scores, echo_now
                 ),
                 finish_reason=delta.finish_reason,
+                prompt_token_ids=list(prompt.ids) if shape.token_ids and first else None,
+                token_ids=[p.token_id for p in delta.pieces] if shape.token_ids else None,
             )
         ],
     )

@@ -86,9 +86,17 @@ def error_response(
 
 
 def _param_from_loc(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    # drop pydantic's union-member tags such as "str" or "list[int]"
-    parts = [p for p in parts if not (p[:1].isalpha() and ("[" in p or p in _TYPE_TAGS))]
+    # the location's kind first (a body field may be called "query": /v1/score's is)
+    if loc and loc[0] in ("body", "query", "path"):
+        loc = loc[1:]
+    parts = [str(p) for p in loc]
+    # drop pydantic's union-member tags such as "str", "list[int]" or a model's name ("TextPart":
+    # no field's name begins with a capital)
+    parts = [
+        p
+        for p in parts
+        if not (p[:1].isalpha() and ("[" in p or p in _TYPE_TAGS or p[0].isupper()))
+    ]
     if not parts:
         return None
     out = parts[0]
@@ -97,49 +105,74 @@ def _param_from_loc(loc: tuple) -> str | None:
     return out
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after", "TextPart"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
+
+
+def _refused(
+    request: Request,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The error response, with what it says kept for the request's access line."""
+    request.state.error = (code or _TYPES.get(status, "error"), _printable(param),
+                           _printable(message))  # fmt: skip
+    return error_response(status, message, param, code, headers)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    # in a union (a prompt is text, texts or ids), the member whose own check failed says
+    # most: a value error (a lone surrogate, say) or a list past its parse-time bound over
+    # "should be a valid string"
+    first = next((e for e in errors if e.get("type") in _TELLING), None)
+    first = first or (errors[0] if errors else {})
+    param = _param_from_loc(tuple(first.get("loc", ())))
+    named = (first.get("ctx") or {}).get("param")  # an object's check names its field
+    if named is not None:
+        param = f"{param}.{named}" if param else str(named)
+    msg = first.get("msg", "invalid request")
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return _refused(request, 400, f"the request body is not valid JSON: {msg}")
+    if kind == "too_many_unknown_fields":
+        return _refused(request, 400, msg, param, "unknown_parameter")
+    where = f" ({param})" if param else ""
+    return _refused(request, 400, f"{msg}{where}", param)
+
+
+# the errors that say most in a union: a member's own check, not "should be a valid string"
+_TELLING = ("value_error", "too_long", "too_many_unknown_fields", "field_conflict")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return _refused(request, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestError)
-    async def _engine_request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return error_response(400, str(exc), exc.param)
+    async def _engine_request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return _refused(request, 400, str(exc), exc.param)
 
     @app.exception_handler(EngineOverloaded)
-    async def _overloaded(_: Request, exc: EngineOverloaded) -> JSONResponse:
-        return error_response(429, str(exc), None, "overloaded", {"Retry-After": "1"})
+    async def _overloaded(request: Request, exc: EngineOverloaded) -> JSONResponse:
+        return _refused(request, 429, str(exc), None, "overloaded", {"Retry-After": "1"})
 
     @app.exception_handler(EngineDead)
-    async def _dead(_: Request, exc: EngineDead) -> JSONResponse:
-        return error_response(503, str(exc), None, "engine_dead")
+    async def _dead(request: Request, exc: EngineDead) -> JSONResponse:
+        return _refused(request, 503, str(exc), None, "engine_dead")
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        # in a union (a prompt is text, texts or ids), the member whose own check failed says
-        # most: a value error (a lone surrogate, say) or a list past its parse-time bound over
-        # "should be a valid string"
-        first = next((e for e in errors if e.get("type") in ("value_error", "too_long")), None)
-        first = first or (errors[0] if errors else {})
-        param = _param_from_loc(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {msg}", None)
-        if first.get("type") == "extra_forbidden":  # never ignored: OpenAI's 400 for it
-            msg = f"{param} is not a field this server implements (docs/logprobs.md lists them)"
-            return error_response(400, msg, param, "unknown_parameter")
-        where = f" ({param})" if param else ""
-        return error_response(400, f"{msg}{where}", param)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), None, None, exc.headers)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _refused(request, exc.status_code, str(exc.detail), None, None, exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return error_response(500, f"internal error: {type(exc).__name__}", None)
+        return _refused(request, 500, f"internal error: {type(exc).__name__}")

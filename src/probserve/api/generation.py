@@ -40,6 +40,16 @@ class Delta:
         return "".join(p.text for p in self.pieces)
 
 
+# the engine's finish -> the answer's: OpenAI's "stop" for a stop token or a grammar complete;
+# "grammar_limit" (probserve's) where the grammar met one of llguidance's bounds partway
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.GRAMMAR: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.GRAMMAR_LIMIT: "grammar_limit",
+}
+
+
 @dataclass
 class Candidate:
     request: EngineRequest
@@ -93,9 +103,7 @@ class Candidate:
                 if self.text.stopped:
                     finish = "stop"
                 elif out.finished:
-                    # OpenAI's "stop": a stop token, or a grammar complete
-                    stopped = out.finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR)
-                    finish = "stop" if stopped else "length"
+                    finish = _FINISH[out.finish_reason or FinishReason.LENGTH]
                 pieces = self.text.release(final=finish is not None)
                 self.pieces += pieces
                 if pieces or finish or (first and self.prompt_scores is not None):

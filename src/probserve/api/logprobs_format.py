@@ -9,7 +9,7 @@ the TokenTable's precomputed lists, and the response models are built without re
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from probserve.api.protocol import (
     ChatLogprobEntry,
@@ -33,13 +33,34 @@ def finite(x: float) -> float:
     return -NEG_INF_MARKER if x > 0 else NEG_INF_MARKER
 
 
+class _IdNames:
+    """vLLM's `return_tokens_as_token_ids`: every token named `token_id:N`, which a client maps
+    back to the id without the tokenizer. As in vLLM, a chosen token's `bytes` stay its own
+    and an alternative's are those of its name."""
+
+    def __init__(self, as_bytes: bool) -> None:
+        self.as_bytes = as_bytes
+
+    def __getitem__(self, tid: int) -> str | list[int]:
+        name = f"token_id:{tid}"
+        return list(name.encode()) if self.as_bytes else name
+
+
 class LogprobsFormatter:
-    def __init__(self, table: TokenTable) -> None:
+    """A model's logprobs shapes; `as_ids`: tokens named by id (`token_id:N`), not by text."""
+
+    def __init__(self, table: TokenTable, as_ids: bool = False) -> None:
         self.table = table
+        self.legacy_texts: Sequence[str] = table.legacy_texts
+        self.chat_texts: Sequence[str] = table.chat_texts
+        self.byte_lists: Sequence[list[int] | None] = table.byte_lists
+        if as_ids:
+            self.legacy_texts = self.chat_texts = _IdNames(False)  # type: ignore[assignment]
+            self.byte_lists = _IdNames(True)  # type: ignore[assignment]
 
     # ---- /v1/completions ------------------------------------------------------------------
     def _completion_top(self, lp: TokenLogprobs, j: int, k: int, text: str, value: float) -> dict:
-        texts = self.table.legacy_texts
+        texts = self.legacy_texts
         top: dict[str, float] = {}
         for tid, v in zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True):
             top.setdefault(texts[tid], v if math.isfinite(v) else finite(v))
@@ -47,7 +68,7 @@ class LogprobsFormatter:
         return top
 
     def completion(self, pieces: Iterable[Piece], k: int) -> CompletionLogprobs:
-        texts = self.table.legacy_texts
+        texts = self.legacy_texts
         tokens: list[str] = []
         values: list[float | None] = []
         tops: list[dict[str, float] | None] = []
@@ -80,9 +101,9 @@ class LogprobsFormatter:
     # ---- /v1/chat/completions -------------------------------------------------------------
     def _top(self, token_id: int, value: float) -> TopLogprob:
         return TopLogprob.model_construct(
-            token=self.table.chat_texts[token_id],
+            token=self.chat_texts[token_id],
             logprob=value if math.isfinite(value) else finite(value),
-            bytes=self.table.byte_lists[token_id],
+            bytes=self.byte_lists[token_id],
         )
 
     def _tops(self, lp: TokenLogprobs, j: int, k: int) -> list[TopLogprob]:
@@ -96,9 +117,9 @@ class LogprobsFormatter:
                 continue
             lp, j = p.logprobs, p.row
             entry = ChatLogprobEntry.model_construct(
-                token=self.table.chat_texts[p.token_id],
+                token=self.chat_texts[p.token_id],
                 logprob=finite(lp.logprobs[j]),
-                bytes=self.table.byte_lists[p.token_id],
+                bytes=self.table.byte_lists[p.token_id],  # the token's own (vLLM's too)
                 top_logprobs=self._tops(lp, j, k),
             )
             if lp.target_logprobs is not None:
@@ -118,9 +139,7 @@ class LogprobsFormatter:
         assert lp.target_logprobs is not None
         ids = lp.target_ids
         return [
-            TargetLogprob.model_construct(
-                id=tid, token=self.table.chat_texts[tid], logprob=finite(v)
-            )
+            TargetLogprob.model_construct(id=tid, token=self.chat_texts[tid], logprob=finite(v))
             for tid, v in zip(ids, lp.target_logprobs[j].tolist(), strict=True)
         ]
 
@@ -146,7 +165,7 @@ class LogprobsFormatter:
         return {
             "logprob": finite(value),
             "rank": int(rank),
-            "decoded_token": self.table.chat_texts[int(tid)],
+            "decoded_token": self.chat_texts[int(tid)],
         }
 
 

@@ -2,7 +2,9 @@
 dependency over the route's own body (FastAPI parses the body once; the route and its
 dependency share it) that gives the route the `Serving` of the model the body names (a 404
 for a model this server does not serve):
-`state: Annotated[Serving, Depends(serving_of(CompletionRequest))]`."""
+`state: Annotated[Serving, Depends(serving_of(CompletionRequest))]`. It applies the field
+policy to the body first (api/fields.py): a 400 under --strict-fields, else the unknown
+fields named in the request's state for the header, the access line and the counter."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from fastapi import Request
+from pydantic import BaseModel
 
+from probserve.api.fields import refuse, unknown_fields
 from probserve.api.state import ServerState, Serving
 
 
@@ -29,7 +33,16 @@ def serving_of(body_type: type[_Named]) -> Callable[..., Serving]:
     """The dependency giving the Serving of the model a `body_type` body names."""
 
     def lookup(request: Request, body: Any) -> Serving:
-        return server_state(request).serving(body.model)
+        state = server_state(request)
+        if isinstance(body, BaseModel):
+            names = unknown_fields(body)
+            if names and state.config.strict_fields:
+                raise refuse(names[0])
+            if names:
+                request.state.ignored_fields = names
+                route = getattr(request.scope.get("route"), "path", "unmatched")
+                state.metrics.ignored_fields.labels(route).inc(len(names))
+        return state.serving(body.model)
 
     params = [
         inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),

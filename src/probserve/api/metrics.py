@@ -234,6 +234,12 @@ class Metrics:
             "http_request_duration_seconds", "HTTP request latency (to the last byte sent).",
             ["method", "handler"], buckets=HTTP_BUCKETS, registry=r,
         )  # fmt: skip
+        self.ignored_fields = Counter(
+            "probserve:ignored_fields",
+            "Request fields this server does not implement, accepted and named back "
+            "(X-Ignored-Fields), by route.",
+            ["handler"], registry=r,
+        )  # fmt: skip
         self.registry.register(_EngineCollector(models))
 
     def observe_run(

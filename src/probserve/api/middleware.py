@@ -14,6 +14,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from probserve.api.errors import error_body
+from probserve.api.fields import header_value
 from probserve.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("probserve.access")
@@ -173,8 +174,11 @@ class AccessLogMiddleware:
             nonlocal status, logged
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"x-request-id", rid.encode())]}  # fmt: skip
+                headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                ignored = scope["state"].get("ignored_fields")
+                if ignored:  # the field policy's names (api/fields.py)
+                    headers.append((b"x-ignored-fields", header_value(ignored).encode()))
+                message = {**message, "headers": headers}
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
                 logged = True
@@ -182,9 +186,13 @@ class AccessLogMiddleware:
 
         try:
             await self.app(scope, receive, wrapped)
-        except Exception as exc:
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # cancelled (the client hung up): logged, 499
+                if not logged:
+                    self._log(scope, CLIENT_CLOSED, started)
+                raise
             # an unexpected error: the envelope (if nothing was sent yet) and a log line
-            log.exception("unexpected error")
+            log.exception("unexpected error", exc_info=exc)
             if not logged:
                 self._log(scope, status or 500, started)
             if status:
@@ -206,6 +214,14 @@ class AccessLogMiddleware:
         state: Any = scope.get("state") or {}
         usage = state.get("usage") if isinstance(state, dict) else None
         tokens = f" prompt_tokens={usage[0]} completion_tokens={usage[1]}" if usage else ""
+        ignored = state.get("ignored_fields") if isinstance(state, dict) else None
+        named = header_value(ignored) if ignored else None
+        error = state.get("error") if isinstance(state, dict) else None  # (code, param, text)
+        said = ""
+        if named:
+            said += f" ignored_fields=[{named}]"
+        if error:
+            said += f" error={error[0]} param={error[1]} message={str(error[2])[:300]!r}"
         latency = seconds * 1000
         access = {  # the line's fields, each a field of its own in --log-format json
             "method": method,
@@ -217,8 +233,12 @@ class AccessLogMiddleware:
             "completion_tokens": usage[1] if usage else None,
             "latency_ms": round(latency, 1),
             "request_id": state.get("request_id", "") if isinstance(state, dict) else "",
+            "ignored_fields": named,
+            "error_code": error[0] if error else None,
+            "error_param": error[1] if error else None,
+            "error_message": error[2] if error else None,
         }
-        log.info("%s %s %d%s %.1fms", method, path, status, tokens, latency, extra=access)
+        log.info("%s %s %d%s%s %.1fms", method, path, status, tokens, said, latency, extra=access)
 
 
 def escape_log(text: str) -> str:

@@ -2,17 +2,28 @@
 
 Field names and types follow OpenAI's API reference. Vendor fields vLLM users send are accepted
 too (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, logprobs_mode,
-prompt_logprobs, skip_special_tokens, structured_outputs and the older guided_*). A field this
-server does not implement is a 400 naming it, as OpenAI answers unknown arguments: never
-silently ignored (docs/logprobs.md lists the few accepted with no effect).
+prompt_logprobs, skip_special_tokens, structured_outputs and the older guided_*), and another
+server's spelling of a field with the same meaning is taken as that field (`_Request.renamed`:
+max_new_tokens, min_new_tokens). A field this server does not implement is kept in the model's
+extras, never silently ignored: api/fields.py names it back (a header, the access line, a
+counter), or refuses it with --strict-fields (docs/operations.md, "Unknown fields").
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from probserve.engine import LogprobsMode
 
@@ -30,6 +41,7 @@ MAX_ITEMS = 4096  # prompts, items, messages, content parts, stop strings and id
 # label ids, positions, logit_bias entries
 MAX_FEW = 64  # include, tools, metadata, text, chat_template_kwargs keys
 MAX_JSON_VALUES = 10_000  # values in all of chat_template_kwargs, nested ones included
+MAX_UNKNOWN = 16  # fields one object may hold that this server does not implement
 
 
 def _utf8(text: str) -> str:
@@ -47,16 +59,56 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 
+MAX_JSON_DEPTH = 32  # nesting of any JSON value a request holds, or a JSON text it holds
+
+
+def _depth_within(value: Any, most: int) -> bool:
+    """Whether `value` nests at most `most` levels (iterative: any depth is safe to ask)."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d > most:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return True
+
+
+def _json_text(text: str) -> str:
+    """A string a request's server may parse as JSON (a call's arguments, a tool's result, a
+    schema as text): if it is JSON, nested at most MAX_JSON_DEPTH deep. Text that is not JSON
+    is left as it is (a model's malformed arguments, a plain result)."""
+    if text.lstrip()[:1] not in ("{", "["):
+        return text
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(
+            f"the JSON text is nested more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
+    except ValueError:
+        return text
+    if not _depth_within(value, MAX_JSON_DEPTH):
+        raise ValueError(f"the JSON text is nested more than {MAX_JSON_DEPTH} levels deep")
+    return text
+
+
+JsonText = Annotated[str, AfterValidator(_utf8), AfterValidator(_json_text)]
+
 
 def _json_utf8(value: Any, depth: int = 0, seen: list[int] | None = None) -> Any:
     """Every string (keys included) of a JSON value is valid Unicode, nesting at most 32 deep,
     at most MAX_JSON_VALUES values in all."""
     seen = [0] if seen is None else seen
+    if depth == 0 and isinstance(value, str):  # a schema given as JSON text
+        _json_text(value)
     seen[0] += 1
     if seen[0] > MAX_JSON_VALUES:
         raise ValueError(f"the value holds more than {MAX_JSON_VALUES} values")
-    if depth > 32:
-        raise ValueError("the value is nested more than 32 levels deep")
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"the value is nested more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, str):
         _utf8(value)
     elif isinstance(value, list):
@@ -93,9 +145,55 @@ ShortIds = Annotated[list[int], _bounded(MAX_ITEMS)]  # stop, target and label i
 
 
 class _Request(BaseModel):
-    # JSON's non-standard NaN/Infinity literals are refused: every float is finite; a field
-    # this server does not implement is refused, never ignored
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """A request object. JSON's non-standard NaN/Infinity literals are refused: every float is
+    finite. A field this server does not implement is kept in `model_extra` (api/fields.py
+    names it back or refuses it); more than MAX_UNKNOWN of them in one object is a 400 before
+    any field is validated, so a body of 300,000 unknown keys costs one pass over its keys."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
+    # another server's name for one of this object's fields, with the same meaning
+    renamed: ClassVar[dict[str, str]] = {}
+    _known: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        names = {n for n, f in cls.model_fields.items()} | {
+            f.alias for f in cls.model_fields.values() if f.alias
+        }
+        cls._known = frozenset(names | set(cls.renamed))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_first(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        unknown = 0
+        for key in data:
+            if key not in cls._known:
+                unknown += 1
+                if unknown > MAX_UNKNOWN:
+                    raise PydanticCustomError(
+                        "too_many_unknown_fields",
+                        "the object holds more than {most} fields this server does not "
+                        "implement (the 17th: {param})",
+                        {"most": MAX_UNKNOWN, "param": str(key)[:64]},
+                    )
+        renamed = [k for k in cls.renamed if k in data]
+        if not renamed:
+            return data
+        data = dict(data)
+        for other in renamed:
+            ours = cls.renamed[other]
+            value = data.pop(other)
+            if ours in data and data[ours] != value:
+                raise PydanticCustomError(
+                    "field_conflict",
+                    "{param} is another name for {ours}, and the two disagree",
+                    {"param": other, "ours": ours},
+                )
+            data[ours] = value
+        return data
 
 
 JsonValue = Annotated[Any, AfterValidator(_json_utf8)]  # bounded in size and depth
@@ -104,7 +202,6 @@ JsonValue = Annotated[Any, AfterValidator(_json_utf8)]  # bounded in size and de
 class JsonSchemaFormat(_Request):
     """OpenAI's `response_format.json_schema` (and the Responses API's `text.format`)."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
     name: Text = "response"
     description: Text | None = None
     schema_: JsonValue = Field(None, alias="schema")
@@ -127,8 +224,10 @@ class StructuredOutputs(_Request):
     json_object: bool | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: usage (the tokens so far) on every chunk, not only on a final one
+    continuous_usage_stats: bool = False
 
 
 def _logprobs_mode(value: Any) -> Any:
@@ -143,6 +242,9 @@ def _logprobs_mode(value: Any) -> Any:
 
 class SamplingFields(_Request):
     """Fields shared by completions and chat."""
+
+    # transformers' generate() names, which lm-evaluation-harness passes through
+    renamed: ClassVar[dict[str, str]] = {"min_new_tokens": "min_tokens"}
 
     model: Text | None = None
     n: int = Field(1, ge=1)
@@ -179,12 +281,17 @@ class SamplingFields(_Request):
     # exact entropy of every position's full distribution
     logprob_token_ids: ShortIds | None = None
     return_entropy: bool = False
+    # vLLM's: logprobs name tokens `token_id:N`; the answer holds the prompt's and the
+    # completion's token ids
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
 
 
 PromptType = Text | Texts | Ids | IdLists
 
 
 class CompletionRequest(SamplingFields):
+    renamed: ClassVar[dict[str, str]] = {**SamplingFields.renamed, "max_new_tokens": "max_tokens"}
     prompt: PromptType
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
@@ -202,7 +309,7 @@ class FunctionCall(_Request):
     """A call's function: its name and its arguments as the model wrote them (JSON text)."""
 
     name: Text
-    arguments: Text
+    arguments: JsonText
 
 
 class ToolCall(_Request):
@@ -252,8 +359,22 @@ class ChatMessage(_Request):
     audio: None = None
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
 
+    @model_validator(mode="after")
+    def _tool_result_bounded(self) -> ChatMessage:
+        """A tool's result may be rendered as its JSON value: bounded like any JSON text."""
+        if self.role == "tool" and isinstance(self.content, str):
+            try:
+                _json_text(self.content)
+            except ValueError as exc:
+                raise PydanticCustomError("value_error", str(exc), {"param": "content"}) from None
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
+    renamed: ClassVar[dict[str, str]] = {
+        **SamplingFields.renamed,
+        "max_new_tokens": "max_completion_tokens",
+    }
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
@@ -275,6 +396,14 @@ class ChatCompletionRequest(SamplingFields):
     ) = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # accepted with no effect (docs/logprobs.md): one tier serves every request, the prefix
+    # cache finds shared prefixes without a key; reasoning_effort is the chat template's
+    # variable of that name (as vLLM passes it), which a template without reasoning ignores
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None
+    prompt_cache_key: Text | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -328,7 +457,10 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "grammar_limit"] | None = None
+    # vLLM's, with return_token_ids (a stream: the prompt's in a choice's first chunk)
+    prompt_token_ids: list[int] | None = Extension()
+    token_ids: list[int] | None = Extension()
 
 
 def _now() -> int:
@@ -411,12 +543,13 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "grammar_limit"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()  # with return_entropy
     prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
     continuation: ContinuationScore | None = Extension()
+    token_ids: list[int] | None = Extension()  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -427,6 +560,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = Extension()  # vLLM's, with return_token_ids
 
 
 class ChatDelta(BaseModel):
@@ -439,11 +573,12 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "grammar_limit"] | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Extension()
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()
     prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
+    token_ids: list[int] | None = Extension()  # the delta's, with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -453,6 +588,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Extension()  # the first chunk's, with return_token_ids
 
 
 # ---- models, tokenizer, errors ----------------------------------------------------------------
@@ -557,7 +693,7 @@ class FunctionCallInput(_Request):
     type: Literal["function_call"]
     call_id: Text
     name: Text
-    arguments: Text
+    arguments: JsonText
     id: Text | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -567,7 +703,7 @@ class FunctionCallOutputInput(_Request):
 
     type: Literal["function_call_output"]
     call_id: Text
-    output: Text
+    output: JsonText  # rendered as its JSON value where the template takes results so
     id: Text | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -603,7 +739,20 @@ class ResponseText(_Request):
     verbosity: Literal["medium"] | None = None  # the one a model without the notion has
 
 
+class Reasoning(_Request):
+    """The Responses API's `reasoning` (and what inspect-ai's start-up probe sends): accepted
+    with no effect, as the models served write no reasoning items (docs/logprobs.md)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(SamplingFields):
+    renamed: ClassVar[dict[str, str]] = {
+        **SamplingFields.renamed,
+        "max_new_tokens": "max_output_tokens",
+    }
     input: Text | Annotated[list[InputItem], _bounded(MAX_ITEMS)]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1)
@@ -614,6 +763,11 @@ class ResponsesRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: ResponseText | None = None
+    # what probserve does anyway: a prompt past the context is a 400, never cut; the answer
+    # comes in this request, never in the background
+    truncation: Literal["disabled"] | None = None
+    background: Literal[False] | None = None
+    reasoning: Reasoning | None = None
 
 
 class ResponseOutputText(BaseModel):
@@ -652,7 +806,7 @@ class ResponseUsage(BaseModel):
 
 
 class IncompleteDetails(BaseModel):
-    reason: Literal["max_output_tokens"]
+    reason: Literal["max_output_tokens", "grammar_limit"]
 
 
 class ResponseObject(BaseModel):
@@ -678,6 +832,9 @@ class ResponseObject(BaseModel):
     previous_response_id: None = None
     store: bool = False
     metadata: dict[str, str] = Field(default_factory=dict)
+    # vLLM's return_token_ids: the prompt's ids and (once done) the reply's
+    prompt_token_ids: list[int] | None = Extension()
+    token_ids: list[int] | None = Extension()
 
 
 # ---- /v1/score (SGLang's scoring API) ----------------------------------------------------------

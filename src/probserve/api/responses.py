@@ -50,10 +50,13 @@ class _Call:
         self.call_id, self.name = call_id, name
         self.arguments = ""
         self.logprobs: list[ChatLogprobEntry] = []
+        self.complete = False  # its object closed: its arguments are whole
+        self.closed = False  # its closing events were sent (a stream)
 
 
 # what a reply with tools did in one step: ("text", text, entries) for the message, ("call",
-# index) for a call begun, ("arguments", index, text) for a call's arguments
+# index) for a call begun, ("arguments", index, text) for a call's arguments, ("call_done",
+# index) for a call whose arguments are whole
 Said = tuple[Any, ...]
 
 
@@ -70,7 +73,7 @@ class _Reply:
         self.logprobs: list[ChatLogprobEntry] = []
         self.finish: str | None = None
         tools = run.plan.tools
-        self.parser = ReplyParser(tools.fmt) if tools is not None else None
+        self.parser = ReplyParser(tools.fmt, tools.forced) if tools is not None else None
         self.calls: list[_Call] = []
         self.order: list[int | None] = [] if tools is not None else [None]  # None: the message
         self._pending: list[Piece] = []  # pieces whose text the parser still holds
@@ -84,7 +87,9 @@ class _Reply:
         return text, entries
 
     def _entries(self, pieces: list[Piece]) -> list[ChatLogprobEntry]:
-        return self.run.state.fmt.chat(pieces, self.k) if self.k is not None and pieces else []
+        if self.k is None or not pieces:
+            return []
+        return self.run.state.formatter(self.body.return_tokens_as_token_ids).chat(pieces, self.k)
 
     def add_with_tools(self, pieces: list[Piece], final: bool) -> list[Said]:
         """Feed each piece to the reply's parser; each piece's logprobs go with the item its
@@ -104,11 +109,14 @@ class _Reply:
             self._begin(None, said)
         for c in delta.calls:
             if c.id is not None and c.name is not None:
+                self._close_done(said)  # a call before this one: closed before it begins
                 self.calls.append(_Call(c.id, c.name))
                 self._begin(len(self.calls) - 1, said)
             if c.arguments:
                 self.calls[c.index].arguments += c.arguments
                 said.append(("arguments", c.index, c.arguments))
+            if c.done:
+                self.calls[c.index].complete = True
         if delta or final:
             owner = self._owner
             if delta.calls:
@@ -130,7 +138,16 @@ class _Reply:
                 if delta.content:  # content and a call in one piece: the text is the message's
                     self.text += delta.content
                     said.append(("text", delta.content, []))
+        self._close_done(said, None if final else self._owner)
         return said
+
+    def _close_done(self, said: list[Said], keep: int | None = None) -> None:
+        """Close the whole calls (but `keep`, whose last tokens' logprobs may be to come): a
+        call is closed once its arguments are whole, before a later call begins."""
+        for i, call in enumerate(self.calls):
+            if call.complete and not call.closed and i != keep:
+                call.closed = True
+                said.append(("call_done", i))
 
     def _begin(self, item: int | None, said: list[Said]) -> None:
         if item not in self.order:
@@ -144,7 +161,7 @@ class _Reply:
     def status(self) -> str:
         if self.finish is None:
             return "in_progress"
-        return "incomplete" if self.finish == "length" else "completed"
+        return "incomplete" if self.finish in ("length", "grammar_limit") else "completed"
 
     def part(self) -> ResponseOutputText:
         return ResponseOutputText(
@@ -158,14 +175,17 @@ class _Reply:
         )
 
     def call_item(self, index: int) -> ResponseFunctionCall:
+        """A call: completed once its arguments are whole (a reply cut short leaves only the
+        call it cut `incomplete`), in progress before."""
         c = self.calls[index]
-        done = self.finish is not None
+        done = c.closed or self.finish is not None
+        status = "completed" if c.complete else self.status
         return ResponseFunctionCall(
             id=c.id,
             call_id=c.call_id,
             name=c.name,
             arguments=c.arguments if done else "",
-            status=self.status,
+            status=status if done else "in_progress",
             logprobs=c.logprobs if self.k is not None and done else None,
         )
 
@@ -176,7 +196,8 @@ class _Reply:
         b = self.body
         done = self.finish is not None
         usage = self.run.usage
-        incomplete = IncompleteDetails(reason="max_output_tokens")
+        reason = "grammar_limit" if self.finish == "grammar_limit" else "max_output_tokens"
+        incomplete = IncompleteDetails(reason=reason)
         tools = self.run.plan.tools
         return ResponseObject(
             id=self.id,
@@ -205,6 +226,12 @@ class _Reply:
             tools=[t.model_dump(exclude_none=True) for t in b.tools or ()],
             text={"format": _echo_format(b)},
             metadata=b.metadata or {},
+            prompt_token_ids=list(self.run.plan.prompts[0].ids) if b.return_token_ids else None,
+            token_ids=(
+                [p.token_id for p in self.run.candidates[0].pieces]
+                if b.return_token_ids and done
+                else None
+            ),
         )
 
 
@@ -273,6 +300,14 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
             "content_index": 0,
         }
 
+    def call_closed(item: int) -> list[str]:  # a call's closing events
+        call, at = reply.calls[item], reply.output_index(item)
+        return [
+            ev("response.function_call_arguments.done", item_id=call.id, output_index=at,
+               arguments=call.arguments),
+            ev("response.output_item.done", output_index=at, item=reply.call_item(item)),
+        ]  # fmt: skip
+
     def said(step: Said) -> list[str]:  # a reply with tools: what one step did, as events
         kind = step[0]
         if kind == "message":
@@ -288,6 +323,8 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
             return [
                 ev("response.output_item.added", output_index=at, item=reply.call_item(step[1]))
             ]
+        if kind == "call_done":
+            return call_closed(step[1])
         return [ev("response.function_call_arguments.delta", item_id=call.id, output_index=at,
                    delta=step[2])]  # fmt: skip
 
@@ -330,13 +367,8 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
                     ev("response.content_part.done", **where(), part=reply.part()),
                     ev("response.output_item.done", output_index=at, item=reply.item()),
                 ]
-            else:
-                call, at = reply.calls[item], reply.output_index(item)
-                events += [
-                    ev("response.function_call_arguments.done", item_id=call.id, output_index=at,
-                       arguments=call.arguments),
-                    ev("response.output_item.done", output_index=at, item=reply.call_item(item)),
-                ]  # fmt: skip
+            elif not reply.calls[item].closed:  # a call cut short (closed calls: as they closed)
+                events += call_closed(item)
         final = "response.incomplete" if reply.status == "incomplete" else "response.completed"
         return [*events, ev(final, response=reply.response())]
 

@@ -7,12 +7,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from probserve.api.errors import APIError, error_body
 from probserve.api.json_out import dump_json
+from probserve.api.protocol import StreamOptions
 
 
 def event(payload: BaseModel | dict) -> str:
@@ -22,6 +24,21 @@ def event(payload: BaseModel | dict) -> str:
 
 
 DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """Where a stream reports usage: in a final chunk of its own (`include_usage`), and on
+    every chunk, the tokens so far (vLLM's `continuous_usage_stats`, with include_usage)."""
+
+    final: bool = False
+    each: bool = False
+
+    @classmethod
+    def of(cls, options: StreamOptions | None) -> StreamUsage:
+        if options is None or not options.include_usage:
+            return cls()
+        return cls(True, options.continuous_usage_stats)
 
 
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it, proxies see traffic

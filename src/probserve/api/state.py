@@ -8,7 +8,7 @@ that request works with (the model's engine and tables, the server's config and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from probserve.api.errors import APIError
 from probserve.api.grammar_cache import GrammarCache
@@ -61,6 +61,18 @@ class ServerConfig:
         "<tool_call>, Llama 3's JSON, Mistral's [TOOL_CALLS]; generic where it knows no tools), "
         "or one format for every model",
     )
+    schema_extra_keys: Literal["forbid", "schema"] = setting(
+        "forbid",
+        "keys a JSON schema's object does not name, where it does not say additionalProperties: "
+        "forbid (as vLLM's default backend and llama.cpp; tool arguments too) or schema (the "
+        "letter of JSON Schema: any key)",
+    )
+    strict_fields: bool = setting(
+        False,
+        "refuse a request field this server does not implement (400 unknown_parameter), as "
+        "OpenAI does; by default it is accepted and named back (X-Ignored-Fields, the access "
+        "line, probserve:ignored_fields_total)",
+    )
     api_keys: tuple[str, ...] = ()  # none: no key asked (serving.api_keys)
     limits: Limits = field(default_factory=Limits)  # the routes enforce these
     http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP server
@@ -79,6 +91,7 @@ class ServedModel:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     table: TokenTable = field(init=False)
     fmt: LogprobsFormatter = field(init=False)
+    fmt_ids: LogprobsFormatter = field(init=False)  # tokens named token_id:N
     restarting: str | None = field(default=None, init=False)  # why, while a restart runs
     _grammar_tokenizer: Any = field(default=None, init=False, repr=False)
     grammars: GrammarCache = field(default_factory=GrammarCache, init=False, repr=False)
@@ -86,6 +99,7 @@ class ServedModel:
     def __post_init__(self) -> None:
         self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
+        self.fmt_ids = LogprobsFormatter(self.table, as_ids=True)
 
     def grammar_tokenizer(self) -> Any:
         """llguidance's view of the tokenizer, built on the first structured output (blocking:
@@ -145,6 +159,10 @@ class Serving:
     @property
     def fmt(self) -> LogprobsFormatter:
         return self.model.fmt
+
+    def formatter(self, as_ids: bool) -> LogprobsFormatter:
+        """The logprobs formatter: tokens by text, or (`as_ids`) named `token_id:N`."""
+        return self.model.fmt_ids if as_ids else self.model.fmt
 
 
 @dataclass

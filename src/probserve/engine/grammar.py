@@ -25,6 +25,24 @@ def llguidance_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) ->
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
+# llguidance's bounds on a grammar's parser, tighter than its defaults (50,000 items a step,
+# 2,000 in a row): a highly ambiguous grammar then ends after tens of tokens and ~1 s of masks
+# instead of minutes at up to 0.3 s a mask, while a 1,150-property schema (25,000 tokens)
+# still peaks under 5 ms a mask. Where one is met partway, the sequence finishes
+# "grammar_limit" (docs/logprobs.md).
+STEP_MAX_ITEMS = 10_000
+MAX_ITEMS_IN_ROW = 1_000
+
+
+def parser_limits() -> Any:
+    """The bounds every matcher of the server is built with (the API's check and the engine)."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        step_max_items=STEP_MAX_ITEMS, max_items_in_row=MAX_ITEMS_IN_ROW
+    )
+
+
 def grammar_error(grammar: str, lltok: Any, limits: Any = None) -> str:
     """Why llguidance refuses `grammar` for this tokenizer ("" when it is valid)."""
     import llguidance
@@ -33,11 +51,29 @@ def grammar_error(grammar: str, lltok: Any, limits: Any = None) -> str:
     return "" if ok_or_error.startswith("WARNING") else ok_or_error
 
 
+def first_line(error: str) -> str:
+    """llguidance's message without what follows its first line (its parser state and the
+    whole grammar: never sent to a client)."""
+    return error.strip().split("\n")[0][:500]
+
+
 def matcher_error(grammar: str, lltok: Any) -> str:
     """Why a matcher of `grammar` fails at its start ("" when it does not): what the check of
-    the grammar alone passes and the engine would still refuse (a regex that matches nothing)."""
+    the grammar alone passes and the engine would still refuse. Its first mask (a regex that
+    matches nothing fails there), then one allowed token consumed: a grammar with no finite
+    derivation (`start: "a" start`, a $ref cycle every value must take) or one whose lexer
+    explodes (`(a{1000}){1000}`) meets llguidance's bounds at its very first token."""
     import llguidance
+    import numpy as np
 
-    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-    matcher.compute_bitmask()  # some grammars fail only at their first mask
-    return matcher.get_error().split("\n")[0] if matcher.is_error() else ""
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0, limits=parser_limits())
+    words = (lltok.vocab_size + 31) // 32
+    bits = np.zeros(words, dtype=np.int32)
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, words * 4)
+    if not matcher.is_error():
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little"))
+        stops = set(lltok.eos_tokens) | {lltok.eos_token}
+        token = next((int(t) for t in allowed if int(t) not in stops), None)
+        if token is not None:
+            matcher.consume_token(token)
+    return first_line(matcher.get_error()) if matcher.is_error() else ""

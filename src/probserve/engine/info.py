@@ -39,6 +39,11 @@ def validate(req: EngineRequest, info: EngineInfo) -> int:
         )
     sp = req.sampling
     limit = info.max_context
+    if n > limit:  # the prompt alone: whatever max_tokens says
+        raise RequestError(
+            f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens",
+            "prompt",
+        )
     if sp.max_tokens is not None and n + sp.max_tokens > limit:
         raise RequestError(
             f"this model's maximum context length is {limit} tokens; the prompt has {n} tokens "

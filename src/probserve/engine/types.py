@@ -34,6 +34,9 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # an EOS or stop token id was generated (the last token: that id)
     GRAMMAR = "grammar"  # the request's grammar is complete (the last token is its last)
     LENGTH = "length"  # max_tokens (or the context) reached
+    # the grammar hit one of llguidance's bounds (a parser row, the items of a step, the
+    # lexer's states) partway: the tokens so far stand, no more can follow
+    GRAMMAR_LIMIT = "grammar_limit"
     ERROR = "error"  # the engine failed this request
 
 

@@ -51,7 +51,8 @@ async def chat_plan(
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
     if tools is not None and not echo:
-        called = tool_grammar(tools, _special_id(state, fmt))
+        closed = state.config.schema_extra_keys == "forbid"
+        called = tool_grammar(tools, _special_id(state, fmt), closed)
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param
@@ -107,6 +108,16 @@ def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
     return limit
 
 
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, object] | None:
+    """chat_template_kwargs, with reasoning_effort as the template's variable of that name (as
+    vLLM passes it: a template that reasons reads it; any other ignores it), unless the
+    kwargs set it themselves."""
+    kwargs = body.chat_template_kwargs
+    if body.reasoning_effort is None:
+        return kwargs
+    return {"reasoning_effort": body.reasoning_effort, **(kwargs or {})}
+
+
 async def chat_completion_plan(
     state: Serving, body: ChatCompletionRequest
 ) -> tuple[Plan, LogprobsAsk]:
@@ -119,7 +130,7 @@ async def chat_completion_plan(
         chat_max_tokens(body),
         ask,
         add_generation_prompt=body.add_generation_prompt,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=_template_kwargs(body),
         echo=body.echo,
         continue_final=body.continue_final_message,
         tools=tool_ask(

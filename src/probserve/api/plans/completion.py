@@ -28,6 +28,8 @@ class CompletionShape:
     best_of: int
     echo: bool
     ask: LogprobsAsk
+    as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens token_id:N
+    token_ids: bool = False  # return_token_ids: the prompt's and the completion's ids
 
 
 def _best_of(body: CompletionRequest) -> int:
@@ -69,4 +71,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     )
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
-    return plan, CompletionShape(body.n, best_of, body.echo, ask)
+    shape = CompletionShape(
+        body.n, best_of, body.echo, ask, body.return_tokens_as_token_ids, body.return_token_ids
+    )
+    return plan, shape

@@ -80,8 +80,45 @@ def _format_ask(kind: str, schema: JsonSchemaFormat | None, param: str) -> Gramm
     return GrammarAsk("json_schema", param, schema.schema_)
 
 
-def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int) -> str:
-    """The grammar in llguidance's form (the cheap size checks first)."""
+# keywords whose value is a schema, a list of schemas, or a map of name -> schema
+_SCHEMA = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then",
+           "else", "unevaluatedItems", "unevaluatedProperties", "additionalItems")  # fmt: skip
+_SCHEMAS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema: Any, close: bool = True) -> Any:
+    """`schema` with every object schema that names its properties and does not say
+    `additionalProperties` (or `unevaluatedProperties`) closed to keys it names, as vLLM's
+    default backend and llama.cpp read schemas: a model given `{name, country}` writes those
+    keys, not a third. An allOf branch is not closed itself (its keys are its siblings' too).
+    A new value; the schema given is not changed."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = dict(schema)
+    for key in _SCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_objects(s, close=False) for s in out["allOf"]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    names_keys = "properties" in out or "patternProperties" in out
+    said = "additionalProperties" in out or "unevaluatedProperties" in out
+    if close and names_keys and not said:
+        out["additionalProperties"] = False
+    return out
+
+
+def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int, closed: bool = True) -> str:
+    """The grammar in llguidance's form (the cheap size checks first). `closed`: object schemas
+    that do not say additionalProperties take no other keys (`closed_objects`)."""
     import llguidance
 
     source = ask.source
@@ -95,8 +132,8 @@ def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int) -> str:
                 ) from None
         if not isinstance(source, (dict, bool)):
             raise bad_request(f"{ask.param} must be a JSON schema (an object)", ask.param)
-        text = json.dumps(source)
-        _check_size(len(text), max_chars, ask.param)
+        _check_size(len(json.dumps(source)), max_chars, ask.param)
+        text = json.dumps(closed_objects(source) if closed else source)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -142,7 +179,8 @@ def _checked(ask: GrammarAsk, state: Serving) -> str:
     cached = state.model.grammars.get(key) if key is not None else None
     if cached is not None:
         return cached
-    grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices)
+    closed = state.config.schema_extra_keys == "forbid"
+    grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices, closed)
     error = grammar_error(grammar, state.model.grammar_tokenizer())
     error = error or matcher_error(grammar, state.model.grammar_tokenizer())
     if error:

@@ -36,8 +36,10 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     if isinstance(body.input, str):
         out.append(ChatMessage(role="user", content=body.input))
         return out
-    for item in body.input:
+    calls: set[str] = set()  # the call ids made so far: an output answers one of them
+    for i, item in enumerate(body.input):
         if isinstance(item, FunctionCallInput):
+            calls.add(item.call_id)
             call = ToolCall(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )
@@ -47,6 +49,12 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputInput):
+            if item.call_id not in calls:
+                raise bad_request(
+                    f"function_call_output answers call_id {item.call_id!r}, which no earlier "
+                    "function_call item made",
+                    f"input[{i}].call_id",
+                )
             out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         else:
             content = item.content
@@ -68,6 +76,11 @@ def _tools(state: Serving, body: ResponsesRequest) -> ToolAsk | None:
     return tool_ask(functions, choice, body.parallel_tool_calls, tool_format(state))
 
 
+# what `include` may name: the logprobs, and the reasoning items' encrypted content (which
+# inspect-ai always asks for): no model served writes reasoning items, so it adds nothing
+INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content"})
+
+
 def _refuse_unserved(body: ResponsesRequest) -> None:
     if body.previous_response_id is not None:
         raise bad_request(
@@ -77,7 +90,7 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         )
     if body.n != 1:
         raise bad_request("n must be 1 for responses", "n")
-    unknown = [i for i in body.include or () if i != LOGPROBS_INCLUDE]
+    unknown = [i for i in body.include or () if i not in INCLUDES]
     if unknown:
         raise bad_request(f"include {unknown[0]!r} is not supported", "include")
 

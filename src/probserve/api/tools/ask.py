@@ -63,11 +63,12 @@ def _definition(f: FunctionDefinition) -> dict[str, Any]:
     out: dict[str, Any] = {"name": f.name}
     if f.description is not None:
         out["description"] = f.description
-    out["parameters"] = f.parameters if f.parameters is not None else _NO_ARGUMENTS
+    out["parameters"] = f.parameters if f.parameters is not None else NO_ARGUMENTS
     return out
 
 
-_NO_ARGUMENTS = {"type": "object", "properties": {}}
+# a function without `parameters` takes none: its arguments are "{}" (docs/tools.md)
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_ask(

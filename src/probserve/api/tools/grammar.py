@@ -10,16 +10,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from probserve.api.plans.grammar import JSON_OPTIONS, GrammarAsk
-from probserve.api.tools.ask import ToolAsk
+from probserve.api.plans.grammar import JSON_OPTIONS, GrammarAsk, closed_objects
+from probserve.api.tools.ask import NO_ARGUMENTS, ToolAsk
 from probserve.api.tools.formats import ToolParser
 
 
-def call_schema(ask: ToolAsk, arguments: str = "arguments") -> dict[str, Any]:
-    """One call: {"name": one of the offered functions, `arguments`: that one's schema}."""
+def call_schema(ask: ToolAsk, arguments: str = "arguments", closed: bool = True) -> dict[str, Any]:
+    """One call: {"name": one of the offered functions, `arguments`: that one's schema (its
+    objects `closed`: no keys it does not name, unless it says additionalProperties)}."""
     options = []
     for f in ask.offered:
-        schema = f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+        schema = f.parameters if f.parameters is not None else NO_ARGUMENTS
+        schema = closed_objects(schema) if closed else schema
         options.append(
             {
                 "type": "object",
@@ -31,9 +33,13 @@ def call_schema(ask: ToolAsk, arguments: str = "arguments") -> dict[str, Any]:
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def generic_schema(ask: ToolAsk) -> dict[str, Any]:
+def generic_schema(ask: ToolAsk, closed: bool = True) -> dict[str, Any]:
     """The generic format's reply: {"tool_calls": [calls]} or, for "auto", {"content": text}."""
-    calls: dict[str, Any] = {"type": "array", "items": call_schema(ask), "minItems": 1}
+    calls: dict[str, Any] = {
+        "type": "array",
+        "items": call_schema(ask, closed=closed),
+        "minItems": 1,
+    }
     if ask.most_calls is not None:
         calls["maxItems"] = ask.most_calls
     reply = {
@@ -53,15 +59,16 @@ def generic_schema(ask: ToolAsk) -> dict[str, Any]:
     return {"anyOf": [reply, content]}
 
 
-def tool_grammar(ask: ToolAsk, special_id: int | None) -> GrammarAsk | None:
+def tool_grammar(ask: ToolAsk, special_id: int | None, closed: bool = True) -> GrammarAsk | None:
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
-    where it is a special token (Mistral's [TOOL_CALLS])."""
+    where it is a special token (Mistral's [TOOL_CALLS]); `closed`: the arguments' objects
+    take no keys they do not name, unless they say additionalProperties."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
-        return GrammarAsk("json_schema", "tools", generic_schema(ask))
+        return GrammarAsk("json_schema", "tools", generic_schema(ask, closed))
     if not ask.forced and ask.parallel and not ask.strict:
         return None
-    schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments)}
+    schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments, closed)}
     call = f"%json {json.dumps(schema)}"
     if fmt.parser is ToolParser.HERMES:
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'

@@ -24,12 +24,14 @@ _PYTHON_TAG = "<|python_tag|>"
 
 @dataclass
 class CallDelta:
-    """Part of call `index`: the first has its id and name, any may add arguments."""
+    """Part of call `index`: the first has its id and name, any may add arguments; `done`: the
+    call's object closed in this delta (its arguments are whole)."""
 
     index: int
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+    done: bool = False
 
 
 @dataclass
@@ -61,15 +63,19 @@ class Call:
     id: str
     name: str
     arguments: str
+    complete: bool = False  # its object closed (not cut short by a length limit)
 
 
 class ReplyParser:
     """One candidate's reply in `fmt`. States: "content", "opened" (after an opener, before
     an object), "object" (in a call object), "between" (after an object: a separator, a
-    closer, or the end of the calls), "string" (generic: the content string)."""
+    closer, or the end of the calls), "string" (generic: the content string). `forced`: a
+    grammar makes the reply calls only (tool_choice "required" or a named function), so text
+    cut short before a call's name is known is no content: it is dropped."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, forced: bool = False) -> None:
         self.fmt = fmt
+        self.forced = forced
         self.calls: list[Call] = []
         self._state = "start"
         self._held = ""  # text that may still be a call, or whitespace before one
@@ -91,6 +97,12 @@ class ReplyParser:
         return self._take()
 
     def close(self) -> ReplyDelta:
+        if self.forced and self._state != "content":  # calls only: a cut call's start is none
+            if self._object is not None and self._object.name is not None:
+                self._finish_object()
+            self._held = ""
+            self._flush_content(final=True)
+            return self._take()
         if self._state == "object" and self._object is not None:
             if self._object.name is None:  # never became a call: it was content
                 self._content(self._held + self._object.raw)
@@ -229,6 +241,14 @@ class ReplyParser:
         obj = self._object
         if obj is not None and obj.name is not None and not obj.done:
             self._arguments(obj)  # cut short (a length limit): what it wrote, and no more
+        if obj is not None and obj.name is not None and obj.done:
+            index = len(self.calls) - 1
+            self.calls[index].complete = True
+            last = self._out.calls[-1] if self._out.calls else None
+            if last is not None and last.index == index:
+                last.done = True
+            else:
+                self._out.calls.append(CallDelta(index, done=True))
         self._object = None
         self._state = "between"
         self._held = ""
@@ -338,9 +358,9 @@ def _escape_whole(escape: str) -> bool:
     return len(escape) == 12
 
 
-def whole_reply(fmt: ToolFormat, text: str) -> ReplyParser:
+def whole_reply(fmt: ToolFormat, text: str, forced: bool = False) -> ReplyParser:
     """A whole reply, parsed as its stream would be."""
-    parser = ReplyParser(fmt)
+    parser = ReplyParser(fmt, forced)
     for at in range(0, len(text), 64):  # in pieces, as a stream: what is held stays short
         parser.feed(text[at : at + 64])
     parser.close()

@@ -11,6 +11,7 @@ sequences, and the engine goes on serving.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
@@ -21,6 +22,7 @@ from probserve.engine.core.sampler import SamplerResult, SamplerRow, sample
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput
+from probserve.engine.grammar import first_line
 from probserve.engine.info import EngineInfo, validate
 from probserve.engine.types import (
     EngineOutput,
@@ -54,6 +56,7 @@ class EngineCore:
             self.context_length = self.config.max_model_len
         self.eos_ids = loaded.eos_token_ids
         self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_ids)
+        self._deferred: list[EngineRequest] = []  # waiting for their grammar's set-up (apply)
         num_blocks = self.choice.num_blocks
         # the runner (weights packed, KV cache allocated) is built by the thread that steps the
         # engine: torch runs markedly slower on a thread other than the one that first used it
@@ -138,7 +141,7 @@ class EngineCore:
             self.scheduler.finish(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     def stats(self) -> dict[str, float]:
         """waiting, running and held_caches (counts), kv_cache_usage and kv_cache_resident (the
@@ -221,9 +224,13 @@ class EngineCore:
                 continue
             token = int(result.token_ids[j])
             matcher = seq.matcher
-            consumed = matcher is None or token in seq.stop_ids or matcher.consume_token(token)
+            # a limit met while the mask was computed (it then allows only the stop ids), or
+            # while the sampled token is consumed: the grammar ends here, cleanly
+            consumed = matcher is None or (
+                not matcher.is_error() and (token in seq.stop_ids or matcher.consume_token(token))
+            )
             if not consumed:
-                outputs.append(self._fail(seq, f"the grammar: {matcher.get_error()}"))
+                outputs.append(self._grammar_limit(seq, matcher))
                 continue
             finish = self.scheduler.append_token(seq, token)
             if finish is None and matcher is not None and matcher.is_stopped():
@@ -243,13 +250,22 @@ class EngineCore:
     # ---- for the host loop ------------------------------------------------------------------
     def apply(self, adds: list[EngineRequest], aborts: list[str]) -> list[EngineOutput]:
         """Queue new requests and drop aborted ones; a request that cannot be added gets an
-        error output (it fails alone)."""
+        error output (it fails alone). At most one grammar not seen before is set up a call
+        (its matcher built: up to a fraction of a second for a big schema); requests that need
+        another wait for the next call, so the running ones keep stepping in between."""
         outputs: list[EngineOutput] = []
         aborted = set(aborts)
+        adds, self._deferred = [*self._deferred, *adds], []
+        built = False
         for req in adds:
             if req.request_id in aborted:
                 aborted.discard(req.request_id)
                 continue
+            if req.grammar is not None and not self.grammars.ready(req.grammar):
+                if built:
+                    self._deferred.append(req)
+                    continue
+                built = True
             try:
                 self.add_request(req)
             except RequestError as exc:
@@ -308,6 +324,16 @@ class EngineCore:
             queue_time=seq.queue_time,
             cached_tokens=seq.cached_tokens,
         )
+
+    def _grammar_limit(self, seq: Sequence, matcher: Any) -> EngineOutput:
+        """The sequence ends where its grammar met a bound of llguidance's (the sampled token
+        is not appended); what the bound was is logged, never sent (it holds the grammar)."""
+        log.warning(
+            "request %s: its grammar met a limit after %d tokens: %s",
+            seq.request_id, len(seq.output_ids), first_line(matcher.get_error()),
+        )  # fmt: skip
+        self.scheduler.finish(seq)
+        return self._output(seq, FinishReason.GRAMMAR_LIMIT)
 
     def _fail(self, seq: Sequence, message: str) -> EngineOutput:
         log.warning("request %s failed: %s", seq.request_id, message)

@@ -1,6 +1,8 @@
 """Constrained decoding in the engine: one llguidance matcher per sequence with a grammar,
 the tokens it allows at each step as a boolean row over the model's vocabulary, and the
-tokens it consumes as they are sampled.
+tokens it consumes as they are sampled. A grammar's matcher is built once and kept at its
+start (the most recent TEMPLATES of them): each sequence gets a copy (microseconds, where a
+build is up to a fraction of a second), so n candidates of one schema cost one build.
 
 The matcher's state is the sequence's output tokens, which outlive preemption (recompute
 keeps them), so nothing needs replaying; the stop ids (EOS, stop_token_ids) are allowed
@@ -8,14 +10,17 @@ wherever the grammar may end."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from probserve.engine.grammar import llguidance_tokenizer
+from probserve.engine.grammar import first_line, llguidance_tokenizer, parser_limits
 from probserve.engine.types import RequestError
+
+TEMPLATES = 32  # grammars whose pristine matcher is kept
 
 
 class Grammars:
@@ -27,6 +32,7 @@ class Grammars:
         self._eos = sorted(eos_ids)
         self._lltok: Any = None
         self._pool: ThreadPoolExecutor | None = None  # the masks' thread, started on first use
+        self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar -> matcher at its start
 
     def start(self, seqs: list[Any]) -> Future[dict[str, torch.Tensor]]:
         """The masks of `seqs` that have a grammar (by request id), computed on a thread of
@@ -52,14 +58,28 @@ class Grammars:
             self._lltok = llguidance_tokenizer(self._hf, self.vocab_size, self._eos)
         return self._lltok
 
+    def ready(self, grammar: str) -> bool:
+        """Whether `grammar`'s matcher is built (a new sequence of it costs a copy)."""
+        return grammar in self._templates
+
     def matcher(self, grammar: str) -> Any:
-        """A matcher at the grammar's start; a grammar llguidance refuses is a RequestError."""
+        """A matcher at the grammar's start (a copy of the kept one); a grammar llguidance
+        refuses is a RequestError."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"the grammar is not valid: {matcher.get_error()}", "grammar")
-        return matcher
+        template = self._templates.get(grammar)
+        if template is None:
+            template = llguidance.LLMatcher(
+                self.tokenizer(), grammar, log_level=0, limits=parser_limits()
+            )
+            if template.is_error():
+                why = first_line(template.get_error())
+                raise RequestError(f"the grammar is not valid: {why}", "grammar")
+            self._templates[grammar] = template
+            while len(self._templates) > TEMPLATES:
+                self._templates.popitem(last=False)
+        self._templates.move_to_end(grammar)
+        return template.deep_copy()
 
     def allowed(self, matcher: Any, stop_ids: frozenset[int]) -> torch.Tensor:
         """bool [vocab]: the tokens the grammar allows next (the stop ids where it may end)."""
