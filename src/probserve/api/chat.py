@@ -116,7 +116,7 @@ def _message(run: Run, text: str) -> tuple[AssistantMessage, ReplyParser | None]
     tools = run.plan.tools
     if tools is None:
         return AssistantMessage(content=text), None
-    reply = whole_reply(tools.fmt, text, tools.forced)
+    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer)
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls
@@ -235,7 +235,7 @@ async def _stream(
         list(run.plan.prompts[0].ids) if body.return_token_ids else None,
     )
     tools = run.plan.tools
-    replies = [ReplyParser(tools.fmt, tools.forced) if tools else None for _ in run.candidates]
+    replies = [ReplyParser.of(tools) if tools else None for _ in run.candidates]
     async for i, delta in run.deltas():
         if delta.prompt_scores is not None and body.prompt_logprobs is not None:
             # the prompt's scores: formatted off the loop, as the non-streamed answer is

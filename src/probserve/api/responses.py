@@ -73,7 +73,7 @@ class _Reply:
         self.logprobs: list[ChatLogprobEntry] = []
         self.finish: str | None = None
         tools = run.plan.tools
-        self.parser = ReplyParser(tools.fmt, tools.forced) if tools is not None else None
+        self.parser = ReplyParser.of(tools) if tools is not None else None
         self.calls: list[_Call] = []
         self.order: list[int | None] = [] if tools is not None else [None]  # None: the message
         self._pending: list[Piece] = []  # pieces whose text the parser still holds

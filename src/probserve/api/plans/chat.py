@@ -4,6 +4,7 @@ generated and prompt tokens; chat echo scores the final assistant message instea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from probserve.api.errors import bad_request
@@ -43,16 +44,18 @@ async def chat_plan(
     )
     dicts = check_messages(limits, messages, tools.chars() if tools is not None else 0)
     fmt = tool_format(state)
+    if tools is not None and (echo or continue_final):  # the prompt's end is the client's
+        tools = dataclasses.replace(tools, prime=False)
     shown = tool_prompt(dicts, tools, fmt)
     kwargs = {**check_template_kwargs(template_kwargs), **shown.template_kwargs}
     prompt = await off_loop(
-        chat_prompt, state.loaded, state.table, shown.messages, add_generation_prompt, kwargs,
-        echo, continue_final,
+        chat_prompt, state.loaded, state.table, shown.messages,
+        add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
     if tools is not None and not echo:
         closed = state.config.schema_extra_keys == "forbid"
-        called = tool_grammar(tools, _special_id(state, fmt), closed)
+        called = tool_grammar(tools, _special_id(state, fmt), closed, shown.primed)
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from probserve.api.errors import bad_request
 from probserve.api.protocol import FunctionDefinition, NamedToolChoice, ToolChoice
-from probserve.api.tools.formats import ToolFormat
+from probserve.api.tools.formats import ToolFormat, ToolParser
 
 
 @dataclass(frozen=True)
@@ -24,11 +24,24 @@ class ToolAsk:
     parallel: bool
     fmt: ToolFormat
     named: str | None = None
+    prime: bool = True  # the prompt may hold the reply's certain start (`primer`)
 
     @property
     def forced(self) -> bool:
         """The reply must be calls (required, or a named function)."""
         return self.choice != "auto"
+
+    @property
+    def primer(self) -> str:
+        """What the reply is sure to begin with, written into the prompt so it costs no
+        `max_tokens` (the model continues it): for a generic-format reply that must be calls,
+        the wrapper up to the function's name (`required`) or its arguments (a named function).
+        Native formats and "auto" have none."""
+        if self.fmt.parser is not ToolParser.GENERIC or not self.forced or not self.prime:
+            return ""
+        if self.choice == "named":
+            return f'{{"tool_calls": [{{"name": {json.dumps(self.named)}, "arguments": '
+        return '{"tool_calls": [{"name": "'
 
     @property
     def most_calls(self) -> int | None:

@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 from probserve.api.plans.grammar import JSON_OPTIONS, GrammarAsk, closed_objects
+from probserve.api.protocol import FunctionDefinition
 from probserve.api.tools.ask import NO_ARGUMENTS, ToolAsk
 from probserve.api.tools.formats import ToolParser
 
@@ -59,12 +60,47 @@ def generic_schema(ask: ToolAsk, closed: bool = True) -> dict[str, Any]:
     return {"anyOf": [reply, content]}
 
 
-def tool_grammar(ask: ToolAsk, special_id: int | None, closed: bool = True) -> GrammarAsk | None:
+def primed_grammar(ask: ToolAsk, closed: bool = True) -> str:
+    """The generic format's calls after `ask.primer` (in the prompt): a named function's
+    arguments and the wrapper's close; or each call's name (one of the offered), its arguments
+    and the object's close, with more calls where several may be, then the list's close."""
+
+    def arguments(f: FunctionDefinition) -> str:
+        schema = f.parameters if f.parameters is not None else NO_ARGUMENTS
+        schema = closed_objects(schema) if closed else schema
+        return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **_object_schema(schema)})}"
+
+    if ask.choice == "named":
+        (f,) = ask.offered
+        return f"start: args {json.dumps('}]}')}\nargs: {arguments(f)}"
+    rules = []
+    for i, f in enumerate(ask.offered):
+        head = json.dumps(f'{f.name}", "arguments": ')
+        rules.append(f"f{i}: {head} a{i} {json.dumps('}')}\na{i}: {arguments(f)}")
+    call = " | ".join(f"f{i}" for i in range(len(ask.offered)))
+    again = json.dumps(', {"name": "')
+    more = "" if ask.most_calls == 1 else f" ({again} call)*"
+    return "\n".join([f"start: call{more} {json.dumps(']}')}", f"call: {call}", *rules])
+
+
+def _object_schema(schema: Any) -> dict[str, Any]:
+    """A schema as a dict (a boolean schema: true is any value, false none)."""
+    if isinstance(schema, dict):
+        return schema
+    return {} if schema else {"not": {}}
+
+
+def tool_grammar(
+    ask: ToolAsk, special_id: int | None, closed: bool = True, primed: bool = False
+) -> GrammarAsk | None:
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
     where it is a special token (Mistral's [TOOL_CALLS]); `closed`: the arguments' objects
-    take no keys they do not name, unless they say additionalProperties."""
+    take no keys they do not name, unless they say additionalProperties; `primed`: the reply
+    begins after `ask.primer`, which the prompt holds."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
+        if primed:
+            return GrammarAsk("lark", "tools", primed_grammar(ask, closed))
         return GrammarAsk("json_schema", "tools", generic_schema(ask, closed))
     if not ask.forced and ask.parallel and not ask.strict:
         return None

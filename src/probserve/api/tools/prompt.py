@@ -22,6 +22,7 @@ class ToolPrompt:
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any]
     origins: list[int | None]
+    primed: bool = False  # the last message is the reply's primer, to be continued
 
     def request_sources(
         self, sources: list[tuple[int | None, str]], request: list[dict[str, Any]]
@@ -88,17 +89,24 @@ def _value(text: str) -> Any:
 
 
 def tool_prompt(dicts: list[dict[str, Any]], ask: ToolAsk | None, fmt: ToolFormat) -> ToolPrompt:
+    """The messages and template arguments that show the tools; a reply that must be calls in
+    the generic format begins in the prompt (`ToolAsk.primer`, an assistant turn continued)."""
     origins: list[int | None] = list(range(len(dicts)))
     if fmt.native:
         kwargs = {"tools": ask.template_tools()} if ask is not None else {}
         return ToolPrompt(dicts, kwargs, origins)
     messages = [_generic_history(m) for m in dicts]
-    if ask is not None:
-        text = generic_instructions(ask)
-        if messages and messages[0]["role"] == "system":
-            first = messages[0]
-            messages[0] = {**first, "content": f"{first['content']}\n\n{text}".lstrip()}
-        else:
-            messages.insert(0, {"role": "system", "content": text})
-            origins.insert(0, None)
+    if ask is None:
+        return ToolPrompt(messages, {}, origins)
+    text = generic_instructions(ask)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        messages[0] = {**first, "content": f"{first['content']}\n\n{text}".lstrip()}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+        origins.insert(0, None)
+    if ask.primer:  # the reply's certain start, as an assistant turn to continue
+        messages.append({"role": "assistant", "content": ask.primer})
+        origins.append(None)
+        return ToolPrompt(messages, {}, origins, primed=True)
     return ToolPrompt(messages, {}, origins)

@@ -13,6 +13,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from probserve.api.tools.ask import ToolAsk
 from probserve.api.tools.call_object import CallObject
 from probserve.api.tools.formats import ToolFormat, ToolParser
 
@@ -73,7 +74,7 @@ class ReplyParser:
     grammar makes the reply calls only (tool_choice "required" or a named function), so text
     cut short before a call's name is known is no content: it is dropped."""
 
-    def __init__(self, fmt: ToolFormat, forced: bool = False) -> None:
+    def __init__(self, fmt: ToolFormat, forced: bool = False, primer: str = "") -> None:
         self.fmt = fmt
         self.forced = forced
         self.calls: list[Call] = []
@@ -86,6 +87,13 @@ class ReplyParser:
         self._all = _Text()  # all content sent
         self.content_sent = False
         self._listed = False
+        for c in primer:  # the reply's start, in the prompt: what it says goes out with `feed`
+            self._char(c)
+
+    @classmethod
+    def of(cls, ask: ToolAsk) -> ReplyParser:
+        """The parser of a reply to `ask` (its format, forced or not, its primer)."""
+        return cls(ask.fmt, ask.forced, ask.primer)
 
     # ---- the two entry points ----------------------------------------------------------------
 
@@ -358,9 +366,9 @@ def _escape_whole(escape: str) -> bool:
     return len(escape) == 12
 
 
-def whole_reply(fmt: ToolFormat, text: str, forced: bool = False) -> ReplyParser:
+def whole_reply(fmt: ToolFormat, text: str, forced: bool = False, primer: str = "") -> ReplyParser:
     """A whole reply, parsed as its stream would be."""
-    parser = ReplyParser(fmt, forced)
+    parser = ReplyParser(fmt, forced, primer)
     for at in range(0, len(text), 64):  # in pieces, as a stream: what is held stays short
         parser.feed(text[at : at + 64])
     parser.close()
