@@ -354,6 +354,82 @@ def big_logprobs_answers(ctx: Ctx) -> str | None:
     return expect(ctx.client.post("/v1/chat/completions", json=body, timeout=600), 200)
 
 
+DEEP = "[" * 5000 + "]" * 5000  # JSON text nested far past any bound
+
+
+def deep_json_texts(ctx: Ctx) -> str | None:
+    """Every JSON string of a client's that the server parses: a 400 naming it."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    msgs = [{"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": DEEP}]  # fmt: skip
+    items = [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP}]
+    return first_problem(
+        completion(ctx, 400, "guided_json", max_tokens=1, guided_json=DEEP),
+        chat(ctx, 400, "messages[0].tool_calls[0].function.arguments", messages=msgs),
+        chat(ctx, 400, "messages[1].content", messages=[{"role": "user", "content": "x"}, msgs[1]]),
+        expect(ctx.client.post("/v1/responses", json={"input": items}), 400),
+        expect(ctx.client.post("/tokenize", json={"messages": msgs}), 400),
+    )
+
+
+def hostile_grammars(ctx: Ctx) -> str | None:
+    """Grammars that meet llguidance's bounds: at their first token a 400 at admission; an
+    ambiguous one partway, a clean `grammar_limit` finish (never a 500)."""
+    ref = {
+        "$ref": "#/$defs/a",
+        "$defs": {
+            "a": {"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/a"}}}
+        },
+    }
+    ambiguous = 'start: s\ns: s s s s s s | "a" | ""'
+    r = ctx.client.post(
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 200, "temperature": 0, "guided_grammar": ambiguous},
+    )
+    limit = (
+        None
+        if r.status_code == 200
+        and r.json()["choices"][0]["finish_reason"] in ("grammar_limit", "length", "stop")
+        else f"ambiguous grammar: {r.status_code} {r.text[:200]}"
+    )
+    return first_problem(
+        completion(ctx, 400, "guided_grammar", max_tokens=5, guided_grammar='start: "a" start'),
+        completion(ctx, 400, "guided_json", max_tokens=5, guided_json=ref),
+        completion(ctx, 400, "guided_regex", max_tokens=5, guided_regex="(a{1000}){1000}"),
+        limit,
+    )
+
+
+def unknown_keys(ctx: Ctx) -> str | None:
+    """300,000 unknown keys (3.5 MB): refused at the 17th, not one error each."""
+    body = {"prompt": "x", **{f"k{i}": 1 for i in range(300_000)}}
+    return completion(ctx, 400, "k16", **body)
+
+
+def n64_heavy_schema(ctx: Ctx) -> str | None:
+    """n = 64 with a 1,150-property schema: one matcher built, not 64; a one-token request sent
+    meanwhile answers within a few seconds."""
+    formats = ["email", "date-time", "uuid", "date", "time", "ipv4", "hostname", "uri"]
+    props = {f"f{i:04d}": {"type": "string", "format": formats[i % 8]} for i in range(1150)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    result: dict[str, object] = {}
+
+    def heavy() -> None:
+        body = {"prompt": "JSON:", "max_tokens": 8, "n": 64, "guided_json": schema}
+        result["heavy"] = ctx.client.post("/v1/completions", json=body, timeout=600).status_code
+
+    thread = threading.Thread(target=heavy)
+    thread.start()
+    time.sleep(0.5)
+    started = time.perf_counter()
+    quick = ctx.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    waited = time.perf_counter() - started
+    thread.join()
+    if quick.status_code != 200 or result.get("heavy") != 200:
+        return f"statuses: quick {quick.status_code}, heavy {result.get('heavy')}"
+    return f"the one-token request waited {waited:.1f} s" if waited > 5 else None
+
+
 CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("huge_seeds", huge_seeds),
     ("long_id_prompts", long_id_prompts),
@@ -374,6 +450,10 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("big_distributions", big_distributions),
     ("slow_distribution_readers", slow_distribution_readers),
     ("big_logprobs_answers", big_logprobs_answers),
+    ("deep_json_texts", deep_json_texts),
+    ("hostile_grammars", hostile_grammars),
+    ("unknown_keys", unknown_keys),
+    ("n64_heavy_schema", n64_heavy_schema),
 ]
 
 

@@ -140,7 +140,7 @@ def test_messages_input_and_errors(client: openai.OpenAI, http):  # type: ignore
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),  # function tools only
         ({"top_logprobs": 21}, "top_logprobs"),
-        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format"),  # no schema
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
     ):

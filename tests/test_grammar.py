@@ -156,13 +156,14 @@ def test_the_api_compiles_and_checks_a_grammar_once(smol: LoadedModel, monkeypat
 
     lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
     model = SimpleNamespace(grammars=GrammarCache(2), grammar_tokenizer=lambda: lltok)
-    state = SimpleNamespace(config=SimpleNamespace(limits=Limits()), model=model)
+    config = SimpleNamespace(limits=Limits(), schema_extra_keys="forbid")
+    state = SimpleNamespace(config=config, model=model)
     compiled: list[str] = []
     real = plans_grammar.compile_grammar
 
-    def counting(ask: GrammarAsk, *limits: int) -> str:
+    def counting(ask: GrammarAsk, *limits: int | bool) -> str:
         compiled.append(ask.kind)
-        return real(ask, *limits)
+        return real(ask, *limits)  # type: ignore[arg-type]
 
     monkeypatch.setattr(plans_grammar, "compile_grammar", counting)
     ask = GrammarAsk("json_schema", "response_format", SCHEMA)
@@ -177,3 +178,49 @@ def test_the_api_compiles_and_checks_a_grammar_once(smol: LoadedModel, monkeypat
     with pytest.raises(APIError):  # a bad grammar is refused every time, and never kept
         plans_grammar._checked(GrammarAsk("regex", "x", "(unclosed"), state)  # type: ignore[arg-type]
     assert len(model.grammars) == 2
+
+
+def test_one_matcher_is_built_per_grammar_and_copied(smol: LoadedModel, monkeypatch):
+    import llguidance
+
+    built: list[str] = []
+    real = llguidance.LLMatcher
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append("x")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    grammars = Grammars(smol.tokenizer, smol.vocab_size, frozenset(smol.eos_token_ids))
+    grammar = _grammar("json_schema", SCHEMA)
+    first, second = grammars.matcher(grammar), grammars.matcher(grammar)
+    assert len(built) == 1 and grammars.ready(grammar)
+    token = int(np.flatnonzero(grammars.allowed(first, frozenset({2})).numpy())[0])
+    assert first.consume_token(token)
+    # the copies are independent: the second is still at the grammar's start
+    assert (
+        grammars.allowed(second, frozenset({2})).numpy().tolist()
+        == grammars.allowed(grammars.matcher(grammar), frozenset({2})).numpy().tolist()
+    )
+
+
+def test_one_new_grammar_is_set_up_a_step(smol: LoadedModel, core: EngineCore):
+    a = _grammar("json_schema", {**SCHEMA, "title": "a"})
+    b = _grammar("json_schema", {**SCHEMA, "title": "b"})
+    reqs = [_request(smol, f"g{i}", "A person:", g, n=4) for i, g in enumerate((a, a, b))]
+    outputs = core.apply(reqs, [])
+    assert outputs == [] and core.scheduler.find("g0") and core.scheduler.find("g1")
+    assert core.scheduler.find("g2") is None and core.has_work()  # b waits for the next call
+    core.apply([], [])
+    assert core.scheduler.find("g2") is not None
+    while core.has_work():
+        core.step()
+
+
+def test_a_grammar_that_meets_a_bound_partway_ends_cleanly(smol: LoadedModel, core: EngineCore):
+    ambiguous = _grammar("grammar", 'start: s\ns: s s s s s s | "a" | ""')
+    outs = run_core(core, [_request(smol, "amb", "x", ambiguous, n=300)])["amb"]
+    assert outs[-1].finish_reason == FinishReason.GRAMMAR_LIMIT and outs[-1].error is None
+    assert 0 < len(_tokens(outs)) < 300
+    assert not core.has_work() and core.stats()["held_caches"] == 0

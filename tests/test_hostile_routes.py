@@ -436,6 +436,130 @@ def test_a_hung_up_stream_is_logged_and_counted(served, c: httpx.Client, caplog,
     assert count() == before + 1
 
 
+def test_a_hung_up_responses_stream_is_logged_and_counted(served, c: httpx.Client, caplog):
+    def count() -> float:
+        text = c.get("/metrics").text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("http_requests_total{") and "/v1/responses" in line
+        )
+
+    before = count()
+    body = {"input": "Count", "max_output_tokens": 200, "ignore_eos": True, "stream": True}
+    with caplog.at_level(logging.INFO, logger="probserve.access"):
+        with c.stream("POST", "/v1/responses", json=body) as s:
+            next(s.iter_lines())  # one event, then hang up
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and count() < before + 1:
+            time.sleep(0.05)
+    assert any("POST /v1/responses 499" in r.getMessage() for r in caplog.records)
+    assert count() == before + 1
+
+
+def test_small_errors_name_the_right_field(c: httpx.Client, after_check: None):
+    bad = {"query": 5, "items": ["a"], "label_token_ids": [1]}
+    error_of(c.post("/v1/score", json=bad), 400, "query")
+    long = {"prompt": [504] * 9000, "max_tokens": 5}  # past the whole context: the prompt's
+    error_of(c.post("/v1/completions", json=long), 400, "prompt")
+    fits = {"prompt": [504] * 8000, "max_tokens": 500}  # fits, with max_tokens it does not
+    error_of(c.post("/v1/completions", json=fits), 400, "max_tokens")
+    orphan = [{"type": "function_call_output", "call_id": "nope", "output": "3"}]
+    error_of(c.post("/v1/responses", json={"input": orphan}), 400, "input[0].call_id")
+
+
+# ---- client JSON texts, unknown keys, grammars that meet llguidance's bounds ------------------
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+def test_deep_json_texts_are_400s_naming_the_field(c: httpx.Client, after_check: None):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    calls = {"role": "assistant", "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": "c1", "content": DEEP}
+    user = {"role": "user", "content": "x"}
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "x", "guided_json": DEEP}, "guided_json"),
+        ("/v1/chat/completions", {"messages": [calls, user]},
+         "messages[0].tool_calls[0].function.arguments"),
+        ("/v1/chat/completions", {"messages": [user, result]}, "messages[1].content"),
+        ("/v1/chat/completions", {"messages": [user], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": DEEP}}},
+         "response_format.json_schema.schema"),
+        ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "f",
+                                      "arguments": DEEP}]}, "input[0].arguments"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1",
+                                      "output": DEEP}]}, "input[0].output"),
+        ("/tokenize", {"messages": [calls, user]}, "messages[0].tool_calls[0].function.arguments"),
+    ):  # fmt: skip
+        err = error_of(c.post(path, json=body), 400, param)
+        assert "nested" in err["message"], err
+
+
+def test_a_body_of_unknown_keys_is_refused_at_once(served, c: httpx.Client, after_check: None):
+    raw = b'{"prompt": "x", ' + b", ".join(b'"k%d": 1' % i for i in range(300_000)) + b"}"
+    r, worst, grew = watched(served[0], lambda: post_raw(c, "/v1/completions", raw))
+    err = error_of(r, 400, "k16")  # type: ignore[arg-type]
+    assert err["code"] == "unknown_parameter"
+    assert worst < HEALTH_BOUND_S, f"/health took {worst:.2f} s"
+    assert grew < 200, f"the server grew {grew:.0f} MB"  # the parsed body itself, ~60 MB
+
+
+def test_grammars_that_meet_llguidances_bounds(c: httpx.Client, after_check: None):
+    ref = {
+        "$ref": "#/$defs/a",
+        "$defs": {
+            "a": {"type": "object", "required": ["x"], "properties": {"x": {"$ref": "#/$defs/a"}}}
+        },
+    }
+    for field, grammar in (
+        ("guided_grammar", 'start: "a" start'),
+        ("guided_json", ref),
+        ("guided_regex", "(a{1000}){1000}"),
+    ):
+        err = error_of(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5,
+                                                       field: grammar}), 400, field)  # fmt: skip
+        assert "<state>" not in err["message"] and "<grammar>" not in err["message"]
+    # met partway: the tokens so far and a finish reason that says why, streamed or not
+    ambiguous = {"prompt": "x", "max_tokens": 300, "temperature": 0,
+                 "guided_grammar": 'start: s\ns: s s s s s s | "a" | ""'}  # fmt: skip
+    choice = c.post("/v1/completions", json=ambiguous).json()["choices"][0]
+    assert choice["finish_reason"] == "grammar_limit" and set(choice["text"]) == {"a"}
+    with c.stream("POST", "/v1/completions", json={**ambiguous, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"error"' not in "".join(events)
+    assert '"finish_reason":"grammar_limit"' in events[-2]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 300,
+            "temperature": 0, "guided_grammar": ambiguous["guided_grammar"]}  # fmt: skip
+    assert c.post("/v1/chat/completions", json=chat).json()["choices"][0]["finish_reason"] == (
+        "grammar_limit"
+    )
+    resp = {"input": "x", "max_output_tokens": 300, "temperature": 0,
+            "structured_outputs": {"grammar": ambiguous["guided_grammar"]}}  # fmt: skip
+    r = c.post("/v1/responses", json=resp).json()
+    assert r["status"] == "incomplete" and r["incomplete_details"]["reason"] == "grammar_limit"
+
+
+def test_n64_of_a_heavy_schema_does_not_hold_up_another_request(c: httpx.Client, after_check: None):
+    formats = ["email", "date-time", "uuid", "date", "time", "ipv4", "hostname", "uri"]
+    props = {f"f{i:04d}": {"type": "string", "format": formats[i % 8]} for i in range(1150)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    heavy = {"prompt": "JSON:", "max_tokens": 6, "n": 64, "guided_json": schema, "seed": 1}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(c.post, "/v1/completions", json=heavy)
+        deadline = time.monotonic() + 60
+        while c.get("/health").json()["running"] + c.get("/health").json()["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        started = time.perf_counter()
+        quick = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        waited = time.perf_counter() - started
+        assert future.result().status_code == 200
+    assert quick.status_code == 200
+    # it waited 11.6-12.6 s behind 64 matcher builds (0.1 s alone); one build is ~0.2 s
+    assert waited < 5.0, f"a one-token request waited {waited:.1f} s"
+
+
 def test_unknown_playground_path_is_an_envelope(c: httpx.Client):
     error_of(c.get("/playground/nope"), 404)
 

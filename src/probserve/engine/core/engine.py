@@ -151,7 +151,7 @@ class EngineCore:
         usable = max(1, self.pool.num_blocks - 1)
         seqs = (*sched.running, *sched.waiting)
         return {
-            "waiting": len(sched.waiting),
+            "waiting": len(sched.waiting) + len(self._deferred),  # and those a grammar holds
             "running": len(sched.running),
             # sequences holding KV blocks or runner state (0 when idle: nothing leaks)
             "held_caches": sum(1 for s in seqs if s.block_table or s.runner_state is not None),
