@@ -35,7 +35,7 @@ KERNELS = "src/probserve/kernels"
 def build_tree(commit: str | None, out: Path) -> tuple[ctypes.CDLL, Callable[..., np.ndarray]]:
     """The kernels of `commit` (None: the working tree), compiled as the server compiles them,
     and that tree's `pack_blocks` (kernels/qlayout.py: the panels its kernels read)."""
-    from probserve.kernels.build import FLAGS, SIGNATURES, compiler
+    from probserve.kernels.build import SIGNATURES, compiler, flags
 
     out.mkdir(parents=True)
     src = ROOT / KERNELS
@@ -55,7 +55,7 @@ def build_tree(commit: str | None, out: Path) -> tuple[ctypes.CDLL, Callable[...
                 (src / name).write_bytes(text)
     lib = out / "kernels.so"
     sources = sorted(str(p) for p in src.glob("*.cpp"))
-    subprocess.run([compiler(), *FLAGS, "-o", str(lib), *sources], check=True)
+    subprocess.run([compiler(), *flags(), "-o", str(lib), *sources], check=True)
     cdll = ctypes.CDLL(str(lib))
     for name, (res, args) in SIGNATURES.items():
         if hasattr(cdll, name):

@@ -214,7 +214,6 @@ def test_inspect_ais_responses_requests_and_probe_are_served(http: httpx.Client)
         "max_output_tokens": 4,
         "truncation": "disabled",
         "background": False,
-        "parallel_tool_calls": True,
     }  # fmt: skip
     r = http.post("/v1/responses", json=request)
     assert r.status_code == 200, r.text
@@ -319,8 +318,10 @@ def test_a_function_without_parameters_is_called_with_no_arguments(http: httpx.C
     for seed in range(3):
         choice = _chat(http, tools=[PING], tool_choice="required", max_tokens=30, seed=seed,
                        temperature=1.0)  # fmt: skip
-        (call,) = choice["message"]["tool_calls"]
-        assert call["function"] == {"name": "ping", "arguments": "{}"}
+        calls = choice["message"]["tool_calls"]
+        assert calls and all(c["function"] == {"name": "ping", "arguments": "{}"} for c in calls), (
+            calls
+        )
 
 
 def test_a_named_call_costs_about_its_arguments(http: httpx.Client) -> None:
@@ -331,7 +332,9 @@ def test_a_named_call_costs_about_its_arguments(http: httpx.Client) -> None:
     (call,) = choice["message"]["tool_calls"]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert set(json.loads(call["function"]["arguments"])) == {"city"}
-    required = _chat(http, tools=[CITY, PING], tool_choice="required", max_tokens=20)
+    # required: the wrapper up to the name in the prompt; the name, arguments and close here
+    required = _chat(http, tools=[CITY, PING], tool_choice="required", max_tokens=16,
+                     parallel_tool_calls=False)  # fmt: skip
     assert required["finish_reason"] == "tool_calls", required
 
 
@@ -348,24 +351,20 @@ def test_responses_calls_complete_as_they_close(http: httpx.Client) -> None:
                           "required": ["a", "b"]}}  # fmt: skip
     body = {"model": MODEL, "input": "Add 1 and 2, then 3 and 4.", "tools": [add],
             "tool_choice": "required", "temperature": 0}  # fmt: skip
-    whole = http.post("/v1/responses", json={**body, "max_output_tokens": 200}).json()
-    calls = [o for o in whole["output"] if o["type"] == "function_call"]
-    tokens_of_first = None
-    if len(calls) >= 2:
-        # cut inside the second call: the first stays completed
-        r = http.post("/v1/responses", json={**body, "max_output_tokens": 12}).json()
-        done = [o["status"] for o in r["output"] if o["type"] == "function_call"]
-        assert r["status"] == "incomplete"
-        assert done[0] == "completed" or len(done) == 1, done
-        tokens_of_first = done
-    events = _stream(http, "/v1/responses", {**body, "max_output_tokens": 200})
+    # the 135M model calls add again and again: the reply is cut inside a call
+    r = http.post("/v1/responses", json={**body, "max_output_tokens": 60}).json()
+    status = [o["status"] for o in r["output"] if o["type"] == "function_call"]
+    assert len(status) >= 2 and set(status[:-1]) == {"completed"}, status
+    if r["status"] == "completed":
+        assert status[-1] == "completed"
+    body["max_output_tokens"] = 60
+    events = _stream(http, "/v1/responses", body)
     kinds = [(e["type"], e.get("output_index")) for e in events]
     added = [i for i, (k, _) in enumerate(kinds) if k == "response.output_item.added"]
     closed = [i for i, (k, _) in enumerate(kinds) if k == "response.output_item.done"]
     # each call's done event comes before the next call is added
     for nxt, done in zip(added[1:], closed, strict=False):
         assert done < nxt, kinds
-    assert tokens_of_first is None or tokens_of_first[0] == "completed"
 
 
 # ---- the strict policy and the access line -----------------------------------------------

@@ -186,14 +186,13 @@ def test_one_matcher_is_built_per_grammar_and_copied(smol: LoadedModel, monkeypa
     built: list[str] = []
     real = llguidance.LLMatcher
 
-    class Counting(real):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            built.append("x")
-            super().__init__(*args, **kwargs)
+    def counting(*args: object, **kwargs: object) -> object:
+        built.append("x")
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
-    grammars = Grammars(smol.tokenizer, smol.vocab_size, frozenset(smol.eos_token_ids))
     grammar = _grammar("json_schema", SCHEMA)
+    grammars = Grammars(smol.tokenizer, smol.vocab_size, frozenset(smol.eos_token_ids))
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
     first, second = grammars.matcher(grammar), grammars.matcher(grammar)
     assert len(built) == 1 and grammars.ready(grammar)
     token = int(np.flatnonzero(grammars.allowed(first, frozenset({2})).numpy())[0])

@@ -542,22 +542,20 @@ def test_grammars_that_meet_llguidances_bounds(c: httpx.Client, after_check: Non
 
 def test_n64_of_a_heavy_schema_does_not_hold_up_another_request(c: httpx.Client, after_check: None):
     formats = ["email", "date-time", "uuid", "date", "time", "ipv4", "hostname", "uri"]
-    props = {f"f{i:04d}": {"type": "string", "format": formats[i % 8]} for i in range(1150)}
+    props = {f"f{i:04d}": {"type": "string", "format": formats[i % 8]} for i in range(1100)}
     schema = {"type": "object", "properties": props, "required": list(props)}
     heavy = {"prompt": "JSON:", "max_tokens": 6, "n": 64, "guided_json": schema, "seed": 1}
+    waits: list[float] = []
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(c.post, "/v1/completions", json=heavy)
-        deadline = time.monotonic() + 60
-        while c.get("/health").json()["running"] + c.get("/health").json()["waiting"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        started = time.perf_counter()
-        quick = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
-        waited = time.perf_counter() - started
+        while not future.done() or not waits:  # one-token requests while it runs
+            started = time.perf_counter()
+            quick = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+            waits.append(time.perf_counter() - started)
+            assert quick.status_code == 200
         assert future.result().status_code == 200
-    assert quick.status_code == 200
-    # it waited 11.6-12.6 s behind 64 matcher builds (0.1 s alone); one build is ~0.2 s
-    assert waited < 5.0, f"a one-token request waited {waited:.1f} s"
+    # one waited 11.6-12.6 s behind 64 matcher builds (0.1 s alone); a build is ~0.2 s now
+    assert max(waits) < 5.0, f"a one-token request waited {max(waits):.1f} s ({len(waits)} sent)"
 
 
 def test_unknown_playground_path_is_an_envelope(c: httpx.Client):

@@ -37,6 +37,21 @@ HEADERS = (HERE / "simd.h",)
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# PROBSERVE_KERNEL_ISA=avx2: the AVX2 + FMA + F16C path even on an AVX-512 machine (tests run
+# both paths where the machine has both); unset or "native": the widest the CPU has
+ISA_ENV = "PROBSERVE_KERNEL_ISA"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
+
+
+def flags() -> tuple[str, ...]:
+    """The compiler's flags, with the ISA path PROBSERVE_KERNEL_ISA asks for (part of the
+    library's cache key: each path is built once, beside the other)."""
+    isa = os.environ.get(ISA_ENV) or "native"
+    if isa not in ISA_FLAGS:
+        raise KernelBuildError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return (*FLAGS, *ISA_FLAGS[isa])
+
+
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
@@ -97,7 +112,7 @@ def library_path(cxx: str) -> Path:
             for s in (
                 *(f.read_text() for f in (*SOURCES, *HEADERS)),
                 version,
-                " ".join(FLAGS),
+                " ".join(flags()),
                 _cpu_features(),
             )
         )
@@ -142,7 +157,7 @@ def build() -> Path:
     try:
         with Stage(log, what, once=f"kept in {path.parent} for this CPU and compiler"):
             done = subprocess.run(
-                [cxx, *FLAGS, "-o", tmp, *map(str, SOURCES)],
+                [cxx, *flags(), "-o", tmp, *map(str, SOURCES)],
                 capture_output=True,
                 text=True,
                 timeout=300,

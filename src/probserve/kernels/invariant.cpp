@@ -6,11 +6,12 @@
 // holds, where they sit in the batch, or how many threads run. So a token's numbers are the same
 // bits whether it is alone or among 63 others, in a prompt chunk of any size, cached or not.
 //   - linear: y[m, n] accumulates x[m, k] * w[n, k] for k = 0, 1, ..., K-1 in order, one fused
-//     multiply-add per step (outer-product micro-kernels; a row's result does not depend on the
+//     multiply-add per step, in chains of KB = 64 k's from zero whose sums are added in order
+//     (simd.h's micro: outer-product micro-kernels; a row's result does not depend on the
 //     micro-kernel height or the panel a thread takes);
 //   - reductions along a row (RMSNorm's sum of squares, softmax's sum, a dot product over the
-//     head dimension): W lanes accumulated in order, then one fixed lane tree (entropy's two
-//     sums in float64 lanes, then the lanes in order);
+//     head dimension): W lanes accumulated in order, then one fixed lane tree (the vocabulary
+//     normalizer's sum and entropy's two sums in float64 lanes, then the lanes in order);
 //   - exp: one vector routine for every element (tails are masked vector operations, never a
 //     scalar path that rounds differently).
 // Built with -march=native for the machine it runs on (kernels/build.py).
@@ -221,16 +222,20 @@ void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t
     });
 }
 
-// a row's max and log(sum exp(x - max)): log_softmax(x)_i = (x_i - max) - lse
+// a row's max and log(sum exp(x - max)): log_softmax(x)_i = (x_i - max) - lse. The sum is
+// taken in float64 lanes (each exp widened exactly; W lanes in index order, then the lanes in
+// order) and its log rounded once to float32: a float32 sum of a 49152-entry vocabulary runs
+// V / W adds a lane (3072 on AVX-512, 6144 on AVX2), its rounding reaching ~1e-5 of every
+// logprob, and differently on each ISA.
 inline void row_normalizer(const float* xr, int64_t V, float& max, float& lse) {
     vf mx = vset1(NEG_INF);
     for (int64_t i = 0; i < V; i += W) mx = vmax(mx, vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF));
     max = hmax(mx);
     const vf vm = vset1(max);
-    vf acc = vzero();
+    vd lo = vzero_d(), hi = vzero_d();
     for (int64_t i = 0; i < V; i += W)
-        acc = vadd(acc, vexp(vsub(vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF), vm)));
-    lse = std::log(hsum(acc));
+        vadd_wide(vexp(vsub(vload_n(xr + i, std::min<int64_t>(W, V - i), NEG_INF), vm)), lo, hi);
+    lse = static_cast<float>(std::log(hsum_wide(lo, hi)));
 }
 
 // log_softmax of each row of V: (x - max) - log(sum exp(x - max))

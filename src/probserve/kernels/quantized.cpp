@@ -18,7 +18,8 @@
 // rounding is the final add (Q4_1, Q5_1) or subtraction (Q4_K, Q5_K), and one FMA (FMS) gives
 // gguf's two-step value. Each w is thus the very float32 a dequantized copy holds, and the
 // product then runs the float32 micro-kernel's operations in its order (y[m, n] accumulates
-// x[m, k] * w[n, k] for k = 0..K-1, one FMA a step): the outputs are the same bits as
+// x[m, k] * w[n, k] for k = 0..K-1, one FMA a step, in simd.h's chains of KB k's, folded at
+// the end of the sub-block that ends one): the outputs are the same bits as
 // ps_linear's on the dequantized weight, for any row count (row-invariant, as invariant.cpp).
 // Up to MR_MAX rows dequantize in registers; more rows dequantize each panel once into a
 // thread's buffer and run the float32 micro-kernel over it (the same values, the same order).
@@ -234,9 +235,10 @@ inline void walk_subblocks(const uint8_t* panel, int64_t K, Body&& body) {
 }
 
 // every k of one quantized panel in order: body(k, w0, w1) with the k's NR weights dequantized
-// (columns [0, W) in w0, [W, NR) in w1)
-template <int F, class Body>
-inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
+// (columns [0, W) in w0, [W, NR) in w1); then, after each sub-block, ended(k1) with k1 the k
+// after it
+template <int F, class Body, class Ended>
+inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body, Ended&& ended) {
     using L = Layout<F>;
     const Nibbles nib = quant_nibbles<F, false>();
     walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
@@ -247,19 +249,28 @@ inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body) {
             dequant<F, decltype(J)::value>(grp, hi[0], nib, s0, s1, o0, o1, w0, w1);
             body(k0 + kk, w0, w1);
         });
+        ended(k0 + L::SUB);
     });
 }
 
+// a chain of the sums ends at k1 (simd.h's KB): where micro() folds it
+inline bool chain_ends(int64_t k1, int64_t K) { return k1 % KB == 0 || k1 == K; }
+
 // MR rows of x times one quantized panel, dequantizing each k's weights once for all MR rows
+// (micro()'s chains and folds: the same bits)
 template <int MR, int F>
 void qmicro(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, const float* bias,
             float* out, int64_t ldo, int64_t ncols) {
-    vf a0[MR], a1[MR];
+    static_assert(KB % Layout<F>::SUB == 0, "a chain is whole sub-blocks");
+    vf a0[MR], a1[MR], t0[MR], t1[MR];
 #pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
-    walk_panel<F>(panel, K,
-                  [&](int64_t k, vf w0, vf w1) { accumulate<MR>(a0, a1, x, ldx, k, w0, w1); });
-    store_tile<MR>(a0, a1, bias, out, ldo, ncols);
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = t0[r] = t1[r] = vzero();
+    walk_panel<F>(
+        panel, K, [&](int64_t k, vf w0, vf w1) { accumulate<MR>(a0, a1, x, ldx, k, w0, w1); },
+        [&](int64_t k1) {
+            if (chain_ends(k1, K)) fold<MR>(t0, t1, a0, a1);
+        });
+    store_tile<MR>(t0, t1, bias, out, ldo, ncols);
 }
 
 // one row of x times P quantized panels in lockstep (`apart` bytes from one to the next): each
@@ -271,9 +282,9 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
                 float* out, int64_t ncols_last) {
     using L = Layout<F>;
     const Nibbles nib = quant_nibbles<F, false>();
-    vf a0[P], a1[P];
+    vf a0[P], a1[P], t0[P], t1[P];
 #pragma GCC unroll 8
-    for (int i = 0; i < P; ++i) a0[i] = a1[i] = vzero();
+    for (int i = 0; i < P; ++i) a0[i] = a1[i] = t0[i] = t1[i] = vzero();
     // the lines below `ahead` (and P - 1 panels on) have been requested; past the panel's end the
     // next P panels' (the group a thread walks next: its groups are contiguous), so a thread's
     // streams run on from group to group instead of starting cold (a 576-wide panel is ~6 KB)
@@ -303,22 +314,29 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
                     a1[i] = vfma(b, w1, a1[i]);
                 }
             });
+            if (chain_ends(blk * L::QK + (j + 1) * L::SUB, K)) {
+#pragma GCC unroll 8
+                for (int i = 0; i < P; ++i) fold<1>(&t0[i], &t1[i], &a0[i], &a1[i]);
+            }
         }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < P; ++i) {
         const float* bi = bias ? bias + i * NR : nullptr;
-        store_tile<1>(&a0[i], &a1[i], bi, out + i * NR, 0, i == P - 1 ? ncols_last : NR);
+        store_tile<1>(&t0[i], &t1[i], bi, out + i * NR, 0, i == P - 1 ? ncols_last : NR);
     }
 }
 
 // one panel as float32 [K, NR], the layout micro() reads
 template <int F>
 void dequant_panel(const uint8_t* panel, int64_t K, float* dst) {
-    walk_panel<F>(panel, K, [dst](int64_t k, vf w0, vf w1) {
-        vstore(dst + k * NR, w0);
-        vstore(dst + k * NR + W, w1);
-    });
+    walk_panel<F>(
+        panel, K,
+        [dst](int64_t k, vf w0, vf w1) {
+            vstore(dst + k * NR, w0);
+            vstore(dst + k * NR + W, w1);
+        },
+        [](int64_t) {});
 }
 
 using QMicro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*,

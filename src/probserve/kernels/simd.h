@@ -132,6 +132,14 @@ inline vi vor_i(vi a, vi b) { return _mm512_or_si512(a, b); }
 template <int N> inline vi vsrl_i(vi a) { return _mm512_srli_epi32(a, N); }
 template <int N> inline vi vsll_i(vi a) { return _mm512_slli_epi32(a, N); }
 inline vf vfms(vf a, vf b, vf c) { return _mm512_fmsub_ps(a, b, c); }  // a * b - c, one rounding
+// float64 lanes: a float32 vector's lanes [0, W/2) and [W/2, W) added (exactly widened) into lo, hi
+using vd = __m512d;
+inline vd vzero_d() { return _mm512_setzero_pd(); }
+inline void vadd_wide(vf a, vd& lo, vd& hi) {
+    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(a)));
+    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high_half(a)));
+}
+inline void vstore_d(double* p, vd a) { _mm512_storeu_pd(p, a); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int W = 8;
 constexpr int MR_MAX = 6;  // 12 accumulators of 16 registers
@@ -224,6 +232,13 @@ inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }
 template <int N> inline vi vsrl_i(vi a) { return _mm256_srli_epi32(a, N); }
 template <int N> inline vi vsll_i(vi a) { return _mm256_slli_epi32(a, N); }
 inline vf vfms(vf a, vf b, vf c) { return _mm256_fmsub_ps(a, b, c); }
+using vd = __m256d;
+inline vd vzero_d() { return _mm256_setzero_pd(); }
+inline void vadd_wide(vf a, vd& lo, vd& hi) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(a)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(a, 1)));
+}
+inline void vstore_d(double* p, vd a) { _mm256_storeu_pd(p, a); }
 #else
 #error "probserve's deterministic kernels need a CPU with AVX2, FMA and F16C, or AVX-512"
 #endif
@@ -244,6 +259,16 @@ struct LaneOrder {
 inline vf sum_lanes(const vf* a) {
     static const LaneOrder order;
     return vpermute(sum_lanes_raw(a), order.idx);
+}
+
+// the sum of vadd_wide's W float64 lanes (lo's, then hi's), in lane order
+inline double hsum_wide(vd lo, vd hi) {
+    double l[W];
+    vstore_d(l, lo);
+    vstore_d(l + W / 2, hi);
+    double s = 0.0;
+    for (int i = 0; i < W; ++i) s += l[i];
+    return s;
 }
 
 constexpr int NR = 2 * W;  // columns per packed weight panel
@@ -311,6 +336,28 @@ inline void store_tile(const vf* a0, const vf* a1, const float* bias, float* out
     }
 }
 
+// The linear layers' sums over k come in chains of KB consecutive k (k in [i KB, (i + 1) KB)):
+// each chain accumulates from zero, one FMA a step, and the chains' sums are added in order
+// into the output's total (t = t + chain, t from zero). A float32 sum of K products in one chain
+// rounds against a running sum that grows with k (error ~ K roundings: at K = 576 and 1536,
+// SmolLM2's prompt logprobs drifted 1.2e-4 from a float64 forward where transformers' float32
+// drifted 4.2e-5); in chains, ~KB + K / KB (then 2.6e-6 to 2.5e-5). The order depends on k
+// alone, never on rows or threads, and every linear kernel (float32, and the quantized ones on
+// their dequantized weights) keeps it, so their bits stay equal. A multiple of every GGUF
+// sub-block (16, 32): they fold at their ends.
+constexpr int64_t KB = 64;
+
+// t[r] += a[r], then a[r] = 0: one chain of an MR-row tile folded into its totals
+template <int MR>
+inline void fold(vf* t0, vf* t1, vf* a0, vf* a1) {
+#pragma GCC unroll 12
+    for (int r = 0; r < MR; ++r) {
+        t0[r] = vadd(t0[r], a0[r]);
+        t1[r] = vadd(t1[r], a1[r]);
+        a0[r] = a1[r] = vzero();
+    }
+}
+
 // one step k of an MR-row tile: a[r] += x[r, k] * w, one FMA per output (the only arithmetic
 // the linear kernels accumulate with, whatever the weights' storage)
 template <int MR>
@@ -323,20 +370,25 @@ inline void accumulate(vf* a0, vf* a1, const float* x, int64_t ldx, int64_t k, v
     }
 }
 
-// MR rows of x times one panel [K, NR]: each output accumulates over k in order, one FMA a step
+// MR rows of x times one panel [K, NR]: each output accumulates over k in order, one FMA a step,
+// in chains of KB k's folded into its total
 template <int MR>
 void micro(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
            float* out, int64_t ldo, int64_t ncols) {
-    vf a0[MR], a1[MR];
+    vf a0[MR], a1[MR], t0[MR], t1[MR];
 #pragma GCC unroll 12
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = vzero();
-    for (int64_t k = 0; k < K; ++k) {
-        // the panel's lines, requested ahead of use (a prefetch never faults past the end)
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR + NR / 2), _MM_HINT_T0);
-        accumulate<MR>(a0, a1, x, ldx, k, vload(panel + k * NR), vload(panel + k * NR + W));
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = t0[r] = t1[r] = vzero();
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+        const int64_t k1 = std::min<int64_t>(K, k0 + KB);
+        for (int64_t k = k0; k < k1; ++k) {
+            // the panel's lines, requested ahead of use (a prefetch never faults past the end)
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(panel + (k + 16) * NR + NR / 2), _MM_HINT_T0);
+            accumulate<MR>(a0, a1, x, ldx, k, vload(panel + k * NR), vload(panel + k * NR + W));
+        }
+        fold<MR>(t0, t1, a0, a1);
     }
-    store_tile<MR>(a0, a1, bias, out, ldo, ncols);
+    store_tile<MR>(t0, t1, bias, out, ldo, ncols);
 }
 
 using Micro = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t,
