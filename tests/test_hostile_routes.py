@@ -412,48 +412,35 @@ def test_responses_input_is_named(smol: LoadedModel):
         error_of(r, 400, "input")
 
 
-def test_a_hung_up_stream_is_logged_and_counted(served, c: httpx.Client, caplog, after_check):
+HUNG_UP = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count"}],
+                              "max_tokens": 200, "ignore_eos": True, "stream": True}),
+    ("/v1/responses", {"input": "Count", "max_output_tokens": 200, "ignore_eos": True,
+                       "stream": True}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body"), HUNG_UP)
+def test_a_hung_up_stream_is_logged_and_counted(
+    served, c: httpx.Client, caplog, after_check, path: str, body: dict
+):
     def count() -> float:
         text = c.get("/metrics").text
         return sum(
             float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith("http_requests_total{") and 'status="499"' in line
-        )
+            and f'handler="{path}"' in line
+        )  # fmt: skip
 
     before = count()
-    body = {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 200,
-            "ignore_eos": True, "stream": True}  # fmt: skip
     with caplog.at_level(logging.INFO, logger="probserve.access"):
-        with c.stream("POST", "/v1/chat/completions", json=body) as s:
-            next(s.iter_lines())  # one chunk, then hang up
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-            " 499 " in r.getMessage() for r in caplog.records
-        ):
-            time.sleep(0.05)
-    assert any("POST /v1/chat/completions 499" in r.getMessage() for r in caplog.records)
-    assert count() == before + 1
-
-
-def test_a_hung_up_responses_stream_is_logged_and_counted(served, c: httpx.Client, caplog):
-    def count() -> float:
-        text = c.get("/metrics").text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("http_requests_total{") and "/v1/responses" in line
-        )
-
-    before = count()
-    body = {"input": "Count", "max_output_tokens": 200, "ignore_eos": True, "stream": True}
-    with caplog.at_level(logging.INFO, logger="probserve.access"):
-        with c.stream("POST", "/v1/responses", json=body) as s:
+        with c.stream("POST", path, json=body) as s:
             next(s.iter_lines())  # one event, then hang up
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and count() < before + 1:
             time.sleep(0.05)
-    assert any("POST /v1/responses 499" in r.getMessage() for r in caplog.records)
+    assert any(f"POST {path} 499" in r.getMessage() for r in caplog.records)
     assert count() == before + 1
 
 
@@ -575,3 +562,31 @@ def test_distribution_positions_equal_the_reference_after_the_engine_checks(
     rows = np.frombuffer(base64.b64decode(r.json()["data"]), np.float32).reshape(3, -1)
     ref = full_logprobs(smol.model, ids).numpy()[pick]
     assert float(np.abs(rows - ref).max()) < 1e-4
+
+
+def test_a_cancelled_request_is_logged_and_counted(caplog):
+    """An app cancelled mid-response (the server's task, when the client is gone) still gets its
+    access line and its count, as 499."""
+    from probserve.api.middleware import AccessLogMiddleware
+
+    seen: list[tuple[str, str, int, float]] = []
+
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError
+
+    async def send(message):  # type: ignore[no-untyped-def]
+        return None
+
+    async def receive():  # type: ignore[no-untyped-def]
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/responses", "headers": []}
+    middleware = AccessLogMiddleware(app, lambda *a: seen.append(a))
+    with (
+        caplog.at_level(logging.INFO, logger="probserve.access"),
+        pytest.raises(asyncio.CancelledError),
+    ):
+        run(middleware(scope, receive, send))
+    assert [s[2] for s in seen] == [499]
+    assert any("POST /v1/responses 499" in r.getMessage() for r in caplog.records)
