@@ -403,3 +403,28 @@ def test_a_400s_access_line_says_its_code_field_and_message(
     assert served.ignored_fields == "frobnicate" and "ignored_fields=[frobnicate]" in (
         served.getMessage()
     )
+
+
+def test_instructors_tools_mode_request_gets_only_the_models_fields(http: httpx.Client) -> None:
+    """instructor's Mode.TOOLS: the response model's pydantic schema (no additionalProperties)
+    as a function, forced by name; the reply parses back into the model."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    schema = City.model_json_schema()
+    assert "additionalProperties" not in schema
+    tool = {"type": "function", "function": {"name": "City", "description": "A city",
+                                             "parameters": schema}}  # fmt: skip
+    for seed in range(3):
+        choice = _chat(
+            http, tools=[tool], tool_choice={"type": "function", "function": {"name": "City"}},
+            max_tokens=40, seed=seed, temperature=1.0,
+            messages=[{"role": "user", "content": "Name a city in France."}],
+        )  # fmt: skip
+        (call,) = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls", choice
+        City.model_validate_json(call["function"]["arguments"])
+        assert set(json.loads(call["function"]["arguments"])) == {"name", "country"}

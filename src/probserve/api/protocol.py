@@ -362,9 +362,11 @@ class ChatMessage(_Request):
     @model_validator(mode="after")
     def _tool_result_bounded(self) -> ChatMessage:
         """A tool's result may be rendered as its JSON value: bounded like any JSON text."""
-        if self.role == "tool" and isinstance(self.content, str):
+        if self.role == "tool" and self.content is not None:
+            parts = self.content
+            text = parts if isinstance(parts, str) else "".join(p.text for p in parts)
             try:
-                _json_text(self.content)
+                _json_text(text)
             except ValueError as exc:
                 raise PydanticCustomError("value_error", str(exc), {"param": "content"}) from None
         return self
