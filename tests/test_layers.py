@@ -7,7 +7,11 @@ face, not an arrow."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "probserve"
 RANK = {"kernels": 0, "models": 1, "engine": 2, "api": 3, "cluster": 4}
@@ -105,3 +109,28 @@ def test_no_upward_imports():
         if _rank(b, graph) > _rank(a, graph) and _layer(a) != _layer(b)
     ]
     assert upward == []
+
+
+# the modules the API process imports to serve (its faces of engine/ and models/ included)
+API_PROCESS = (
+    "probserve.cli",
+    "probserve.serving",
+    "probserve.api.app",
+    "probserve.engine.client",
+    "probserve.engine.worker_client",
+    "probserve.models.loader",
+)
+
+
+@pytest.mark.slow
+def test_the_api_process_loads_no_torch() -> None:
+    """ARCHITECTURE.md: the API process never loads torch (nor transformers' modeling code):
+    importing what it serves with, in a fresh interpreter, leaves both out of sys.modules."""
+    code = (
+        "import importlib, sys\n"
+        f"for name in {API_PROCESS!r}: importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
