@@ -327,7 +327,7 @@ def test_the_engine_keeps_its_kv_memory_bounded(tiny: LoadedModel):
     per_round = 4 * -(-(37 + 3) // 4)
     assert core.pool.num_touched() <= per_round + retain + 1
     stats = core.stats()
-    assert stats["kv_cache_resident"] == (core.pool.num_touched() - 1) / (core.pool.num_blocks - 1)
+    assert stats.kv_cache_resident == (core.pool.num_touched() - 1) / (core.pool.num_blocks - 1)
     hits = core.scheduler.prefix_hit_tokens
     run_core(core, [_req("again", reqs[-1].prompt_token_ids, n=3)])
     assert core.scheduler.prefix_hit_tokens - hits == 36

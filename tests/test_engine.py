@@ -218,13 +218,13 @@ def test_abort_frees_everything(smol: LoadedModel, engine_for):
         await it2.aclose()  # leaving the iterator early aborts too (a client that went away)
         for _ in range(200):
             s = eng.stats()
-            if s["waiting"] == s["running"] == s["held_caches"] == s["streams"] == 0:
+            if s.waiting == s.running == s.held_caches == s.streams == 0:
                 break
             await asyncio.sleep(0.02)
         keys = ("waiting", "running", "held_caches", "streams")
-        counts = {k: eng.stats()[k] for k in keys}
+        counts = {k: getattr(eng.stats(), k) for k in keys}
         assert counts == {"waiting": 0, "running": 0, "held_caches": 0, "streams": 0}
-        assert eng.stats()["kv_cache_usage"] == 0.0
+        assert eng.stats().kv_cache_usage == 0.0
         # the engine keeps serving
         outs = await eng.generate(_greedy("after", ids, n=2))
         assert len(_tokens(outs)) == 2
@@ -288,3 +288,29 @@ def test_the_faster_matrix_kernel_is_chosen_and_held_alone(
     assert packed.w.is_mkldnn  # the reordered form alone, no dense twin
     x = torch.randn(5, w.shape[1])
     torch.testing.assert_close(packed(x), layer.down(x), atol=1e-4, rtol=0)
+
+
+def test_engine_stats_of_several_engines_add_counts_and_average_fractions():
+    from probserve.engine import EngineStats
+
+    a = EngineStats(
+        running=2,
+        kv_cache_usage=0.5,
+        iteration_tokens=(1,) * 13,
+        process_resident_memory_bytes=1e8,
+        process_cpu_seconds=1.5,
+        replicas=None,
+    )
+    b = EngineStats(
+        running=1,
+        kv_cache_usage=0.1,
+        iteration_tokens=(2,) * 13,
+        process_resident_memory_bytes=2e8,
+        process_cpu_seconds=0.5,
+    )
+    both = EngineStats.summed([a, b])
+    assert both.running == 3 and abs(both.kv_cache_usage - 0.3) < 1e-12
+    assert both.iteration_tokens == (3,) * 13
+    assert both.process_resident_memory_bytes == 3e8 and both.process_cpu_seconds == 2.0
+    assert both.replicas is None and EngineStats.summed([]) == EngineStats()
+    assert "replicas" not in both.figures() and both.figures()["iteration_tokens"] == [3] * 13

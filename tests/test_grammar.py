@@ -222,4 +222,4 @@ def test_a_grammar_that_meets_a_bound_partway_ends_cleanly(smol: LoadedModel, co
     outs = run_core(core, [_request(smol, "amb", "x", ambiguous, n=300)])["amb"]
     assert outs[-1].finish_reason == FinishReason.GRAMMAR_LIMIT and outs[-1].error is None
     assert 0 < len(_tokens(outs)) < 300
-    assert not core.has_work() and core.stats()["held_caches"] == 0
+    assert not core.has_work() and core.stats().held_caches == 0

@@ -106,7 +106,7 @@ def test_engine_loop_survives_any_exception_from_one_request(tiny: LoadedModel, 
     assert good[-1].finish_reason == FinishReason.LENGTH
     later = run(eng.generate(EngineRequest("later", (3, 4), params)))
     assert later[-1].finish_reason == FinishReason.LENGTH
-    assert eng.health() == ("ok", None) and eng.stats()["held_caches"] == 0
+    assert eng.health() == ("ok", None) and eng.stats().held_caches == 0
 
 
 # ---- 2. long token-id prompts -------------------------------------------------------------------

@@ -268,6 +268,33 @@ def _hit_rate(app: str, model: str, bodies: list[dict]) -> tuple[float, list[flo
     return hits / queries, spread
 
 
+def test_metrics_report_the_replicas_memory_cpu_and_steps(app: str):
+    """Under Ray the engine's figures are its replicas' records summed (EngineStats.summed):
+    every one of them, not only the queue counts (the memory, CPU and step histogram read 0)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = _post(app, "/v1/completions", {"model": "smol", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 30
+
+    def figures() -> dict[str, float]:
+        out = {}
+        for family in text_string_to_metric_families(httpx.get(f"{app}/metrics").text):
+            for s in family.samples:
+                if s.labels.get("model_name") == "smol" and "le" not in s.labels:
+                    out[s.name] = s.value
+        return out
+
+    got = figures()
+    while got.get("vllm:iteration_tokens_total_count", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.25)  # the ingress polls the replicas each second
+        got = figures()
+    assert got["probserve:engine_resident_memory_bytes"] > 100e6, got  # two replicas' torch
+    assert got["probserve:engine_cpu_seconds_total"] > 0, got
+    assert got["vllm:iteration_tokens_total_count"] > 0, got
+    assert got["vllm:iteration_tokens_total_sum"] >= got["vllm:iteration_tokens_total_count"]
+
+
 def test_prefix_aware_routing_keeps_the_hit_rate(app: str):
     """lm-eval multiple choice: 4 continuations scored per context (echo, max_tokens 0)."""
     intro = "Answer the question with the best choice. "

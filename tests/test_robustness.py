@@ -210,7 +210,7 @@ def test_faults_fail_one_request_alone(tiny: LoadedModel, engine_for, monkeypatc
     for outs in (good, good2):
         assert outs[-1].finish_reason == FinishReason.LENGTH
         assert sum(len(o.new_token_ids) for o in outs) == 6
-    assert eng.stats()["held_caches"] == 0
+    assert eng.stats().held_caches == 0
 
 
 class _FlakyTokenizer:

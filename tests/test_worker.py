@@ -28,6 +28,7 @@ from probserve.engine import (
     wire,
 )
 from probserve.engine.info import EngineInfo
+from probserve.engine.stats import EngineStats
 from probserve.models import LoadedModel, ModelSource
 
 PROBSERVE = [sys.executable, "-m", "probserve.cli"]
@@ -93,8 +94,9 @@ def test_every_message_round_trips_bit_for_bit():
         EngineOutput.failure("r-2", "a lone \ud800 surrogate, and ✓"),
         EngineOutput("r-3"),
     ]
-    back = events.decode(events.encode(wire.StepOutputs(outputs=outputs, stats={"running": 2.0})))
-    assert isinstance(back, wire.StepOutputs) and back.stats == {"running": 2.0}
+    stats = EngineStats(running=2, iteration_tokens=(1,) * 13, process_cpu_seconds=0.5)
+    back = events.decode(events.encode(wire.StepOutputs(outputs=outputs, stats=stats)))
+    assert isinstance(back, wire.StepOutputs) and back.stats == stats
     assert outputs[1].error == "a lone \\ud800 surrogate, and ✓"  # kept valid UTF-8
     for a, b in zip(outputs, back.outputs, strict=True):
         assert (a.request_id, a.new_token_ids, a.finish_reason, a.error, a.queue_time) == (
@@ -117,8 +119,9 @@ def test_every_message_round_trips_bit_for_bit():
 
 def test_another_version_or_garbage_is_refused():
     events = wire.Codec(wire.Event)
-    raw = msgspec.msgpack.encode({"type": "failed", "v": 2, "reason": "x"})
-    with pytest.raises(wire.ProtocolError, match="version 2"):
+    other = wire.VERSION + 1
+    raw = msgspec.msgpack.encode({"type": "failed", "v": other, "reason": "x"})
+    with pytest.raises(wire.ProtocolError, match=f"version {other}"):
         events.decode(raw)
     with pytest.raises(wire.ProtocolError):
         events.decode(b"\xc1 not msgpack")

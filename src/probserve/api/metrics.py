@@ -35,7 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from probserve.engine.usage import BUCKET_KEY, ITERATION_BUCKETS
+from probserve.engine.stats import ITERATION_BUCKETS, EngineStats
 
 
 class Served(Protocol):
@@ -128,23 +128,24 @@ class _EngineCollector(Collector):
         self.models = models
 
     def collect(self) -> Iterator[Metric]:
-        stats = [(m.name, m.engine.stats()) for m in self.models]
+        stats: list[tuple[str, EngineStats]] = [(m.name, m.engine.stats()) for m in self.models]
         for kinds, family in ((GAUGES, GaugeMetricFamily), (COUNTERS, CounterMetricFamily)):
             for name, doc, key in kinds:
                 metric = family(name, doc, labels=["model_name"])
                 for model, s in stats:
-                    metric.add_metric([model], float(s.get(key, 0.0)))
+                    metric.add_metric([model], float(getattr(s, key)))
                 yield metric
         steps = HistogramMetricFamily(
             "vllm:iteration_tokens_total", "Tokens computed per engine step.",
             labels=["model_name"],
         )  # fmt: skip
         for model, s in stats:
-            buckets = [(str(float(b)), s.get(f"{BUCKET_KEY}{b}", 0.0)) for b in ITERATION_BUCKETS]
+            counts = zip(ITERATION_BUCKETS, s.iteration_tokens, strict=True)
+            buckets = [(str(float(b)), float(n)) for b, n in counts]
             steps.add_metric(
                 [model],
-                [*buckets, ("+Inf", s.get("iteration_tokens_count", 0.0))],
-                s.get("iteration_tokens_sum", 0.0),
+                [*buckets, ("+Inf", float(s.iteration_tokens_count))],
+                float(s.iteration_tokens_sum),
             )
         yield steps
         config = GaugeMetricFamily(

@@ -34,7 +34,7 @@ def model_health(model: ServedModel) -> dict[str, object]:
     """One model's engine, read now: its status (and why, when not ok), counts and settings."""
     engine = model.engine
     status, reason = model.health()
-    body: dict[str, object] = {"status": status, **engine.stats()}
+    body: dict[str, object] = {"status": status, **engine.stats().figures()}
     info = getattr(engine, "info", None)  # absent when a worker died before saying hello
     if info is not None:
         body.update(serving_facts(info))
@@ -83,7 +83,7 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
 
 
 def _card(model: ServedModel, name: str) -> ModelCard:
-    replicas = model.engine.stats().get("replicas")
+    replicas = model.engine.stats().replicas
     info = getattr(model.engine, "info", None)
     return ModelCard(
         id=name,

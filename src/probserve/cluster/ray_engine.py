@@ -35,8 +35,9 @@ from probserve.engine import (
     RequestError,
     TokenLogprobs,
 )
-from probserve.engine.client import STAT_NAMES, RequestStream
+from probserve.engine.client import RequestStream
 from probserve.engine.info import EngineInfo
+from probserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class RayEngine(EngineClient):
         self.retries = retries
         self.poll = poll
         self.failovers = 0  # requests moved to another replica after a failure
-        self.replicas: dict[str, dict[str, float]] = {}  # each replica's figures, last poll
+        self.replicas: dict[str, EngineStats] = {}  # each replica's figures, last poll
         self._polled: float | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._accepted: dict[str, asyncio.Future[None]] = {}
@@ -219,18 +220,22 @@ class RayEngine(EngineClient):
                 results = await self.handle.broadcast("stats").results_async(
                     timeout_s=max(self.poll, 5.0), return_exceptions=True
                 )
-                self.replicas = {str(i): r for i, r in enumerate(results) if isinstance(r, dict)}
+                self.replicas = {
+                    str(i): r for i, r in enumerate(results) if isinstance(r, EngineStats)
+                }
                 self._polled = time.monotonic()
             await asyncio.sleep(self.poll)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
+        """The replicas' figures summed (their fractions averaged: `EngineStats.summed`), with
+        this client's streams, the replicas answering and the failovers."""
         replicas = list(self.replicas.values())
-        total = {k: float(sum(r.get(k, 0.0) for r in replicas)) for k in STAT_NAMES}
-        for part in ("kv_cache_usage", "kv_cache_resident"):  # fractions: the replicas' mean
-            total[part] = total[part] / len(replicas) if replicas else 0.0
         with self._lock:
             streams = len(self._streams)
-        return {**total, "streams": streams, "replicas": len(replicas), "failovers": self.failovers}
+        return dataclasses.replace(
+            EngineStats.summed(replicas), streams=streams, replicas=len(replicas),
+            failovers=self.failovers,
+        )  # fmt: skip
 
     def _host_alive(self) -> str | None:
         if self._polled is not None and not self.replicas:

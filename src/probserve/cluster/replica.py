@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from probserve.engine import EngineConfig, EngineOutput, EngineRequest
 from probserve.engine.info import EngineInfo
+from probserve.engine.stats import EngineStats
 
 if TYPE_CHECKING:  # the engine loads torch: imported where a replica starts, never in the
     # ingress, which imports this module to bind the deployment
@@ -36,7 +37,7 @@ class ReplicaEvent:
 
     replica: str  # which replica answered (its process id and host)
     output: EngineOutput | None = None
-    stats: dict[str, float] | None = None
+    stats: EngineStats | None = None
 
 
 class EngineReplica:
@@ -63,7 +64,7 @@ class EngineReplica:
         so the ingress loads the same one without torch."""
         return self.tokenizer_class
 
-    async def stats(self) -> dict[str, float]:
+    async def stats(self) -> EngineStats:
         return self.engine.stats()
 
     async def describe(self) -> dict[str, object]:
@@ -75,7 +76,7 @@ class EngineReplica:
             "replica": self.name,
             "pid": os.getpid(),
             "node": ray.get_runtime_context().get_node_id(),
-            "stats": self.engine.stats(),
+            "stats": self.engine.stats().figures(),
         }
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[ReplicaEvent]:

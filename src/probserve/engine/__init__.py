@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from probserve.engine.client import EngineClient, RequestStream
 from probserve.engine.config import ClientLimits, EngineConfig
 from probserve.engine.info import EngineInfo
+from probserve.engine.stats import EngineStats
 from probserve.engine.types import (
     EngineDead,
     EngineOutput,
@@ -55,6 +56,7 @@ __all__ = [
     "EngineOutput",
     "EngineOverloaded",
     "EngineRequest",
+    "EngineStats",
     "FinishReason",
     "LogprobsMode",
     "LogprobsSpec",

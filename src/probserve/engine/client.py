@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -24,23 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from probserve.engine.info import EngineInfo, validate
+from probserve.engine.stats import EngineStats
 from probserve.engine.types import (
     EngineDead,
     EngineOutput,
     EngineOverloaded,
     EngineRequest,
     RequestError,
-)
-
-STAT_NAMES = (
-    "waiting",
-    "running",
-    "held_caches",
-    "kv_cache_usage",
-    "kv_cache_resident",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "preemptions",
 )
 
 
@@ -104,7 +95,7 @@ class EngineClient(abc.ABC):
         # the garbage collector may run it at any allocation) must not deadlock this thread
         self._lock = threading.RLock()
         self._streams: dict[str, _Stream] = {}
-        self._snapshot: dict[str, float] = dict.fromkeys(STAT_NAMES, 0.0)
+        self._snapshot = EngineStats()
 
     # ---- for subclasses -------------------------------------------------------------------
     @abc.abstractmethod
@@ -169,12 +160,11 @@ class EngineClient(abc.ABC):
     def new_request_id(prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    def stats(self) -> dict[str, float]:
-        """As of the end of the engine's last step: waiting, running, held_caches and streams
-        (counts), kv_cache_usage and kv_cache_resident (0..1), prefix_cache_queries,
-        prefix_cache_hits, preemptions (totals)."""
+    def stats(self) -> EngineStats:
+        """The engine's figures as of the end of its last step (engine/stats.py), with this
+        client's open streams."""
         with self._lock:
-            return {**self._snapshot, "streams": len(self._streams)}
+            return dataclasses.replace(self._snapshot, streams=len(self._streams))
 
     def health(self) -> tuple[str, str | None]:
         """("ok" | "dead" | "stuck", why): the engine's real state, read now."""
@@ -190,7 +180,7 @@ class EngineClient(abc.ABC):
         return "ok", None
 
     # ---- from the host ----------------------------------------------------------------------
-    def _deliver(self, outputs: list[EngineOutput], stats: dict[str, float] | None) -> None:
+    def _deliver(self, outputs: list[EngineOutput], stats: EngineStats | None) -> None:
         """Hand each output to its stream (any thread); `stats`: the engine's figures now."""
         deliveries = []
         with self._lock:

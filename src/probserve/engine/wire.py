@@ -20,9 +20,10 @@ import msgspec
 import numpy as np
 
 from probserve.engine.info import EngineInfo
+from probserve.engine.stats import EngineStats
 from probserve.engine.types import EngineOutput, EngineRequest
 
-VERSION = 1
+VERSION = 2  # 2: StepOutputs.stats is an EngineStats (1: a dict of floats)
 _NDARRAY = 1  # msgpack extension code of a numpy array
 
 
@@ -58,7 +59,7 @@ class Hello(Message, tag="hello"):
 
 class StepOutputs(Message, tag="step"):
     outputs: list[EngineOutput]
-    stats: dict[str, float]
+    stats: EngineStats
 
 
 class Failed(Message, tag="failed"):

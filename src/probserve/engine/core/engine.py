@@ -24,6 +24,7 @@ from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.grammar import first_line
 from probserve.engine.info import EngineInfo, validate
+from probserve.engine.stats import EngineStats
 from probserve.engine.types import (
     EngineOutput,
     EngineRequest,
@@ -143,26 +144,29 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._deferred)
 
-    def stats(self) -> dict[str, float]:
-        """waiting, running and held_caches (counts), kv_cache_usage and kv_cache_resident (the
-        part of the pool ever written: 0..1), and the prefix
-        cache queries and hits and the preemptions since start (totals)."""
+    def stats(self) -> EngineStats:
+        """The engine's figures (engine/stats.py): its queues, the KV pool, the prefix cache,
+        the steps' tokens and its process's memory and CPU."""
         sched = self.scheduler
         usable = max(1, self.pool.num_blocks - 1)
         seqs = (*sched.running, *sched.waiting)
-        return {
-            "waiting": len(sched.waiting) + len(self._deferred),  # and those a grammar holds
-            "running": len(sched.running),
-            # sequences holding KV blocks or runner state (0 when idle: nothing leaks)
-            "held_caches": sum(1 for s in seqs if s.block_table or s.runner_state is not None),
-            "kv_cache_usage": self.pool.num_in_use() / usable,
-            "kv_cache_resident": (self.pool.num_touched() - 1) / usable,
-            "prefix_cache_queries": sched.prefix_query_tokens,
-            "prefix_cache_hits": sched.prefix_hit_tokens,
-            "preemptions": sched.num_preemptions,
-            **self.iteration_tokens.stats(),
-            **self.process_usage.stats(),
-        }
+        rss, cpu = self.process_usage.stats()
+        steps = self.iteration_tokens
+        return EngineStats(
+            waiting=len(sched.waiting) + len(self._deferred),  # and those a grammar holds
+            running=len(sched.running),
+            held_caches=sum(1 for s in seqs if s.block_table or s.runner_state is not None),
+            kv_cache_usage=self.pool.num_in_use() / usable,
+            kv_cache_resident=(self.pool.num_touched() - 1) / usable,
+            prefix_cache_queries=sched.prefix_query_tokens,
+            prefix_cache_hits=sched.prefix_hit_tokens,
+            preemptions=sched.num_preemptions,
+            iteration_tokens=steps.cumulative(),
+            iteration_tokens_sum=steps.total,
+            iteration_tokens_count=steps.steps,
+            process_resident_memory_bytes=rss,
+            process_cpu_seconds=cpu,
+        )
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
