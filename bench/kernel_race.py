@@ -35,7 +35,7 @@ KERNELS = "src/probserve/kernels"
 def build_tree(commit: str | None, out: Path) -> tuple[ctypes.CDLL, Callable[..., np.ndarray]]:
     """The kernels of `commit` (None: the working tree), compiled as the server compiles them,
     and that tree's `pack_blocks` (kernels/qlayout.py: the panels its kernels read)."""
-    from probserve.kernels.build import SIGNATURES, compiler, flags
+    from probserve.kernels.build import compiler, flags, header_signatures
 
     out.mkdir(parents=True)
     src = ROOT / KERNELS
@@ -57,7 +57,7 @@ def build_tree(commit: str | None, out: Path) -> tuple[ctypes.CDLL, Callable[...
     sources = sorted(str(p) for p in src.glob("*.cpp"))
     subprocess.run([compiler(), *flags(), "-o", str(lib), *sources], check=True)
     cdll = ctypes.CDLL(str(lib))
-    for name, (res, args) in SIGNATURES.items():
+    for name, (res, args) in header_signatures().items():
         if hasattr(cdll, name):
             getattr(cdll, name).restype = res
             getattr(cdll, name).argtypes = args

@@ -29,19 +29,31 @@ def _fast_tests_start_no_process(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[None]:
     """`make test-fast` starts no process (README): a test not marked slow that spawns one (a
-    worker, a client, a server of its own) fails, naming it, so that the promise holds."""
+    worker, a server, a client of its own) fails, naming it, so that the promise holds. The
+    kernels' compiler is the one exception: it builds (or names the build of) their library."""
     if request.node.get_closest_marker("slow") is not None:
         yield
         return
     import subprocess
 
-    def refuse(self: object, args: object, *rest: object, **kwargs: object) -> None:
-        raise AssertionError(
-            f"{request.node.nodeid} is not marked slow but started a process ({args!r}): "
-            "mark it slow (make test-fast starts none)"
-        )
+    from probserve.kernels.build import KernelBuildError, compiler
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    try:
+        allowed = compiler()
+    except KernelBuildError:  # no compiler: nothing is allowed
+        allowed = None
+    original = subprocess.Popen.__init__
+
+    def guarded(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
+        program = args[0] if isinstance(args, list | tuple) and args else args
+        if allowed is None or program != allowed:
+            raise AssertionError(
+                f"{request.node.nodeid} is not marked slow but started a process ({args!r}): "
+                "mark it slow (make test-fast starts none)"
+            )
+        original(self, args, *rest, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
     yield
 
 

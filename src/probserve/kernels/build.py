@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp", HERE / "layer.cpp")  # one library
-HEADERS = (HERE / "simd.h",)
+HEADERS = (HERE / "simd.h", HERE / "probserve.h")
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -52,32 +53,41 @@ def flags() -> tuple[str, ...]:
     return (*FLAGS, *ISA_FLAGS[isa])
 
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_F = ctypes.c_float
-SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "ps_lanes": (ctypes.c_int, []),
-    "ps_panel_width": (ctypes.c_int, []),
-    "ps_linear": (None, [_P, _I, _I, _P, _I, _P, _P]),
-    "ps_packed_rows": (None, [_P, _I, _P, _I, _P]),
-    "ps_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
-    "ps_silu_mul": (None, [_P, _I, _I, _P]),
-    "ps_log_softmax": (None, [_P, _I, _I, _P]),
-    "ps_entropy": (None, [_P, _I, _I, _P]),
-    "ps_topk": (None, [_P, _I, _I, _I, _P, _P]),
-    "ps_score": (None, [_P, _I, _I, _P, _I, _P, _P, _P, _P]),
-    "ps_rope_cache": (None, [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P]),
-    "ps_attention": (None, [_P, _P, _P, _P, _I, _I, _I, _I, _F, _P, _I, _I, _P, _P, _I, _F]),
-    "ps_gelu_tanh_mul": (None, [_P, _I, _I, _P]),
-    "ps_softcap": (None, [_P, _I, _F]),
-    "ps_qblock_bytes": (_I, [ctypes.c_int]),
-    "ps_qblock_len": (_I, [ctypes.c_int]),
-    "ps_block_sums_flag": (ctypes.c_int, []),
-    "ps_qlinear": (None, [ctypes.c_int, _P, _I, _I, _P, _I, _P, _P]),
-    "ps_qrows": (None, [ctypes.c_int, _P, _I, _P, _I, _P]),
-    "ps_layers_scratch": (_I, [_P, _I]),
-    "ps_layers": (None, [_P, _P, _P, _P]),
+HEADER = HERE / "probserve.h"  # every exported prototype and struct, declared once
+_CTYPES: dict[str, type | None] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
 }
+
+
+def _ctype(decl: str) -> type | None:
+    """A C declaration's type as ctypes has it: a pointer (any) is c_void_p."""
+    if "*" in decl:
+        return ctypes.c_void_p
+    words = [w for w in decl.replace("const", " ").split() if w]
+    return _CTYPES[words[0]]
+
+
+def header_signatures(text: str | None = None) -> dict[str, tuple[type | None, list[type | None]]]:
+    """The exported functions of probserve.h: name -> (result, argument types), for ctypes."""
+    text = HEADER.read_text() if text is None else text
+    text = re.sub(r"//[^\n]*", "", text)
+    out: dict[str, tuple[type | None, list[type | None]]] = {}
+    for result, name, params in re.findall(r"([\w\s\*]+?)\s*\b(ps_\w+)\s*\(([^)]*)\)\s*;", text):
+        args = [p.rsplit(None, 1)[0] if " " in p.strip() else p for p in params.split(",")]
+        argtypes = [_ctype(a) for a in args if a.strip()]
+        out[name] = (_ctype(result.strip().split("\n")[-1]), argtypes)
+    return out
+
+
+def header_constant(name: str) -> int:
+    """A `#define NAME value` of probserve.h (PS_MAX_PARTS)."""
+    found = re.search(rf"#define\s+{name}\s+(\d+)", HEADER.read_text())
+    if found is None:
+        raise KernelBuildError(f"probserve.h defines no {name}")
+    return int(found.group(1))
 
 
 class KernelBuildError(RuntimeError):
@@ -175,7 +185,7 @@ def build() -> Path:
 def load() -> ctypes.CDLL:
     """The kernels library with its functions' argument types declared."""
     lib = ctypes.CDLL(str(build()))
-    for name, (restype, argtypes) in SIGNATURES.items():
+    for name, (restype, argtypes) in header_signatures().items():
         fn = getattr(lib, name)
         fn.restype = restype
         fn.argtypes = argtypes

@@ -15,6 +15,7 @@
 //   - exp: one vector routine for every element (tails are masked vector operations, never a
 //     scalar path that rounds differently).
 // Built with -march=native for the machine it runs on (kernels/build.py).
+#include "probserve.h"
 #include "simd.h"
 
 namespace {

@@ -18,89 +18,8 @@
 // Work buffers come from the caller (`scratch`, sized by ps_layers_scratch for a token count):
 // the Python side keeps one per power-of-two bucket of token counts, so nothing is allocated
 // per layer or per step.
+#include "probserve.h"
 #include "simd.h"
-
-extern "C" {
-void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
-               const float* bias, float* out);
-void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                const float* bias, float* out);
-void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out);
-void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
-                   const float* kw, float eps);
-void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
-void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);
-void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
-                   const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
-                   float* q_out, float* kc, float* vc);
-void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
-                  int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
-                  int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
-                  int64_t window, float softcap);
-}
-
-namespace {
-
-constexpr int MAX_PARTS = 4;
-
-}  // namespace
-
-extern "C" {
-
-// One weight [n, k] of a layer's projection: float32 panels (fmt < 0, ps_linear) or GGUF blocks
-// in quantized.cpp's format `fmt` (ps_qlinear); bias padded to whole panels, or null.
-struct PsPart {
-    int64_t fmt;
-    const void* data;
-    const float* bias;
-    int64_t n;
-    int64_t k;
-};
-
-// A projection: its parts' output columns side by side (one part: a plain weight).
-struct PsProj {
-    int64_t nparts;
-    PsPart parts[MAX_PARTS];
-    int64_t n;  // the sum of the parts' n
-};
-
-struct PsLayer {
-    const float* ln1;      // input norm
-    const float* ln2;      // Llama: the norm before the MLP; sandwich: of the attention's output
-    const float* pre_ff;   // sandwich only: the norms around the MLP
-    const float* post_ff;
-    const float* q_norm;   // per-head q/k norms, or null
-    const float* k_norm;
-    PsProj qkv, o, gate_up, down;
-    int64_t window;        // sliding window (0: none)
-    int64_t rope;          // which RoPE table (PsStep's cos/sin arrays)
-};
-
-struct PsModel {
-    int64_t layers, hidden, nq, nkv, d, inter;
-    float eps, scale, softcap;  // softcap 0: none
-    int64_t sandwich, gelu;     // flags
-    const PsLayer* layer;
-};
-
-// One step's tokens and cache: as ps_rope_cache and ps_attention take them; kc, vc the whole
-// cache [layers, slots, nkv, d] (layer li at li * slots * nkv * d).
-struct PsStep {
-    int64_t tokens;
-    const int64_t* pos;
-    const int64_t* slots;
-    const int64_t* tables;
-    int64_t width, block_size;
-    const int64_t* seq;
-    const int64_t* len;
-    float* kc;
-    float* vc;
-    int64_t cache_slots;
-    const float* const* cos;  // per RoPE table [positions, d]
-    const float* const* sin;
-};
-
-}  // extern "C"
 
 namespace {
 
@@ -220,6 +139,14 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
         if (m->sandwich) ps_rms_norm(b.o, T, H, l.post_ff, m->eps, b.o);
         add_into(h, b.o, T * H);
     }
+}
+
+void ps_struct_sizes(int64_t* out) {
+    out[0] = sizeof(PsPart);
+    out[1] = sizeof(PsProj);
+    out[2] = sizeof(PsLayer);
+    out[3] = sizeof(PsModel);
+    out[4] = sizeof(PsStep);
 }
 
 }  // extern "C"

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from probserve.kernels.build import KernelBuildError, header_constant
 from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight, row_ids
 
-MAX_PARTS = 4  # layer.cpp's MAX_PARTS
+MAX_PARTS = header_constant("PS_MAX_PARTS")  # probserve.h's, as layer.cpp has it
 _I = ctypes.c_int64
 _P = ctypes.c_void_p
 _F = ctypes.c_float
@@ -122,12 +123,29 @@ def _proj(parts: Sequence[Weight]) -> _Proj:
     return proj
 
 
+STRUCTS = (_Part, _Proj, _Layer, _Model, _Step)  # ps_struct_sizes' order
+
+
+def check_struct_sizes(lib: ctypes.CDLL) -> None:
+    """The library's structs (probserve.h) are the size of their ctypes mirrors here: a field
+    added on one side only would pass pointers to the wrong places."""
+    sizes = (ctypes.c_int64 * len(STRUCTS))()
+    lib.ps_struct_sizes(sizes)
+    ours = [ctypes.sizeof(t) for t in STRUCTS]
+    if list(sizes) != ours:
+        raise KernelBuildError(
+            f"the kernels' structs ({list(sizes)} bytes) differ from kernels/layers.py's "
+            f"({ours}): probserve.h and its mirrors must change together"
+        )
+
+
 class NativeLayers:
     """Every decoder layer of a model, run over a step's tokens by one `ps_layers` call."""
 
     def __init__(self, kernels: InvariantKernels, shape: Shape, layers: Sequence[LayerWeights]):
         """`layers`: their tensors must outlive this object (the forward holds them)."""
         self.lib = kernels.lib
+        check_struct_sizes(self.lib)
         self.shape = shape
         self._weights = list(layers)  # the tensors the pointers point into
         for lw in layers:

@@ -40,6 +40,7 @@
 // columns, moved. Padded columns are zeros (d = 0).
 #include <memory>
 
+#include "probserve.h"
 #include "simd.h"
 
 namespace {

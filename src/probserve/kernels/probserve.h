@@ -1,0 +1,108 @@
+// probserve's kernels as the library exports them: every function's prototype and every struct
+// the Python side builds, declared once. Each .cpp includes this file, so a definition that
+// differs from its prototype does not compile; kernels/build.py reads the prototypes below to
+// give ctypes their signatures, and kernels/layers.py the structs' sizes (ps_struct_sizes),
+// checked against its ctypes mirrors when the library loads.
+//
+// Types the reader of build.py knows: void, int, int64_t, float, and pointers (any).
+#pragma once
+#include <cstdint>
+
+#define PS_MAX_PARTS 4  // the parts of one projection (PsProj), kernels/layers.py reads it
+
+extern "C" {
+
+// One weight [n, k] of a layer's projection: float32 panels (fmt < 0, ps_linear) or GGUF blocks
+// in quantized.cpp's format `fmt` (ps_qlinear); bias padded to whole panels, or null.
+struct PsPart {
+    int64_t fmt;
+    const void* data;
+    const float* bias;
+    int64_t n;
+    int64_t k;
+};
+
+// A projection: its parts' output columns side by side (one part: a plain weight).
+struct PsProj {
+    int64_t nparts;
+    PsPart parts[PS_MAX_PARTS];
+    int64_t n;  // the sum of the parts' n
+};
+
+struct PsLayer {
+    const float* ln1;      // input norm
+    const float* ln2;      // Llama: the norm before the MLP; sandwich: of the attention's output
+    const float* pre_ff;   // sandwich only: the norms around the MLP
+    const float* post_ff;
+    const float* q_norm;   // per-head q/k norms, or null
+    const float* k_norm;
+    PsProj qkv, o, gate_up, down;
+    int64_t window;        // sliding window (0: none)
+    int64_t rope;          // which RoPE table (PsStep's cos/sin arrays)
+};
+
+struct PsModel {
+    int64_t layers, hidden, nq, nkv, d, inter;
+    float eps, scale, softcap;  // softcap 0: none
+    int64_t sandwich, gelu;     // flags
+    const PsLayer* layer;
+};
+
+// One step's tokens and cache: as ps_rope_cache and ps_attention take them; kc, vc the whole
+// cache [layers, slots, nkv, d] (layer li at li * slots * nkv * d).
+struct PsStep {
+    int64_t tokens;
+    const int64_t* pos;
+    const int64_t* slots;
+    const int64_t* tables;
+    int64_t width, block_size;
+    const int64_t* seq;
+    const int64_t* len;
+    float* kc;
+    float* vc;
+    int64_t cache_slots;
+    const float* const* cos;  // per RoPE table [positions, d]
+    const float* const* sin;
+};
+
+// ---- invariant.cpp: the row-invariant float32 kernels -------------------------------------
+int ps_lanes();
+int ps_panel_width();
+void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+               const float* bias, float* out);
+void ps_packed_rows(const float* packed, int64_t K, const int64_t* ids, int64_t T, float* out);
+void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out);
+void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
+                   const float* kw, float eps);
+void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
+void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);
+void ps_softcap(float* x, int64_t N, float cap);
+void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
+                   const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
+                   float* q_out, float* kc, float* vc);
+void ps_log_softmax(const float* x, int64_t M, int64_t V, float* out);
+void ps_score(const float* x, int64_t M, int64_t V, const int64_t* target, int64_t k, float* lp,
+              int64_t* rank, float* vals, int64_t* ids);
+void ps_entropy(const float* lp, int64_t M, int64_t V, float* out);
+void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64_t* ids);
+void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
+                  int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
+                  int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
+                  int64_t window, float softcap);
+
+// ---- quantized.cpp: the linear layers on GGUF blocks ----------------------------------------
+int64_t ps_qblock_bytes(int fmt);
+int64_t ps_qblock_len(int fmt);
+void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                const float* bias, float* out);
+int ps_block_sums_flag();
+void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
+              float* out);
+
+// ---- layer.cpp: a step's decoder layers in one call -------------------------------------------
+int64_t ps_layers_scratch(const PsModel* m, int64_t T);
+void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch);
+// sizeof PsPart, PsProj, PsLayer, PsModel, PsStep, in that order, into out[0..4]
+void ps_struct_sizes(int64_t* out);
+
+}  // extern "C"
