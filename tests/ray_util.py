@@ -68,19 +68,16 @@ def running_app(config: dict[str, Any], *flags: str) -> Iterator[str]:
     """The probserve Serve application for `config` (a cluster configuration) with the serve
     `flags`, on a free loopback port: yields its base URL."""
     from ray import serve
-    from server_util import free_port, serve_args
+    from server_util import free_port, serve_settings
 
     from probserve.cluster.app import build_app
     from probserve.cluster.config import ClusterConfig
-    from probserve.engine import EngineConfig
-    from probserve.flags import from_args
-    from probserve.serving import server_config
 
-    args = serve_args("--ray", *flags)
+    settings = serve_settings("--ray", *flags)
     cluster = ClusterConfig.model_validate(config)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
+    app = build_app(cluster, settings.engine, settings.server)
     serve.run(app, name=cluster.app_name, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"

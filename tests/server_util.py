@@ -17,12 +17,18 @@ from probserve.api.state import ServerState
 from probserve.cli import build_parser
 from probserve.models import LoadedModel
 from probserve.serving import build_state
+from probserve.settings import ServeSettings
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def serve_settings(*extra: str) -> ServeSettings:
+    """`probserve serve`'s settings for these flags, as cli parses them."""
+    return ServeSettings.of(serve_args(*extra))
 
 
 def serve_args(*extra: str) -> argparse.Namespace:
@@ -36,7 +42,7 @@ def running_state(loaded: LoadedModel, *extra: str) -> Iterator[tuple[str, Serve
     built in the test (no source) is served by an inline engine."""
     if loaded.source is None and "--worker" not in extra:
         extra = (*extra, "--worker", "inline")
-    state, supervisor = build_state(serve_args(*extra), loaded)
+    state, supervisor = build_state(serve_settings(*extra), loaded)
     app = create_app(state)
     port = free_port()
     server = uvicorn.Server(uvicorn_config(app, state.config.http, "127.0.0.1", port))

@@ -438,14 +438,14 @@ def test_access_log_escapes_control_characters_and_logs_500s(
 
 
 def test_websockets_are_refused_without_a_key(smol: LoadedModel):
-    from server_util import serve_args
+    from server_util import serve_settings
     from starlette.testclient import TestClient
     from starlette.websockets import WebSocketDisconnect
 
     from probserve.api.app import create_app
     from probserve.serving import build_state
 
-    state, _ = build_state(serve_args("--worker", "inline"), smol)
+    state, _ = build_state(serve_settings("--worker", "inline"), smol)
     try:
         app = create_app(state)  # no lifespan: the app's own start and stop never run
         with pytest.raises(WebSocketDisconnect), TestClient(app).websocket_connect("/") as ws:

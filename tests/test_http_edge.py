@@ -100,10 +100,10 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 
 
 def test_https_with_a_self_signed_certificate(tiny: LoadedModel, tmp_path: Path) -> None:
-    from server_util import free_port, serve_args
+    from server_util import free_port, serve_settings
 
     key, cert = _self_signed(tmp_path)
-    state, supervisor = build_state(serve_args("--worker", "inline"), tiny)
+    state, supervisor = build_state(serve_settings("--worker", "inline"), tiny)
     port = free_port()
     config = uvicorn_config(create_app(state), state.config.http, "127.0.0.1", port, str(key),
                             str(cert))  # fmt: skip

@@ -115,6 +115,7 @@ def test_no_upward_imports():
 API_PROCESS = (
     "probserve.cli",
     "probserve.serving",
+    "probserve.settings",
     "probserve.api.app",
     "probserve.engine.client",
     "probserve.engine.worker_client",

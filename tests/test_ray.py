@@ -427,13 +427,10 @@ def test_a_killed_replica_loses_no_request(app: str):
 def test_the_cluster_file_becomes_deployments(tmp_path: Path):
     """Replicas, autoscaling, placement, queue bounds, the router and per-model engine settings
     reach Serve's deployments as the file says (no cluster needed)."""
-    from server_util import serve_args
+    from server_util import serve_settings
 
     from probserve.cluster.app import build_app
     from probserve.cluster.config import load_cluster_config
-    from probserve.engine import EngineConfig
-    from probserve.flags import from_args
-    from probserve.serving import server_config
 
     path = tmp_path / "cluster.yaml"
     path.write_text(
@@ -449,8 +446,8 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
         "    served_model_name: b\n"
         "    num_replicas: 2\n"
     )
-    args = serve_args("--ray", "--cluster-config", str(path), "--max-num-seqs", "8")
-    app = build_app(load_cluster_config(args), from_args(EngineConfig, args), server_config(args))
+    settings = serve_settings("--ray", "--cluster-config", str(path), "--max-num-seqs", "8")
+    app = build_app(load_cluster_config(settings), settings.engine, settings.server)
     ingress = app._bound_deployment
     entries, _, retries = ingress.init_args
     assert retries == 2 and [e.names for e in entries] == [
@@ -471,7 +468,7 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
 
     path.write_text("models:\n  - served_model_name: a\n    replicas: 2\n")  # a typo
     with pytest.raises(ValueError, match="replicas"):
-        load_cluster_config(args)
+        load_cluster_config(settings)
 
 
 def test_a_replay_gives_only_what_is_new_and_checks_the_rest():

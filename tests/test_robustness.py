@@ -21,7 +21,7 @@ from server_util import free_port, running_server
 from probserve.engine import EngineRequest, FinishReason, LogprobsSpec, SamplingParams
 from probserve.engine.core import sampler as sampler_module
 from probserve.models import LoadedModel
-from probserve.serving import api_keys
+from probserve.settings import api_keys
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from probserve.engine import EngineConfig, LogprobsMode
 from probserve.engine.core.engine import EngineCore
 from probserve.flags import PresetError
 from probserve.models import LoadedModel
-from probserve.serving import SERVE_SETTINGS, model_flags
+from probserve.settings import SERVE_SETTINGS, ServeSettings
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> Any:
@@ -32,6 +32,7 @@ def parse(argv: list[str], environ: dict[str, str] | None = None) -> Any:
     return parser.parse_args(with_presets(parser, argv, environ or {}))
 
 
+@pytest.mark.slow  # it starts `python -m probserve` (make test-fast starts no process)
 def test_version_and_python_dash_m(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
@@ -159,12 +160,16 @@ def test_the_ray_cluster_file_under_config_is_taken_with_a_warning(
     assert "deprecated" in caplog.text and "--cluster-config" in caplog.text
 
 
+def _specs(args: object) -> list[str]:
+    return [m.spec for m in ServeSettings.of(args).models]  # type: ignore[arg-type]
+
+
 def test_positional_model_comes_first() -> None:
     args = parse(["serve", "first.gguf", "--model", "second.gguf"])
-    assert [spec for spec, _ in model_flags(args)] == ["first.gguf", "second.gguf"]
+    assert _specs(args) == ["first.gguf", "second.gguf"]
     args = parse(["serve", "only.gguf"], {"PROBSERVE_MODEL": "from-env.gguf"})
-    assert [spec for spec, _ in model_flags(args)] == ["only.gguf"]
-    assert [spec for spec, _ in model_flags(parse(["serve"]))] == ["smollm2-135m-instruct"]
+    assert _specs(args) == ["only.gguf"]
+    assert _specs(parse(["serve"])) == ["smollm2-135m-instruct"]
 
 
 def test_help_is_grouped_with_defaults() -> None:

@@ -117,9 +117,11 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from probserve.serving import ServeFlags, run_server
+    from probserve.serving import run_server
+    from probserve.settings import ServeSettings
 
-    flags = from_args(ServeFlags, args)
+    settings = ServeSettings.of(args)  # every setting parsed once, here
+    flags = settings.flags
     if bool(flags.ssl_keyfile) != bool(flags.ssl_certfile):
         raise UsageError("--ssl-keyfile and --ssl-certfile go together")
     if flags.ray and flags.ssl_keyfile:
@@ -129,12 +131,12 @@ def _serve(args: argparse.Namespace) -> int:
 
         if flags.chat_template:
             raise ModelLoadError("--chat-template is not available with --ray")
-        return run_cluster(args)
-    return run_server(args)
+        return run_cluster(settings)
+    return run_server(settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from probserve.serving import add_serve_args
+    from probserve.settings import add_serve_args
 
     parser = argparse.ArgumentParser(prog="probserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"probserve {__version__}")
@@ -172,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # each command's settings classes: what its --config file and PROBSERVE_ variables may set
 def _settings(command: str) -> tuple[type, ...]:
-    from probserve.serving import SERVE_SETTINGS
+    from probserve.settings import SERVE_SETTINGS
 
     return {
         "serve": SERVE_SETTINGS,

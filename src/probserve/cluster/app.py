@@ -9,7 +9,6 @@ the weights.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import re
@@ -25,9 +24,9 @@ from probserve.cluster.ray_engine import RayEngine
 from probserve.cluster.replica import EngineReplica
 from probserve.cluster.router import PrefixAffinityRouter
 from probserve.engine import EngineConfig
-from probserve.flags import from_args
 from probserve.models import load_tokenizer, resolve_model
 from probserve.serving import served_names, served_record
+from probserve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -206,17 +205,15 @@ def _deploy(app: Any, cluster: ClusterConfig, stop: threading.Event) -> str | No
     return ""
 
 
-def run_cluster(args: argparse.Namespace) -> int:
+def run_cluster(settings: ServeSettings) -> int:
     """`probserve serve --ray`: deploy the application on a Ray cluster (joined, or started
     here), serve HTTP on --host/--port through Serve's proxy until SIGTERM or Ctrl-C, then take
     the application down."""
     import ray
     from ray import serve
 
-    from probserve.serving import ServeFlags, server_config
-
-    flags = from_args(ServeFlags, args)
-    cluster = load_cluster_config(args)
+    flags = settings.flags
+    cluster = load_cluster_config(settings)
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     cpus = float(ray.cluster_resources().get("CPU", 0.0))
     # the flags' deployments: the replicas share the cores if they must
@@ -237,7 +234,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": flags.host, "port": flags.port})
-        app = build_app(cluster, from_args(EngineConfig, args), server_config(args))
+        app = build_app(cluster, settings.engine, settings.server)
         asked, how = cpus_asked(cluster)
         log.info("deploying on Ray Serve: %g of %g CPUs (%s)", asked, cpus, how)
         why = _deploy(app, cluster, stop)

@@ -4,12 +4,13 @@ much each may queue. Without a file, each `--model` gets one deployment of `--re
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from probserve.settings import ServeSettings
 
 
 class _Strict(BaseModel):
@@ -61,20 +62,19 @@ class ClusterConfig(_Strict):
         return self
 
 
-def load_cluster_config(args: argparse.Namespace) -> ClusterConfig:
+def load_cluster_config(settings: ServeSettings) -> ClusterConfig:
     """The file of `--cluster-config`, else one deployment per `--model` with `--replicas` replicas;
     `--ray-address` overrides the file's address."""
-    from probserve.flags import from_args
-    from probserve.serving import ServeFlags, model_flags
-
-    flags = from_args(ServeFlags, args)
+    flags = settings.flags
     if flags.cluster_config:
         data = yaml.safe_load(Path(flags.cluster_config).read_text(encoding="utf-8")) or {}
         config = ClusterConfig.model_validate(data)
     else:
         models = [
-            ModelDeployment(model=spec, served_model_name=name, num_replicas=flags.replicas)
-            for spec, name in model_flags(args)
+            ModelDeployment(
+                model=m.spec, served_model_name=m.served_name, num_replicas=flags.replicas
+            )
+            for m in settings.models
         ]
         config = ClusterConfig(models=models)
     if flags.ray_address:
