@@ -269,7 +269,7 @@ def test_a_schema_without_additional_properties_gets_only_its_keys(http: httpx.C
 
 
 def test_closed_objects_follow_the_schemas_structure() -> None:
-    from probserve.api.plans.grammar import closed_objects
+    from probserve.api.structured import closed_objects
 
     schema = {
         "type": "object",

@@ -18,7 +18,8 @@ from typing import Any
 from probserve.api.app import create_app
 from probserve.api.http_server import DrainingServer, listening_socket, uvicorn_config
 from probserve.api.loading import LoadingApp
-from probserve.api.state import ServedModel, ServerState
+from probserve.api.served import ServedModel
+from probserve.api.state import ServerState
 from probserve.api.supervisor import Supervisor
 from probserve.engine import EngineClient, EngineInfo, WorkerEngine
 from probserve.models import (

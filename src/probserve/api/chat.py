@@ -13,8 +13,9 @@ from probserve.api.generation import Delta
 from probserve.api.json_out import dump_json
 from probserve.api.logprobs_format import LogprobsFormatter
 from probserve.api.lookup import serving_of
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.chat import chat_completion_plan
-from probserve.api.prompts import ChatPrompt, off_loop
+from probserve.api.prompts import ChatPrompt
 from probserve.api.protocol import (
     AssistantMessage,
     ChatChoice,

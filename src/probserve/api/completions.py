@@ -12,8 +12,9 @@ from probserve.api.errors import ERRORS
 from probserve.api.generation import Delta
 from probserve.api.json_out import dump_json
 from probserve.api.lookup import serving_of
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.completion import CompletionShape, completion_plan
-from probserve.api.prompts import Prompt, off_loop
+from probserve.api.prompts import Prompt
 from probserve.api.protocol import (
     CompletionChoice,
     CompletionLogprobs,

@@ -29,11 +29,12 @@ from starlette.types import Receive, Scope, Send
 
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.lookup import serving_of
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.distributions import distributions_plan, prompt_ids
-from probserve.api.prompts import off_loop
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
+from probserve.api.row_budget import RowBudget
 from probserve.api.run import Run
-from probserve.api.state import RowBudget, Serving
+from probserve.api.state import Serving
 
 router = APIRouter()
 

@@ -8,12 +8,10 @@ is refused before it can cost anything.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -26,11 +24,6 @@ from probserve.engine import TokenLogprobs
 from probserve.models import LoadedModel
 
 T = TypeVar("T")
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """Run blocking tokenizer/template work in a worker thread: the event loop stays free."""
-    return await asyncio.to_thread(fn, *args)
 
 
 @dataclass

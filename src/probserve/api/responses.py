@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -20,8 +21,8 @@ from probserve.api.errors import ERRORS, APIError, error_body
 from probserve.api.generation import Candidate
 from probserve.api.json_out import dump_json
 from probserve.api.lookup import serving_of
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.responses import in_responses_terms, responses_plan
-from probserve.api.prompts import off_loop
 from probserve.api.protocol import (
     ChatLogprobEntry,
     IncompleteDetails,
@@ -54,10 +55,43 @@ class _Call:
         self.closed = False  # its closing events were sent (a stream)
 
 
-# what a reply with tools did in one step: ("text", text, entries) for the message, ("call",
-# index) for a call begun, ("arguments", index, text) for a call's arguments, ("call_done",
-# index) for a call whose arguments are whole
-Said = tuple[Any, ...]
+# what a reply with tools did in one step, each becoming its Responses events
+@dataclass(frozen=True)
+class MessageBegun:
+    """The assistant message's item begins (the reply has content)."""
+
+
+@dataclass(frozen=True)
+class TextSaid:
+    """Content the message adds, with its tokens' logprob entries."""
+
+    text: str
+    entries: list[ChatLogprobEntry]
+
+
+@dataclass(frozen=True)
+class CallBegun:
+    """Call `index` begins (its name is known)."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class ArgumentsSaid:
+    """Arguments call `index` adds."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class CallDone:
+    """Call `index`'s arguments are whole: its closing events."""
+
+    index: int
+
+
+Said = MessageBegun | TextSaid | CallBegun | ArgumentsSaid | CallDone
 
 
 class _Reply:
@@ -114,7 +148,7 @@ class _Reply:
                 self._begin(len(self.calls) - 1, said)
             if c.arguments:
                 self.calls[c.index].arguments += c.arguments
-                said.append(("arguments", c.index, c.arguments))
+                said.append(ArgumentsSaid(c.index, c.arguments))
             if c.done:
                 self.calls[c.index].complete = True
         if delta or final:
@@ -132,12 +166,12 @@ class _Reply:
                 self.text += delta.content
                 self.logprobs += entries
                 if delta.content or entries:
-                    said.append(("text", delta.content, entries))
+                    said.append(TextSaid(delta.content, entries))
             else:
                 self.calls[owner].logprobs += entries
                 if delta.content:  # content and a call in one piece: the text is the message's
                     self.text += delta.content
-                    said.append(("text", delta.content, []))
+                    said.append(TextSaid(delta.content, []))
         self._close_done(said, None if final else self._owner)
         return said
 
@@ -147,12 +181,12 @@ class _Reply:
         for i, call in enumerate(self.calls):
             if call.complete and not call.closed and i != keep:
                 call.closed = True
-                said.append(("call_done", i))
+                said.append(CallDone(i))
 
     def _begin(self, item: int | None, said: list[Said]) -> None:
         if item not in self.order:
             self.order.append(item)
-            said.append(("call", item) if item is not None else ("message",))
+            said.append(CallBegun(item) if item is not None else MessageBegun())
 
     def output_index(self, item: int | None) -> int:
         return self.order.index(item)
@@ -309,24 +343,26 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
         ]  # fmt: skip
 
     def said(step: Said) -> list[str]:  # a reply with tools: what one step did, as events
-        kind = step[0]
-        if kind == "message":
-            at = reply.output_index(None)
-            return [
-                ev("response.output_item.added", output_index=at, item=reply.item()),
-                ev("response.content_part.added", **where(), part=ResponseOutputText(text="")),
-            ]
-        if kind == "text":
-            return [ev("response.output_text.delta", **where(), delta=step[1], logprobs=step[2])]
-        call, at = reply.calls[step[1]], reply.output_index(step[1])
-        if kind == "call":
-            return [
-                ev("response.output_item.added", output_index=at, item=reply.call_item(step[1]))
-            ]
-        if kind == "call_done":
-            return call_closed(step[1])
-        return [ev("response.function_call_arguments.delta", item_id=call.id, output_index=at,
-                   delta=step[2])]  # fmt: skip
+        match step:
+            case MessageBegun():
+                at = reply.output_index(None)
+                return [
+                    ev("response.output_item.added", output_index=at, item=reply.item()),
+                    ev("response.content_part.added", **where(), part=ResponseOutputText(text="")),
+                ]
+            case TextSaid(text, entries):
+                return [ev("response.output_text.delta", **where(), delta=text, logprobs=entries)]
+            case CallBegun(index):
+                at = reply.output_index(index)
+                item = reply.call_item(index)
+                return [ev("response.output_item.added", output_index=at, item=item)]
+            case CallDone(index):
+                return call_closed(index)
+            case ArgumentsSaid(index, text):
+                call, at = reply.calls[index], reply.output_index(index)
+                return [ev("response.function_call_arguments.delta", item_id=call.id,
+                           output_index=at, delta=text)]  # fmt: skip
+        raise AssertionError(f"unknown step {step!r}")
 
     yield ev("response.created", response=reply.response())
     yield ev("response.in_progress", response=reply.response())

@@ -8,11 +8,12 @@ import dataclasses
 from typing import Any
 
 from probserve.api.errors import bad_request
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
-from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs, off_loop
+from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from probserve.api.state import Serving
 from probserve.api.tools.ask import ToolAsk, tool_ask

@@ -6,16 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from probserve.api.errors import bad_request
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
-from probserve.api.prompts import (
-    build_completion_prompts,
-    check_text_size,
-    completion_id_lists,
-    off_loop,
-)
+from probserve.api.prompts import build_completion_prompts, check_text_size, completion_id_lists
 from probserve.api.protocol import CompletionRequest
 from probserve.api.state import Serving
 

@@ -5,9 +5,10 @@ Position p is the distribution after the prompt's tokens 0..p."""
 from __future__ import annotations
 
 from probserve.api.errors import bad_request
+from probserve.api.off_loop import off_loop
 from probserve.api.plans.logprobs_ask import LogprobsAsk
 from probserve.api.plans.plan import Plan
-from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size, off_loop
+from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size
 from probserve.api.protocol import DistributionsRequest
 from probserve.api.state import Serving
 from probserve.engine import SamplingParams

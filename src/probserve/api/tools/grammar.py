@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from probserve.api.plans.grammar import JSON_OPTIONS, GrammarAsk, closed_objects
 from probserve.api.protocol import FunctionDefinition
+from probserve.api.structured import JSON_OPTIONS, GrammarAsk, closed_objects
 from probserve.api.tools.ask import NO_ARGUMENTS, ToolAsk
 from probserve.api.tools.formats import ToolParser
 
