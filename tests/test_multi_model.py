@@ -17,6 +17,8 @@ from server_util import running_state
 from probserve.api.state import ServerState
 from probserve.models import LoadedModel
 
+pytestmark = pytest.mark.slow  # each model's engine is a worker process
+
 
 @pytest.fixture(scope="module")
 def two(smol: LoadedModel, tiny_dir: Path) -> Iterator[tuple[str, ServerState]]:

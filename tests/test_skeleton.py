@@ -80,6 +80,7 @@ def test_the_rotary_tables_are_transformers_bit_for_bit(rope: dict):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # a fresh interpreter (make test-fast starts no process)
 def test_native_loading_imports_no_modeling_code(smol):  # type: ignore[no-untyped-def]
     """Native weights load without transformers' modeling code (seconds of imports saved at
     every engine start: a worker, a restarted worker, a Ray replica)."""

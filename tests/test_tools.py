@@ -194,7 +194,9 @@ def test_the_generic_prompt_tells_the_tools_and_replays_calls_and_results():
     }
     with_system = [{"role": "system", "content": "Be brief."}, *history]
     shown = tool_prompt(with_system, ToolAsk((ADD,), "required", True, FORMATS[G]), FORMATS[G])
-    assert shown.origins == [0, 1, 2, 3]
+    # required: the reply's certain start is the prompt's last (assistant) turn, probserve's
+    assert shown.origins == [0, 1, 2, 3, None] and shown.primed
+    assert shown.messages[-1] == {"role": "assistant", "content": '{"tool_calls": [{"name": "'}
     assert shown.messages[0]["content"].startswith("Be brief.\n\n")
     assert '{"content":' not in shown.messages[0]["content"]  # required: calls only
     native = tool_prompt(history, ask, FORMATS[H])

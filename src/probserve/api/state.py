@@ -16,7 +16,7 @@ from probserve.api.metrics import Metrics
 from probserve.api.row_budget import RowBudget
 from probserve.api.served import ServedModel
 from probserve.api.tokens import TokenTable
-from probserve.engine import EngineClient
+from probserve.engine import EngineClient, EngineDead
 from probserve.models import LoadedModel
 
 
@@ -45,6 +45,16 @@ class Serving:
     @property
     def fmt(self) -> LogprobsFormatter:
         return self.model.fmt
+
+    @property
+    def max_context(self) -> int:
+        """The tokens one sequence may hold, as the engine said in its hello; an engine that
+        has not said it (a worker that died before, being restarted) is a 503, never a 500."""
+        info = getattr(self.engine, "info", None)
+        if info is None:
+            status, why = self.model.health()
+            raise EngineDead(f"the model's engine is {status}: {why or 'not started'}")
+        return int(info.max_context)
 
     def formatter(self, as_ids: bool) -> LogprobsFormatter:
         """The logprobs formatter: tokens by text, or (`as_ids`) named `token_id:N`."""

@@ -63,7 +63,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     if isinstance(prompts[0], str):
         check_text_size(limits, prompts)
     built = await off_loop(
-        build_completion_prompts, state.loaded, state.table, prompts, state.engine.info.max_context
+        build_completion_prompts, state.loaded, state.table, prompts, state.max_context
     )
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)

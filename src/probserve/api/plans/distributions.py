@@ -32,7 +32,7 @@ async def distributions_plan(state: Serving, body: DistributionsRequest) -> Plan
     limits = state.config.limits
     if isinstance(body.prompt, str):
         check_text_size(limits, [body.prompt])
-    max_context = state.engine.info.max_context - 1  # room for the placeholder token
+    max_context = state.max_context - 1  # room for the placeholder token
     (prompt,) = await off_loop(
         build_completion_prompts, state.loaded, state.table, [body.prompt], max_context
     )

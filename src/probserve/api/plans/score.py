@@ -58,7 +58,7 @@ def _inputs(
 async def score_plan(state: Serving, body: ScoreRequest) -> Plan:
     labels = checked_ids(body.label_token_ids, state, "label_token_ids", least=1)
     # room for the one scored token: an input that fills the context is the items' fault
-    max_tokens = state.engine.info.max_context - 1
+    max_tokens = state.max_context - 1
     inputs = _inputs(body, state.config.limits, state.loaded.vocab_size, max_tokens)
     prompts = await off_loop(
         build_completion_prompts, state.loaded, state.table, inputs, max_tokens, "items"
