@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from probserve.api.app import create_app
-from probserve.api.http_server import uvicorn_config
-from probserve.api.state import ServerState
+from probserve.api.edge.server import uvicorn_config
+from probserve.api.server.state import ServerState
 from probserve.cli import build_parser
 from probserve.models import LoadedModel
 from probserve.serving import build_state

@@ -1,6 +1,6 @@
-"""The header deadline on both of uvicorn's HTTP parsers (api/connections.py): slowloris clients
-cut off, honest ones (slow answers, keep-alive, pipelining) served, and the uvicorn internals
-the guard reads checked, so that a uvicorn release that changes them fails here."""
+"""The header deadline on both of uvicorn's HTTP parsers (api/edge/connections.py): slowloris
+clients cut off, honest ones (slow answers, keep-alive, pipelining) served, and the uvicorn
+internals the guard reads checked, so that a uvicorn release that changes them fails here."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from probserve.api.connections import HeaderDeadline, guarded_protocol, protocol_class
-from probserve.api.http_server import uvicorn_config
-from probserve.api.limits import HttpLimits
+from probserve.api.edge.connections import HeaderDeadline, guarded_protocol, protocol_class
+from probserve.api.edge.server import uvicorn_config
+from probserve.api.server.limits import HttpLimits
 
 DEADLINE = 0.4
 PARSERS = {"h11": H11Protocol, "httptools": HttpToolsProtocol}

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from probserve.api.logprobs_format import LogprobsFormatter
-from probserve.api.text_stream import TextStream
-from probserve.api.tokens import TokenTable
+from probserve.api.answers.logprobs_format import LogprobsFormatter
+from probserve.api.answers.text_stream import TextStream
+from probserve.api.answers.tokens import TokenTable
 from probserve.models import LoadedModel
 
 

@@ -149,9 +149,9 @@ def test_the_api_compiles_and_checks_a_grammar_once(smol: LoadedModel, monkeypat
     from types import SimpleNamespace
 
     from probserve.api.errors import APIError
-    from probserve.api.grammar_cache import GrammarCache
-    from probserve.api.limits import Limits
     from probserve.api.plans import grammar as plans_grammar
+    from probserve.api.server.grammar_cache import GrammarCache
+    from probserve.api.server.limits import Limits
     from probserve.engine.grammar import llguidance_tokenizer
 
     lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))

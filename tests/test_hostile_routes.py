@@ -26,9 +26,9 @@ from conftest import run
 from hostile_util import error_of, post_raw, rss_status, watched
 from server_util import running_state
 
+from probserve.api.answers.tokens import TokenTable
 from probserve.api.prompts import render_chat
-from probserve.api.state import ServerState
-from probserve.api.tokens import TokenTable
+from probserve.api.server.state import ServerState
 from probserve.engine import EngineRequest, FinishReason, LogprobsSpec, SamplingParams
 from probserve.models import LoadedModel
 
@@ -274,7 +274,7 @@ def test_big_logprobs_answers_do_not_hold_the_loop(served, c: httpx.Client, afte
 
 
 def test_dump_json_is_model_dump_json():
-    from probserve.api.json_out import dump_json
+    from probserve.api.answers.json_out import dump_json
     from probserve.api.protocol import (
         AssistantMessage,
         ChatChoice,
@@ -571,7 +571,7 @@ def test_distribution_positions_equal_the_reference_after_the_engine_checks(
 def test_a_cancelled_request_is_logged_and_counted(caplog):
     """An app cancelled mid-response (the server's task, when the client is gone) still gets its
     access line and its count, as 499."""
-    from probserve.api.middleware import AccessLogMiddleware
+    from probserve.api.edge.middleware import AccessLogMiddleware
 
     seen: list[tuple[str, str, int, float]] = []
 

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from probserve.api.app import create_app
-from probserve.api.http_server import uvicorn_config
+from probserve.api.edge.server import uvicorn_config
 from probserve.cli import main
 from probserve.models import LoadedModel
 from probserve.serving import build_state
@@ -145,7 +145,7 @@ def test_tls_flags_that_do_not_go_together(
 def test_sse_keepalive_comments_through_silence() -> None:
     import asyncio
 
-    from probserve.api.sse import KEEPALIVE, with_keepalive
+    from probserve.api.edge.sse import KEEPALIVE, with_keepalive
 
     async def slow() -> AsyncIterator[str]:
         for i in range(3):

@@ -200,7 +200,7 @@ def test_score_endpoint_equals_completions(http, smol: LoadedModel):
 
 
 def test_chat_prompt_scoring_knows_the_template(http, smol: LoadedModel):
-    from probserve.api.tokens import TokenTable
+    from probserve.api.answers.tokens import TokenTable
 
     msgs = [
         {"role": "system", "content": "You are terse."},

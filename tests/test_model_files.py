@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_util import running_state
 
-from probserve.api.tokens import TokenTable
+from probserve.api.answers.tokens import TokenTable
 from probserve.models import LoadedModel
 from probserve.models.loader import embedded_gguf_path
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from server_util import running_state
 
-from probserve.api.state import ServerState
+from probserve.api.server.state import ServerState
 from probserve.models import LoadedModel
 
 pytestmark = pytest.mark.slow  # each model's engine is a worker process

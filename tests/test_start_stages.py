@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from probserve import progress
-from probserve.api.loading import LoadingApp
+from probserve.api.edge.loading import LoadingApp
 from probserve.kernels import build
 from probserve.progress import Stage
 

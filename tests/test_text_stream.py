@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from probserve.api.text_stream import TextStream
-from probserve.api.tokens import TokenTable
+from probserve.api.answers.text_stream import TextStream
+from probserve.api.answers.tokens import TokenTable
 from probserve.models import LoadedModel
 
 

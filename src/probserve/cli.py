@@ -63,8 +63,8 @@ def _fmt(lp: float) -> str:
 
 
 async def _generate(args: argparse.Namespace) -> int:
+    from probserve.api.answers.tokens import TokenTable, token_text
     from probserve.api.prompts import build_completion_prompts
-    from probserve.api.tokens import TokenTable, token_text
     from probserve.engine import AsyncEngine
 
     flags, config = from_args(GenerateFlags, args), from_args(EngineConfig, args)
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     configure_logging(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
+    from probserve.api.edge.server import ListenError
     from probserve.api.errors import APIError
-    from probserve.api.http_server import ListenError
 
     try:
         return int(args.func(args) or 0)

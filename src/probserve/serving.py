@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from probserve.api.app import create_app
-from probserve.api.http_server import DrainingServer, listening_socket, uvicorn_config
-from probserve.api.loading import LoadingApp
-from probserve.api.served import ServedModel
-from probserve.api.state import ServerState
-from probserve.api.supervisor import Supervisor
+from probserve.api.edge.loading import LoadingApp
+from probserve.api.edge.server import DrainingServer, listening_socket, uvicorn_config
+from probserve.api.server.served import ServedModel
+from probserve.api.server.state import ServerState
+from probserve.api.server.supervisor import Supervisor
 from probserve.engine import EngineClient, EngineInfo, WorkerEngine
 from probserve.models import (
     LoadedModel,
@@ -176,7 +176,7 @@ def build_state(
 
 class Loader:
     """The models loaded on a thread of their own while the server already answers (`/health`
-    503 "loading": api/loading.py), then the app put in. The thread lives until `close()`: a
+    503 "loading": api/edge/loading.py), then the app put in. The thread lives until `close()`: a
     worker process is killed by the kernel when the thread that started it ends
     (PR_SET_PDEATHSIG), so it must outlive the server's drain."""
 

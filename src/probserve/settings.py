@@ -10,9 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from probserve.api.config import ServerConfig
-from probserve.api.connections import HttpParser
-from probserve.api.limits import HttpLimits, Limits
+from probserve.api.edge.connections import HttpParser
+from probserve.api.server.config import ServerConfig
+from probserve.api.server.limits import HttpLimits, Limits
 from probserve.engine import ClientLimits, EngineConfig
 from probserve.flags import FlagGroups, add_args, from_args, setting
 from probserve.logs import LogFormat

@@ -9,24 +9,24 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from probserve import __version__
-from probserve.api import (
-    chat,
-    completions,
-    distributions,
-    playground,
-    responses,
-    routes_misc,
-    score,
-)
-from probserve.api.errors import install_error_handlers
-from probserve.api.middleware import (
+from probserve.api.edge.middleware import (
     OPEN_PATHS,
     AccessLogMiddleware,
     AuthMiddleware,
     BodyLimitMiddleware,
     ScopeGuardMiddleware,
 )
-from probserve.api.state import ServerState
+from probserve.api.errors import install_error_handlers
+from probserve.api.routes import (
+    chat,
+    completions,
+    distributions,
+    misc,
+    playground,
+    responses,
+    score,
+)
+from probserve.api.server.state import ServerState
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -48,7 +48,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(score.router)
     app.include_router(distributions.router)
     app.include_router(playground.router)
-    app.include_router(routes_misc.router)
+    app.include_router(misc.router)
     install_error_handlers(app)
     limits = state.config.http
     # the last added runs first: scope guard, access log, CORS (where origins are allowed:

@@ -15,11 +15,11 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from probserve.api.answers.text_stream import Piece, TextStream
+from probserve.api.answers.tokens import TokenTable
 from probserve.api.errors import APIError, bad_request
-from probserve.api.limits import Limits
 from probserve.api.protocol import ChatMessage, ToolCall
-from probserve.api.text_stream import Piece, TextStream
-from probserve.api.tokens import TokenTable
+from probserve.api.server.limits import Limits
 from probserve.engine import TokenLogprobs
 from probserve.models import LoadedModel
 

@@ -5,7 +5,7 @@ too (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids, l
 prompt_logprobs, skip_special_tokens, structured_outputs and the older guided_*), and another
 server's spelling of a field with the same meaning is taken as that field (`_Request.renamed`:
 max_new_tokens, min_new_tokens). A field this server does not implement is kept in the model's
-extras, never silently ignored: api/fields.py names it back (a header, the access line, a
+extras, never silently ignored: api/server/fields.py names it back (a header, the access line, a
 counter), or refuses it with --strict-fields (docs/operations.md, "Unknown fields").
 """
 
@@ -34,7 +34,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # of a request may hold. pydantic counts a list's items as it validates them and `fail_fast`
 # ends a list at its first bad item (one error, not one per item), so a list past its bound
 # costs at most bound + 1 item checks and one error, whatever its length or its items' types.
-# They are fixed ceilings above the runtime limits (api/limits.py, checked after parsing): a
+# They are fixed ceilings above the runtime limits (api/server/limits.py, checked after parsing): a
 # limit flag set past its ceiling has no effect beyond it.
 MAX_IDS = 2**20  # token ids in one prompt, query, item or /detokenize call
 MAX_ITEMS = 4096  # prompts, items, messages, content parts, stop strings and ids, target and
@@ -146,7 +146,7 @@ ShortIds = Annotated[list[int], _bounded(MAX_ITEMS)]  # stop, target and label i
 
 class _Request(BaseModel):
     """A request object. JSON's non-standard NaN/Infinity literals are refused: every float is
-    finite. A field this server does not implement is kept in `model_extra` (api/fields.py
+    finite. A field this server does not implement is kept in `model_extra` (api/server/fields.py
     names it back or refuses it); more than MAX_UNKNOWN of them in one object is a 400 before
     any field is validated, so a body of 300,000 unknown keys costs one pass over its keys."""
 

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from probserve.api.config import ServerConfig
-from probserve.api.served import ServedModel
-from probserve.api.state import ServerState
+from probserve.api.server.config import ServerConfig
+from probserve.api.server.served import ServedModel
+from probserve.api.server.state import ServerState
 from probserve.cluster.config import ClusterConfig, ModelDeployment, load_cluster_config
 from probserve.cluster.ray_engine import RayEngine
 from probserve.cluster.replica import EngineReplica

@@ -15,7 +15,7 @@ from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 from probserve.api.tools.ask import ToolAsk, tool_ask
 from probserve.api.tools.formats import ToolFormat, detect_format
 from probserve.api.tools.grammar import tool_grammar

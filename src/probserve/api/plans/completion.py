@@ -13,7 +13,7 @@ from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import build_completion_prompts, check_text_size, completion_id_lists
 from probserve.api.protocol import CompletionRequest
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 
 
 @dataclass(frozen=True)

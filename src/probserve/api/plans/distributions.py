@@ -10,7 +10,7 @@ from probserve.api.plans.logprobs_ask import LogprobsAsk
 from probserve.api.plans.plan import Plan
 from probserve.api.prompts import Prompt, build_completion_prompts, check_text_size
 from probserve.api.protocol import DistributionsRequest
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 from probserve.engine import SamplingParams
 
 

@@ -11,7 +11,7 @@ import json
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.protocol import JsonSchemaFormat, ResponsesRequest, SamplingFields
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 from probserve.api.structured import JSON_OPTIONS, GrammarAsk, closed_objects
 from probserve.engine.grammar import grammar_error, matcher_error
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from probserve.api.errors import bad_request
 from probserve.api.protocol import SamplingFields
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 from probserve.engine import LogprobsMode, LogprobsSpec
 
 

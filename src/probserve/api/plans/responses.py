@@ -22,7 +22,7 @@ from probserve.api.protocol import (
     ToolCall,
     ToolChoice,
 )
-from probserve.api.state import Serving
+from probserve.api.server.state import Serving
 from probserve.api.tools.ask import ToolAsk, tool_ask
 from probserve.engine import RequestError
 

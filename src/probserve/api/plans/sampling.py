@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from probserve.api.errors import bad_request
-from probserve.api.limits import Limits
 from probserve.api.protocol import SamplingFields
+from probserve.api.server.limits import Limits
 from probserve.engine import SamplingParams
 from probserve.models.generation_config import SamplingDefaults
 

@@ -5,13 +5,13 @@ request for the one next-token distribution after it, with the label ids' logpro
 from __future__ import annotations
 
 from probserve.api.errors import bad_request
-from probserve.api.limits import Limits
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.logprobs_ask import LogprobsAsk, checked_ids
 from probserve.api.plans.plan import Plan
 from probserve.api.prompts import build_completion_prompts
 from probserve.api.protocol import ScoreRequest
-from probserve.api.state import Serving
+from probserve.api.server.limits import Limits
+from probserve.api.server.state import Serving
 from probserve.engine import SamplingParams
 
 

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from probserve.api.disconnect import unless_disconnected
+from probserve.api.answers.text_stream import Piece, TextStream
+from probserve.api.edge.disconnect import unless_disconnected
 from probserve.api.errors import APIError
-from probserve.api.text_stream import Piece, TextStream
 from probserve.engine import (
     EngineClient,
     EngineRequest,

@@ -17,10 +17,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from probserve.api.answers.json_out import dump_json
+from probserve.api.answers.text_stream import Piece
+from probserve.api.edge.sse import sse_response
 from probserve.api.errors import ERRORS, APIError, error_body
-from probserve.api.generation import Candidate
-from probserve.api.json_out import dump_json
-from probserve.api.lookup import serving_of
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.responses import in_responses_terms, responses_plan
 from probserve.api.protocol import (
@@ -33,10 +33,10 @@ from probserve.api.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from probserve.api.run import Run
-from probserve.api.sse import sse_response
-from probserve.api.state import Serving
-from probserve.api.text_stream import Piece
+from probserve.api.routes.generation import Candidate
+from probserve.api.routes.run import Run
+from probserve.api.server.lookup import serving_of
+from probserve.api.server.state import Serving
 from probserve.api.tools.reply import ReplyDelta, ReplyParser
 from probserve.engine import RequestError
 

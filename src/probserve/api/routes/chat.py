@@ -8,11 +8,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from probserve.api.answers.json_out import dump_json
+from probserve.api.answers.logprobs_format import LogprobsFormatter
+from probserve.api.answers.text_stream import Piece
+from probserve.api.edge.sse import StreamUsage, event, sse_response
 from probserve.api.errors import ERRORS
-from probserve.api.generation import Delta
-from probserve.api.json_out import dump_json
-from probserve.api.logprobs_format import LogprobsFormatter
-from probserve.api.lookup import serving_of
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.chat import chat_completion_plan
 from probserve.api.prompts import ChatPrompt
@@ -33,10 +33,10 @@ from probserve.api.protocol import (
     ToolCallDelta,
     Usage,
 )
-from probserve.api.run import Run
-from probserve.api.sse import StreamUsage, event, sse_response
-from probserve.api.state import Serving
-from probserve.api.text_stream import Piece
+from probserve.api.routes.generation import Delta
+from probserve.api.routes.run import Run
+from probserve.api.server.lookup import serving_of
+from probserve.api.server.state import Serving
 from probserve.api.tools.reply import ReplyParser, finish_reason, whole_reply
 from probserve.engine import TokenLogprobs
 

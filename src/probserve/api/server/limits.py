@@ -16,7 +16,7 @@ from probserve.flags import setting
 
 @dataclass(frozen=True)
 class HttpLimits:
-    """Enforced by the HTTP server (api/http_server.py) and the body middleware."""
+    """Enforced by the HTTP server (api/edge/server.py) and the body middleware."""
 
     max_body_bytes: int = setting(4 * 2**20, "larger request bodies get 413")
     header_timeout: float = setting(10.0, "seconds a client may take to send a request's headers")

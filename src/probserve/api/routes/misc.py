@@ -9,8 +9,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.lookup import server_state, serving_of
-from probserve.api.metrics import CONTENT_TYPE
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.chat import tool_format
 from probserve.api.prompts import check_messages, check_text_size, render_chat
@@ -23,8 +21,10 @@ from probserve.api.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
-from probserve.api.served import ServedModel
-from probserve.api.state import Serving
+from probserve.api.server.lookup import server_state, serving_of
+from probserve.api.server.metrics import CONTENT_TYPE
+from probserve.api.server.served import ServedModel
+from probserve.api.server.state import Serving
 from probserve.api.tools.ask import tool_ask
 from probserve.api.tools.prompt import tool_prompt
 from probserve.engine.info import EngineInfo

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from probserve.api.answers.json_out import dump_json
+from probserve.api.answers.text_stream import Piece
+from probserve.api.edge.sse import StreamUsage, event, sse_response
 from probserve.api.errors import ERRORS
-from probserve.api.generation import Delta
-from probserve.api.json_out import dump_json
-from probserve.api.lookup import serving_of
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.completion import CompletionShape, completion_plan
 from probserve.api.prompts import Prompt
@@ -21,10 +21,10 @@ from probserve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from probserve.api.run import Run
-from probserve.api.sse import StreamUsage, event, sse_response
-from probserve.api.state import Serving
-from probserve.api.text_stream import Piece
+from probserve.api.routes.generation import Delta
+from probserve.api.routes.run import Run
+from probserve.api.server.lookup import serving_of
+from probserve.api.server.state import Serving
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()

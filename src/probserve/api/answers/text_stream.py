@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass
 
-from probserve.api.tokens import TokenTable
+from probserve.api.answers.tokens import TokenTable
 from probserve.engine import TokenLogprobs
 
 

@@ -17,7 +17,11 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
-from probserve.api.generation import (
+from probserve.api.answers.text_stream import TextStream
+from probserve.api.plans.plan import Plan
+from probserve.api.prompts import Prompt
+from probserve.api.protocol import Usage
+from probserve.api.routes.generation import (
     Candidate,
     Delta,
     merge,
@@ -25,11 +29,7 @@ from probserve.api.generation import (
     share_prompt_scores,
     submit_all,
 )
-from probserve.api.plans.plan import Plan
-from probserve.api.prompts import Prompt
-from probserve.api.protocol import Usage
-from probserve.api.state import Serving
-from probserve.api.text_stream import TextStream
+from probserve.api.server.state import Serving
 from probserve.engine import EngineClient, EngineRequest
 
 

@@ -3,7 +3,7 @@ dependency over the route's own body (FastAPI parses the body once; the route an
 dependency share it) that gives the route the `Serving` of the model the body names (a 404
 for a model this server does not serve):
 `state: Annotated[Serving, Depends(serving_of(CompletionRequest))]`. It applies the field
-policy to the body first (api/fields.py): a 400 under --strict-fields, else the unknown
+policy to the body first (api/server/fields.py): a 400 under --strict-fields, else the unknown
 fields named in the request's state for the header, the access line and the counter."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from fastapi import Request
 from pydantic import BaseModel
 
-from probserve.api.fields import refuse, unknown_fields
-from probserve.api.state import ServerState, Serving
+from probserve.api.server.fields import refuse, unknown_fields
+from probserve.api.server.state import ServerState, Serving
 
 
 class _Named(Protocol):

@@ -39,7 +39,7 @@ from probserve.engine.stats import ITERATION_BUCKETS, EngineStats
 
 
 class Served(Protocol):
-    """A served model as the metrics read it (api/state.py's ServedModel)."""
+    """A served model as the metrics read it (api/server/state.py's ServedModel)."""
 
     @property
     def name(self) -> str: ...
@@ -52,7 +52,7 @@ class Served(Protocol):
 
 
 class Finished(Protocol):
-    """One finished candidate of a run, as the metrics read it (api/run.py's candidates)."""
+    """One finished candidate of a run, as the metrics read it (api/routes/run.py's candidates)."""
 
     @property
     def finish_reason(self) -> str | None: ...

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from probserve.api.answers.json_out import dump_json
 from probserve.api.errors import APIError, error_body
-from probserve.api.json_out import dump_json
 from probserve.api.protocol import StreamOptions
 
 

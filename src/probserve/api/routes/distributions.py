@@ -28,13 +28,13 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.lookup import serving_of
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.distributions import distributions_plan, prompt_ids
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
-from probserve.api.row_budget import RowBudget
-from probserve.api.run import Run
-from probserve.api.state import Serving
+from probserve.api.routes.run import Run
+from probserve.api.server.lookup import serving_of
+from probserve.api.server.row_budget import RowBudget
+from probserve.api.server.state import Serving
 
 router = APIRouter()
 

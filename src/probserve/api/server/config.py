@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from probserve.api.limits import HttpLimits, Limits
+from probserve.api.server.limits import HttpLimits, Limits
 from probserve.api.tools.formats import ToolParser
 from probserve.engine import ClientLimits, LogprobsMode
 from probserve.flags import setting

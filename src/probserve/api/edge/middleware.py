@@ -14,7 +14,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from probserve.api.errors import error_body
-from probserve.api.fields import header_value
+from probserve.api.server.fields import header_value
 from probserve.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("probserve.access")
@@ -176,7 +176,7 @@ class AccessLogMiddleware:
                 status = message["status"]
                 headers = [*message.get("headers", []), (b"x-request-id", rid.encode())]
                 ignored = scope["state"].get("ignored_fields")
-                if ignored:  # the field policy's names (api/fields.py)
+                if ignored:  # the field policy's names (api/server/fields.py)
                     headers.append((b"x-ignored-fields", header_value(ignored).encode()))
                 message = {**message, "headers": headers}
             await send(message)

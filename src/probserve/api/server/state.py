@@ -1,6 +1,6 @@
 """The server's state: one object, created at start-up and held by the app (no module globals).
 
-A server serves one or more models (`ServedModel`, api/served.py). A route asks
+A server serves one or more models (`ServedModel`, api/server/served.py). A route asks
 `ServerState.serving(name)` for the `Serving` of the model a request names: what that request
 works with (the model's engine and tables, the server's config and budgets).
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from probserve.api.config import ServerConfig
+from probserve.api.answers.logprobs_format import LogprobsFormatter
+from probserve.api.answers.tokens import TokenTable
 from probserve.api.errors import APIError
-from probserve.api.logprobs_format import LogprobsFormatter
-from probserve.api.metrics import Metrics
-from probserve.api.row_budget import RowBudget
-from probserve.api.served import ServedModel
-from probserve.api.tokens import TokenTable
+from probserve.api.server.config import ServerConfig
+from probserve.api.server.metrics import Metrics
+from probserve.api.server.row_budget import RowBudget
+from probserve.api.server.served import ServedModel
 from probserve.engine import EngineClient, EngineDead
 from probserve.models import LoadedModel
 

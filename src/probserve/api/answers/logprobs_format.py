@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from probserve.api.answers.text_stream import Piece
+from probserve.api.answers.tokens import TokenTable
 from probserve.api.protocol import (
     ChatLogprobEntry,
     CompletionLogprobs,
@@ -18,8 +20,6 @@ from probserve.api.protocol import (
     TargetLogprob,
     TopLogprob,
 )
-from probserve.api.text_stream import Piece
-from probserve.api.tokens import TokenTable
 from probserve.engine import TokenLogprobs
 
 NEG_INF_MARKER = -9999.0

@@ -14,8 +14,8 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp
 
-from probserve.api.connections import HttpParser, guarded_protocol
-from probserve.api.limits import HttpLimits
+from probserve.api.edge.connections import HttpParser, guarded_protocol
+from probserve.api.server.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 

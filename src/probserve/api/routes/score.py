@@ -15,11 +15,11 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.lookup import serving_of
 from probserve.api.plans.score import score_plan
 from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
-from probserve.api.run import Run
-from probserve.api.state import Serving
+from probserve.api.routes.run import Run
+from probserve.api.server.lookup import serving_of
+from probserve.api.server.state import Serving
 
 router = APIRouter()
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from probserve.api.grammar_cache import GrammarCache
-from probserve.api.logprobs_format import LogprobsFormatter
-from probserve.api.tokens import TokenTable
+from probserve.api.answers.logprobs_format import LogprobsFormatter
+from probserve.api.answers.tokens import TokenTable
+from probserve.api.server.grammar_cache import GrammarCache
 from probserve.engine import EngineClient
 from probserve.engine.grammar import llguidance_tokenizer
 from probserve.models import LoadedModel

@@ -23,8 +23,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from probserve.api.served import ServedModel
-from probserve.api.state import ServerState
+from probserve.api.server.served import ServedModel
+from probserve.api.server.state import ServerState
 from probserve.engine import EngineClient
 
 log = logging.getLogger(__name__)
