@@ -27,7 +27,7 @@ from probserve.engine import (
 )
 from probserve.flags import HelpFormatter, PresetError, add_args, from_args, presets, setting
 from probserve.logs import configure_logging
-from probserve.models import DEFAULT_MODEL, MODEL_HELP, ModelLoadError, load_model
+from probserve.models import DEFAULT_MODEL, MODEL_HELP, ModelLoadError, ModelRecord, load_model
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,8 @@ async def _generate(args: argparse.Namespace) -> int:
     loaded = load_model(flags.model, config.weights_to_load())
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
     engine = AsyncEngine.over(loaded, config)
-    (prompt,) = build_completion_prompts(loaded, table, [flags.prompt], engine.info.max_context)
+    record = ModelRecord.of(loaded)
+    (prompt,) = build_completion_prompts(record, table, [flags.prompt], engine.info.max_context)
     request = EngineRequest(
         request_id=AsyncEngine.new_request_id("cli"),
         prompt_token_ids=tuple(prompt.ids),

@@ -13,7 +13,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from probserve.api.app import create_app
 from probserve.api.edge.loading import LoadingApp
@@ -25,6 +25,7 @@ from probserve.engine import EngineClient, EngineInfo, WorkerEngine
 from probserve.models import (
     LoadedModel,
     ModelLoadError,
+    ModelRecord,
     ModelSource,
     load_model,
     load_tokenizer,
@@ -34,6 +35,8 @@ from probserve.models.generation_config import sampling_defaults
 from probserve.settings import ServeSettings
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", LoadedModel, ModelRecord)
 
 
 def chat_template_text(path: str) -> str:
@@ -53,9 +56,10 @@ def chat_template_text(path: str) -> str:
     return text
 
 
-def with_chat_template(loaded: LoadedModel, template: str) -> LoadedModel:
-    """`loaded` rendering chats with `template`: its tokenizer is copied (the one given may be
-    shared: an inline engine's model, or a caller's), the copy given the template."""
+def with_chat_template(loaded: M, template: str) -> M:
+    """`loaded` (a `LoadedModel` or a `ModelRecord`) rendering chats with `template`: its
+    tokenizer is copied (the one given may be shared: an inline engine's model, or a caller's),
+    the copy given the template."""
     tokenizer = copy.copy(loaded.tokenizer)
     tokenizer.chat_template = template
     return dataclasses.replace(loaded, tokenizer=tokenizer, chat_template=template)
@@ -90,11 +94,10 @@ def engine_factory(
 
 def served_record(
     info: EngineInfo, tokenizer: Any, name: str, source: ModelSource | None
-) -> LoadedModel:
+) -> ModelRecord:
     """The model as the API process holds it when its engine runs elsewhere (a worker, a Ray
-    replica): the tokenizer, and the engine's figures from its `info`; no weights."""
-    return LoadedModel(
-        model=None,
+    replica): the tokenizer, and the engine's figures from its `info`."""
+    return ModelRecord(
         tokenizer=tokenizer,
         name=name,
         eos_token_ids=frozenset(info.eos_token_ids),
@@ -138,7 +141,7 @@ def start_model(
     if inline:
         assert loaded is not None
         names = served_names(served_name, loaded.name)
-        return ServedModel(names, loaded, engine, defaults), make
+        return ServedModel(names, ModelRecord.of(loaded), engine, defaults), make
     served = served_record(engine.info, tokenizer, name, source)
     return ServedModel(served_names(served_name, name), served, engine, defaults), make
 
@@ -161,7 +164,7 @@ def build_state(
             first = loaded if i == 0 else None
             model, make = start_model(settings, asked.spec, asked.served_name, first)
             if template is not None:  # the operator's template, over the model's own or none
-                model.loaded = with_chat_template(model.loaded, template)
+                model.record = with_chat_template(model.record, template)
             models.append(model)
             factories[model.name] = make
         state = ServerState(models, settings.server)

@@ -21,7 +21,7 @@ from probserve.api.errors import APIError, bad_request
 from probserve.api.protocol import ChatMessage, ToolCall
 from probserve.api.server.limits import Limits
 from probserve.engine import TokenLogprobs
-from probserve.models import LoadedModel
+from probserve.models import ModelRecord
 
 T = TypeVar("T")
 
@@ -93,7 +93,7 @@ def check_text_size(limits: Limits, texts: list[str], param: str = "prompt") -> 
 
 
 def build_completion_prompts(
-    loaded: LoadedModel,
+    loaded: ModelRecord,
     table: TokenTable,
     prompts: list[str] | list[list[int]],
     max_tokens: int,
@@ -212,7 +212,7 @@ def check_messages(
 
 
 def render_chat_text(
-    loaded: LoadedModel,
+    loaded: ModelRecord,
     dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
@@ -239,7 +239,7 @@ def render_chat_text(
 
 
 def render_chat(
-    loaded: LoadedModel,
+    loaded: ModelRecord,
     dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
@@ -262,7 +262,7 @@ Span = tuple[int, int, int]  # (start, end, message index): a message's content 
 
 
 def _content_spans(
-    loaded: LoadedModel,
+    loaded: ModelRecord,
     dicts: list[dict[str, Any]],
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any],
@@ -340,7 +340,7 @@ def _sources(
 
 
 def chat_prompt(
-    loaded: LoadedModel,
+    loaded: ModelRecord,
     table: TokenTable,
     dicts: list[dict[str, Any]],
     add_generation_prompt: bool,

@@ -8,6 +8,7 @@ from probserve.models.loader import (
     prepared_source,
     save_hf_directory,
 )
+from probserve.models.record import ModelRecord
 from probserve.models.sources import (
     DEFAULT_MODEL,
     MODEL_HELP,
@@ -21,6 +22,7 @@ __all__ = [
     "MODEL_HELP",
     "LoadedModel",
     "ModelLoadError",
+    "ModelRecord",
     "ModelSource",
     "load_model",
     "load_tokenizer",

@@ -41,7 +41,7 @@ async def chat_plan(
     stops = check_request(body, limits)
     asked = grammar_ask(body)
     sampling = candidate_params(
-        body, max_tokens, state.loaded.vocab_size, body.n, state.model.sampling_defaults
+        body, max_tokens, state.record.vocab_size, body.n, state.model.sampling_defaults
     )
     dicts = check_messages(limits, messages, tools.chars() if tools is not None else 0)
     fmt = tool_format(state)
@@ -50,7 +50,7 @@ async def chat_plan(
     shown = tool_prompt(dicts, tools, fmt)
     kwargs = {**check_template_kwargs(template_kwargs), **shown.template_kwargs}
     prompt = await off_loop(
-        chat_prompt, state.loaded, state.table, shown.messages,
+        chat_prompt, state.record, state.table, shown.messages,
         add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
@@ -69,7 +69,7 @@ async def chat_plan(
 
 def tool_format(state: Serving) -> ToolFormat:
     """How this model writes tool calls (its template's format, or --tool-call-parser's)."""
-    template = getattr(state.loaded.tokenizer, "chat_template", None)
+    template = getattr(state.record.tokenizer, "chat_template", None)
     return detect_format(
         template if isinstance(template, str) else None, state.config.tool_call_parser
     )
@@ -79,7 +79,7 @@ def _special_id(state: Serving, fmt: ToolFormat) -> int | None:
     """The opener's id where it is one of the tokenizer's added tokens."""
     if not fmt.special:
         return None
-    found = state.loaded.tokenizer.get_added_vocab().get(fmt.opener)
+    found = state.record.tokenizer.get_added_vocab().get(fmt.opener)
     return int(found) if found is not None else None
 
 

@@ -57,13 +57,13 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     stops = check_request(body, limits)
     asked = grammar_ask(body)
     sampling = candidate_params(
-        body, body.max_tokens, state.loaded.vocab_size, best_of, state.model.sampling_defaults
+        body, body.max_tokens, state.record.vocab_size, best_of, state.model.sampling_defaults
     )
     prompts = completion_id_lists(body.prompt)
     if isinstance(prompts[0], str):
         check_text_size(limits, prompts)
     built = await off_loop(
-        build_completion_prompts, state.loaded, state.table, prompts, state.max_context
+        build_completion_prompts, state.record, state.table, prompts, state.max_context
     )
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)

@@ -34,7 +34,7 @@ async def distributions_plan(state: Serving, body: DistributionsRequest) -> Plan
         check_text_size(limits, [body.prompt])
     max_context = state.max_context - 1  # room for the placeholder token
     (prompt,) = await off_loop(
-        build_completion_prompts, state.loaded, state.table, [body.prompt], max_context
+        build_completion_prompts, state.record, state.table, [body.prompt], max_context
     )
     positions = _positions(body, len(prompt.ids), limits.max_distribution_positions)
     scored = Prompt([*prompt.ids, 0], prompt.text, prompt.pieces)  # the placeholder: token 0

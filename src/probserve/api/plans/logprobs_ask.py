@@ -30,7 +30,7 @@ def checked_ids(
     cap = state.config.limits.max_logprob_token_ids
     if not least <= len(ids) <= cap:
         raise bad_request(f"{field} must hold {least} to {cap} ids (got {len(ids)})", field)
-    vocab = state.loaded.vocab_size
+    vocab = state.record.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"{field}: {bad} is outside the vocabulary (0..{vocab - 1})", field)

@@ -59,9 +59,9 @@ async def score_plan(state: Serving, body: ScoreRequest) -> Plan:
     labels = checked_ids(body.label_token_ids, state, "label_token_ids", least=1)
     # room for the one scored token: an input that fills the context is the items' fault
     max_tokens = state.max_context - 1
-    inputs = _inputs(body, state.config.limits, state.loaded.vocab_size, max_tokens)
+    inputs = _inputs(body, state.config.limits, state.record.vocab_size, max_tokens)
     prompts = await off_loop(
-        build_completion_prompts, state.loaded, state.table, inputs, max_tokens, "items"
+        build_completion_prompts, state.record, state.table, inputs, max_tokens, "items"
     )
     ask = LogprobsAsk(alternatives=0, target_ids=labels)
     greedy_one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

@@ -111,7 +111,7 @@ async def get_model(model_id: str, request: Request) -> ModelCard:
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
 async def tokenizer_info(request: Request, model: str | None = Query(None)) -> TokenizerInfo:
     st = server_state(request).serving(model)
-    tok = st.loaded.tokenizer
+    tok = st.record.tokenizer
     return TokenizerInfo(
         tokenizer_class=type(tok).__name__,
         eos_token=tok.eos_token,
@@ -120,9 +120,9 @@ async def tokenizer_info(request: Request, model: str | None = Query(None)) -> T
         unk_token=tok.unk_token,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
-        chat_template=st.loaded.chat_template,
+        chat_template=st.record.chat_template,
         model_max_length=st.model.context_length,
-        vocab_size=st.loaded.vocab_size,
+        vocab_size=st.record.vocab_size,
     )
 
 
@@ -139,14 +139,14 @@ async def tokenize(
         dicts = check_messages(st.config.limits, body.messages, tools.chars() if tools else 0)
         shown = tool_prompt(dicts, tools, fmt)
         ids = await off_loop(
-            render_chat, st.loaded, shown.messages, body.add_generation_prompt,
+            render_chat, st.record, shown.messages, body.add_generation_prompt,
             shown.template_kwargs,
         )  # fmt: skip
     else:
         prompt = body.prompt or ""
         check_text_size(st.config.limits, [prompt])
         encoded = await off_loop(
-            lambda: st.loaded.tokenizer(prompt, add_special_tokens=body.add_special_tokens)
+            lambda: st.record.tokenizer(prompt, add_special_tokens=body.add_special_tokens)
         )
         ids = list(encoded.input_ids)
     return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=st.model.context_length)
@@ -156,7 +156,7 @@ async def tokenize(
 async def detokenize(
     body: DetokenizeRequest, st: Annotated[Serving, Depends(serving_of(DetokenizeRequest))]
 ) -> DetokenizeResponse:
-    bad = next((t for t in body.tokens if t >= st.loaded.vocab_size), None)
+    bad = next((t for t in body.tokens if t >= st.record.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary", "tokens")
     return DetokenizeResponse(prompt=await off_loop(st.table.decode, body.tokens))

@@ -12,7 +12,7 @@ from probserve.api.answers.tokens import TokenTable
 from probserve.api.server.grammar_cache import GrammarCache
 from probserve.engine import EngineClient
 from probserve.engine.grammar import llguidance_tokenizer
-from probserve.models import LoadedModel
+from probserve.models import ModelRecord
 from probserve.models.generation_config import SamplingDefaults
 
 
@@ -22,7 +22,7 @@ class ServedModel:
     engine. `engine` may be replaced while the server runs (a restarted worker: supervisor.py)."""
 
     names: tuple[str, ...]
-    loaded: LoadedModel
+    record: ModelRecord  # the model as this process holds it (no weights)
     engine: EngineClient
     # what a request's left-out sampling fields default to (--generation-config)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
@@ -34,7 +34,7 @@ class ServedModel:
     grammars: GrammarCache = field(default_factory=GrammarCache, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.table = TokenTable(self.loaded.tokenizer, self.loaded.vocab_size)
+        self.table = TokenTable(self.record.tokenizer, self.record.vocab_size)
         self.fmt = LogprobsFormatter(self.table)
         self.fmt_ids = LogprobsFormatter(self.table, as_ids=True)
 
@@ -42,8 +42,8 @@ class ServedModel:
         """llguidance's view of the tokenizer, built on the first structured output (blocking:
         a fraction of a second; a race builds it twice, harmlessly)."""
         if self._grammar_tokenizer is None:
-            eos = sorted(self.loaded.eos_token_ids)
-            tok = llguidance_tokenizer(self.loaded.tokenizer, self.loaded.vocab_size, eos)
+            eos = sorted(self.record.eos_token_ids)
+            tok = llguidance_tokenizer(self.record.tokenizer, self.record.vocab_size, eos)
             self._grammar_tokenizer = tok
         return self._grammar_tokenizer
 
@@ -55,14 +55,14 @@ class ServedModel:
     @property
     def root(self) -> str:
         """Its own name: the model's path, or the embedded model's name."""
-        return str(self.loaded.name)
+        return str(self.record.name)
 
     @property
     def context_length(self) -> int:
         """The tokens one sequence may hold as served: the engine's (`--max-model-len` caps
         the model's own)."""
         info = getattr(self.engine, "info", None)
-        return int(info.context_length) if info is not None else self.loaded.context_length
+        return int(info.context_length) if info is not None else self.record.context_length
 
     def health(self) -> tuple[str, str | None]:
         """("ok" | "stuck" | "dead" | "restarting", why)."""

@@ -17,7 +17,7 @@ from probserve.api.server.metrics import Metrics
 from probserve.api.server.row_budget import RowBudget
 from probserve.api.server.served import ServedModel
 from probserve.engine import EngineClient, EngineDead
-from probserve.models import LoadedModel
+from probserve.models import ModelRecord
 
 
 @dataclass
@@ -31,8 +31,8 @@ class Serving:
     distribution_rows: RowBudget
 
     @property
-    def loaded(self) -> LoadedModel:
-        return self.model.loaded
+    def record(self) -> ModelRecord:
+        return self.model.record
 
     @property
     def engine(self) -> EngineClient:
