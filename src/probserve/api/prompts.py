@@ -8,7 +8,6 @@ is refused before it can cost anything.
 
 from __future__ import annotations
 
-import inspect
 import json
 import re
 import uuid
@@ -168,30 +167,6 @@ def message_chars(dicts: list[dict[str, Any]]) -> int:
             chars += len(arguments if isinstance(arguments, str) else json.dumps(arguments))
             chars += len(c["id"]) + len(c["function"]["name"])
     return chars
-
-
-def _reserved_template_names() -> frozenset[str]:
-    from transformers import PreTrainedTokenizerBase
-
-    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
-    names = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
-    return frozenset(names | {"self", "messages", "raise_exception", "strftime_now"})
-
-
-def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """Template variables only: never the template itself (a client's Jinja would run here and
-    could loop or allocate without bound), nor any argument of apply_chat_template."""
-    if not kwargs:
-        return {}
-    reserved = _reserved_template_names()
-    for key in kwargs:
-        if not key.isidentifier() or key.startswith("_") or key in reserved:
-            raise bad_request(
-                f"chat_template_kwargs may not set {key!r}: only variables of the model's own "
-                "chat template are accepted",
-                f"chat_template_kwargs.{key}" if key.isidentifier() else "chat_template_kwargs",
-            )
-    return kwargs
 
 
 def check_messages(

@@ -15,8 +15,10 @@ from probserve.api.answers.text_stream import Piece
 from probserve.api.answers.tokens import TokenTable
 from probserve.api.protocol import (
     ChatLogprobEntry,
+    ChatLogprobs,
     CompletionLogprobs,
     ProcessedLogprobs,
+    PromptTokenSource,
     TargetLogprob,
     TopLogprob,
 )
@@ -142,6 +144,33 @@ class LogprobsFormatter:
             TargetLogprob.model_construct(id=tid, token=self.chat_texts[tid], logprob=finite(v))
             for tid, v in zip(ids, lp.target_logprobs[j].tolist(), strict=True)
         ]
+
+    def chat_logprobs(self, pieces: Iterable[Piece], k: int | None) -> ChatLogprobs | None:
+        """A chat choice's `logprobs` (None: not asked for)."""
+        return None if k is None else ChatLogprobs(content=self.chat(pieces, k), refusal=None)
+
+    def prompt_scores(
+        self, scores: TokenLogprobs | None, k: int | None, sources: Sequence[tuple[int | None, str]]
+    ) -> dict[str, object]:
+        """A chat choice's prompt fields (none where `k`, prompt_logprobs, is None):
+        prompt_logprobs (vLLM's shape), where each prompt token comes from (`sources`: message
+        index and role), and, aligned with prompt_logprobs (nothing for the first token, then
+        one per scored position), the entropy and target ids' logprobs where asked."""
+        if k is None or scores is None:
+            return {}
+        out: dict[str, object] = {
+            "prompt_logprobs": self.prompt_logprobs(scores, k),
+            "prompt_token_sources": [
+                PromptTokenSource(message_index=i, role=role) for i, role in sources
+            ],
+        }
+        if scores.entropy is not None:
+            out["prompt_entropy"] = [None, *(float(v) for v in scores.entropy)]
+        if scores.target_logprobs is not None:
+            out["prompt_target_logprobs"] = [None] + [
+                self.targets(scores, j) for j in range(len(scores))
+            ]
+        return out
 
     def prompt_logprobs(
         self, scores: TokenLogprobs, k: int

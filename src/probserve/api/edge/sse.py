@@ -44,7 +44,9 @@ class StreamUsage:
 KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 
 
-async def with_keepalive(events: AsyncIterator[str], seconds: float) -> AsyncIterator[str]:
+async def with_keepalive(
+    events: AsyncIterator[str | BaseModel], seconds: float
+) -> AsyncIterator[str | BaseModel]:
     """`events`, with a comment line after every `seconds` of silence (a long prefill, a queue)
     so no proxy's idle timeout closes the stream; 0: none."""
     if seconds <= 0:
@@ -52,7 +54,7 @@ async def with_keepalive(events: AsyncIterator[str], seconds: float) -> AsyncIte
             yield item
         return
     it = aiter(events)
-    pending: asyncio.Future[str] | None = None
+    pending: asyncio.Future[str | BaseModel] | None = None
     try:
         while True:
             if pending is None:
@@ -75,16 +77,17 @@ async def with_keepalive(events: AsyncIterator[str], seconds: float) -> AsyncIte
 
 
 def sse_response(
-    events: AsyncIterator[str], done: bool = True, keepalive: float = 15.0
+    events: AsyncIterator[str | BaseModel], done: bool = True, keepalive: float = 15.0
 ) -> StreamingResponse:
-    """Stream `events`; an APIError after the headers went out becomes an error event. `done`:
-    end with `data: [DONE]` (completions and chat; the Responses API sends none). `keepalive`:
-    seconds of silence before a comment line (with_keepalive)."""
+    """Stream `events` (a model: one `event`, encoded here); an APIError after the headers went
+    out becomes an error event. `done`: end with `data: [DONE]` (completions and chat; the
+    Responses API sends none). `keepalive`: seconds of silence before a comment line
+    (with_keepalive)."""
 
     async def guarded() -> AsyncIterator[str]:
         try:
             async for item in with_keepalive(events, keepalive):
-                yield item
+                yield item if isinstance(item, str) else event(item)
         except APIError as exc:
             yield event(error_body(exc.status, exc.message, exc.param, exc.code))
         if done:

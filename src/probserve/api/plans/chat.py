@@ -5,6 +5,7 @@ generated and prompt tokens; chat echo scores the final assistant message instea
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 from probserve.api.errors import bad_request
@@ -13,13 +14,13 @@ from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.sampling import candidate_params, check_request
-from probserve.api.prompts import chat_prompt, check_messages, check_template_kwargs
+from probserve.api.prompts import chat_prompt, check_messages
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from probserve.api.server.state import Serving
 from probserve.api.tools.ask import ToolAsk, tool_ask
 from probserve.api.tools.formats import ToolFormat, detect_format
 from probserve.api.tools.grammar import tool_grammar
-from probserve.api.tools.prompt import tool_prompt
+from probserve.api.tools.prompt import tool_prompt, tools_chars
 
 
 async def chat_plan(
@@ -34,8 +35,9 @@ async def chat_plan(
     continue_final: bool = False,
     tools: ToolAsk | None = None,
 ) -> Plan:
-    """`echo`: the final assistant message is appended as a continuation to score. `tools`:
-    the functions the reply may (or must) call."""
+    """`template_kwargs`: checked (`check_template_kwargs`). `echo`: the final assistant
+    message is appended as a continuation to score. `tools`: the functions the reply may (or
+    must) call."""
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
@@ -43,20 +45,19 @@ async def chat_plan(
     sampling = candidate_params(
         body, max_tokens, state.record.vocab_size, body.n, state.model.sampling_defaults
     )
-    dicts = check_messages(limits, messages, tools.chars() if tools is not None else 0)
+    dicts = check_messages(limits, messages, tools_chars(tools))
     fmt = tool_format(state)
     if tools is not None and (echo or continue_final):  # the prompt's end is the client's
         tools = dataclasses.replace(tools, prime=False)
     shown = tool_prompt(dicts, tools, fmt)
-    kwargs = {**check_template_kwargs(template_kwargs), **shown.template_kwargs}
+    kwargs = {**(template_kwargs or {}), **shown.template_kwargs}
     prompt = await off_loop(
         chat_prompt, state.record, state.table, shown.messages,
         add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
     if tools is not None and not echo:
-        closed = state.config.schema_extra_keys == "forbid"
-        called = tool_grammar(tools, _special_id(state, fmt), closed, shown.primed)
+        called = tool_grammar(tools, _special_id(state, fmt), shown.primed)
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param
@@ -112,14 +113,38 @@ def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
     return limit
 
 
-def _template_kwargs(body: ChatCompletionRequest) -> dict[str, object] | None:
-    """chat_template_kwargs, with reasoning_effort as the template's variable of that name (as
-    vLLM passes it: a template that reasons reads it; any other ignores it), unless the
-    kwargs set it themselves."""
-    kwargs = body.chat_template_kwargs
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs (checked), with reasoning_effort as the template's variable of that
+    name (as vLLM passes it: a template that reasons reads it; any other ignores it), unless
+    the kwargs set it themselves."""
+    kwargs = check_template_kwargs(body.chat_template_kwargs)
     if body.reasoning_effort is None:
         return kwargs
-    return {"reasoning_effort": body.reasoning_effort, **(kwargs or {})}
+    return {"reasoning_effort": body.reasoning_effort, **kwargs}
+
+
+def _reserved_template_names() -> frozenset[str]:
+    from transformers import PreTrainedTokenizerBase
+
+    params = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    names = {n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    return frozenset(names | {"self", "messages", "raise_exception", "strftime_now"})
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Template variables only: never the template itself (a client's Jinja would run here and
+    could loop or allocate without bound), nor any argument of apply_chat_template."""
+    if not kwargs:
+        return {}
+    reserved = _reserved_template_names()
+    for key in kwargs:
+        if not key.isidentifier() or key.startswith("_") or key in reserved:
+            raise bad_request(
+                f"chat_template_kwargs may not set {key!r}: only variables of the model's own "
+                "chat template are accepted",
+                f"chat_template_kwargs.{key}" if key.isidentifier() else "chat_template_kwargs",
+            )
+    return kwargs
 
 
 async def chat_completion_plan(
@@ -127,21 +152,26 @@ async def chat_completion_plan(
 ) -> tuple[Plan, LogprobsAsk]:
     """POST /v1/chat/completions: the plan, and the logprobs ask its answer is shaped by."""
     ask = chat_ask(state, body)
+    max_tokens = chat_max_tokens(body)
+    kwargs = _template_kwargs(body)
+    functions = [t.function for t in body.tools] if body.tools else None
+    tools = tool_ask(
+        functions,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        tool_format(state),
+        state.config.closed_schemas,
+    )
     plan = await chat_plan(
         state,
         body,
         body.messages,
-        chat_max_tokens(body),
+        max_tokens,
         ask,
         add_generation_prompt=body.add_generation_prompt,
-        template_kwargs=_template_kwargs(body),
+        template_kwargs=kwargs,
         echo=body.echo,
         continue_final=body.continue_final_message,
-        tools=tool_ask(
-            [t.function for t in body.tools] if body.tools else None,
-            body.tool_choice,
-            body.parallel_tool_calls,
-            tool_format(state),
-        ),
+        tools=tools,
     )
     return plan, ask

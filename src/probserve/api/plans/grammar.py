@@ -128,7 +128,7 @@ def _checked(ask: GrammarAsk, state: Serving) -> str:
     cached = state.model.grammars.get(key) if key is not None else None
     if cached is not None:
         return cached
-    closed = state.config.schema_extra_keys == "forbid"
+    closed = state.config.closed_schemas
     grammar = compile_grammar(ask, limits.max_grammar_chars, limits.max_grammar_choices, closed)
     error = grammar_error(grammar, state.model.grammar_tokenizer())
     error = error or matcher_error(grammar, state.model.grammar_tokenizer())

@@ -73,7 +73,9 @@ def _tools(state: Serving, body: ResponsesRequest) -> ToolAsk | None:
         else asked
     )
     functions = [t.definition() for t in body.tools] if body.tools else None
-    return tool_ask(functions, choice, body.parallel_tool_calls, tool_format(state))
+    return tool_ask(
+        functions, choice, body.parallel_tool_calls, tool_format(state), state.config.closed_schemas
+    )
 
 
 # what `include` may name: the logprobs, and the reasoning items' encrypted content (which

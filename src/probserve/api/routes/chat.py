@@ -10,8 +10,7 @@ from fastapi.responses import Response
 
 from probserve.api.answers.json_out import dump_json
 from probserve.api.answers.logprobs_format import LogprobsFormatter
-from probserve.api.answers.text_stream import Piece
-from probserve.api.edge.sse import StreamUsage, event, sse_response
+from probserve.api.edge.sse import StreamUsage, sse_response
 from probserve.api.errors import ERRORS
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.chat import chat_completion_plan
@@ -24,11 +23,9 @@ from probserve.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ContinuationScore,
     FunctionCall,
     FunctionCallDelta,
-    PromptTokenSource,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -47,35 +44,13 @@ def _fmt(run: Run, body: ChatCompletionRequest) -> LogprobsFormatter:
     return run.state.formatter(body.return_tokens_as_token_ids)
 
 
-def _logprobs(fmt: LogprobsFormatter, pieces: list[Piece], k: int | None) -> ChatLogprobs | None:
-    if k is None:
-        return None
-    return ChatLogprobs(content=fmt.chat(pieces, k), refusal=None)
-
-
 def _prompt_extras(
-    run: Run, body: ChatCompletionRequest, scores: TokenLogprobs | None
+    run: Run, body: ChatCompletionRequest, fmt: LogprobsFormatter, scores: TokenLogprobs | None
 ) -> dict[str, object]:
-    """prompt_logprobs (vLLM's shape) and where each prompt token comes from."""
-    if body.prompt_logprobs is None or scores is None:
-        return {}
+    """The prompt's scores where prompt_logprobs asks (LogprobsFormatter.prompt_scores)."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt)
-    fmt = _fmt(run, body)
-    extras: dict[str, object] = {
-        "prompt_logprobs": fmt.prompt_logprobs(scores, body.prompt_logprobs),
-        "prompt_token_sources": [
-            PromptTokenSource(message_index=i, role=role) for i, role in prompt.sources
-        ],
-    }
-    # aligned with prompt_logprobs: nothing for the first token, then one per scored position
-    if scores.entropy is not None:
-        extras["prompt_entropy"] = [None, *(float(v) for v in scores.entropy)]
-    if scores.target_logprobs is not None:
-        extras["prompt_target_logprobs"] = [None] + [
-            fmt.targets(scores, j) for j in range(len(scores))
-        ]
-    return extras
+    return fmt.prompt_scores(scores, body.prompt_logprobs, prompt.sources)
 
 
 def _continuation(
@@ -135,13 +110,13 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
             ChatChoice(
                 index=i,
                 message=message,
-                logprobs=_logprobs(fmt, cand.pieces, k),
+                logprobs=fmt.chat_logprobs(cand.pieces, k),
                 finish_reason=finish_reason(reply, cand.finish_reason),
                 continuation=(
                     _continuation(run, body, cand.prompt_scores, k or 0) if body.echo else None
                 ),
                 token_ids=[p.token_id for p in cand.pieces] if ids else None,
-                **_prompt_extras(run, body, cand.prompt_scores),
+                **_prompt_extras(run, body, fmt, cand.prompt_scores),
             )
         )
     resp = ChatCompletionResponse(
@@ -157,16 +132,14 @@ def _chunk(
     choices: list[ChatChunkChoice],
     usage: Usage | None = None,
     prompt_ids: list[int] | None = None,
-) -> str:
-    return event(
-        ChatCompletionChunk(
-            id=run.id,
-            created=run.created,
-            model=model,
-            choices=choices,
-            usage=usage,
-            prompt_token_ids=prompt_ids,
-        )
+) -> ChatCompletionChunk:
+    return ChatCompletionChunk(
+        id=run.id,
+        created=run.created,
+        model=model,
+        choices=choices,
+        usage=usage,
+        prompt_token_ids=prompt_ids,
     )
 
 
@@ -200,13 +173,14 @@ def _delta_events(
     delta: Delta,
     reply: ReplyParser | None,
     usage: StreamUsage,
-) -> list[str]:
-    """The events of one delta of candidate i (the first may carry the prompt's scores). With
+) -> list[ChatCompletionChunk]:
+    """The chunks of one delta of candidate i (the first may carry the prompt's scores). With
     tools, `reply` splits the text into content and calls; the logprobs are every token's; with
     return_token_ids, the delta's token ids (each id in the chunk that first holds its text)."""
     events = []
-    lp = _logprobs(_fmt(run, body), delta.pieces, k)
-    extras = _prompt_extras(run, body, delta.prompt_scores)  # the first chunk: the prompt
+    fmt = _fmt(run, body)
+    lp = fmt.chat_logprobs(delta.pieces, k)
+    extras = _prompt_extras(run, body, fmt, delta.prompt_scores)  # the first chunk: the prompt
     ids = [p.token_id for p in delta.pieces] if body.return_token_ids else None
     said = _chat_delta(reply, delta)
     each = run.usage if usage.each else None
@@ -224,7 +198,7 @@ def _delta_events(
 
 async def _stream(
     run: Run, body: ChatCompletionRequest, model: str, k: int | None, usage: StreamUsage
-) -> AsyncIterator[str]:
+) -> AsyncIterator[ChatCompletionChunk]:
     yield _chunk(
         run,
         model,

@@ -26,7 +26,7 @@ from probserve.api.server.metrics import CONTENT_TYPE
 from probserve.api.server.served import ServedModel
 from probserve.api.server.state import Serving
 from probserve.api.tools.ask import tool_ask
-from probserve.api.tools.prompt import tool_prompt
+from probserve.api.tools.prompt import tool_prompt, tools_chars
 from probserve.engine.info import EngineInfo
 
 router = APIRouter()
@@ -136,7 +136,7 @@ async def tokenize(
         fmt = tool_format(st)
         functions = [t.function for t in body.tools] if body.tools else None
         tools = tool_ask(functions, None, None, fmt)
-        dicts = check_messages(st.config.limits, body.messages, tools.chars() if tools else 0)
+        dicts = check_messages(st.config.limits, body.messages, tools_chars(tools))
         shown = tool_prompt(dicts, tools, fmt)
         ids = await off_loop(
             render_chat, st.record, shown.messages, body.add_generation_prompt,

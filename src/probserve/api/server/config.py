@@ -65,3 +65,8 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)  # the routes enforce these
     http: HttpLimits = field(default_factory=HttpLimits)  # the HTTP server
     client: ClientLimits = field(default_factory=ClientLimits)  # each model's engine client
+
+    @property
+    def closed_schemas(self) -> bool:
+        """Schemas' objects take no keys they do not name (schema_extra_keys forbid)."""
+        return self.schema_extra_keys == "forbid"

@@ -5,11 +5,12 @@ checked against each other before anything else is done."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from probserve.api.errors import bad_request
 from probserve.api.protocol import FunctionDefinition, NamedToolChoice, ToolChoice
+from probserve.api.structured import closed_objects
 from probserve.api.tools.formats import ToolFormat, ToolParser
 
 
@@ -17,7 +18,9 @@ from probserve.api.tools.formats import ToolFormat, ToolParser
 class ToolAsk:
     """`functions`: the tools offered; `choice`: "auto", "required", or "named" (`named` must
     be called; "none" never gets here: the tools are kept out); `parallel`: a reply may hold
-    several calls; `fmt`: how this model writes calls."""
+    several calls; `fmt`: how this model writes calls; `closed`: a call's arguments take no
+    keys their schema does not name, unless it says additionalProperties (`schemas`: each
+    function's arguments schema as a call must follow it)."""
 
     functions: tuple[FunctionDefinition, ...]
     choice: Literal["auto", "required", "named"]
@@ -25,6 +28,15 @@ class ToolAsk:
     fmt: ToolFormat
     named: str | None = None
     prime: bool = True  # the prompt may hold the reply's certain start (`primer`)
+    closed: bool = True
+    schemas: tuple[Any, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        schemas = []
+        for f in self.functions:
+            schema = f.parameters if f.parameters is not None else NO_ARGUMENTS
+            schemas.append(closed_objects(schema) if self.closed else schema)
+        object.__setattr__(self, "schemas", tuple(schemas))
 
     @property
     def forced(self) -> bool:
@@ -51,33 +63,20 @@ class ToolAsk:
     @property
     def offered(self) -> tuple[FunctionDefinition, ...]:
         """The functions a call may name (a named choice: that one)."""
+        return tuple(f for f, _ in self.offered_schemas)
+
+    @property
+    def offered_schemas(self) -> tuple[tuple[FunctionDefinition, Any], ...]:
+        """The functions a call may name, each with its arguments' schema (`schemas`)."""
+        pairs = tuple(zip(self.functions, self.schemas, strict=True))
         if self.choice != "named":
-            return self.functions
-        return tuple(f for f in self.functions if f.name == self.named)
+            return pairs
+        return tuple((f, s) for f, s in pairs if f.name == self.named)
 
     @property
     def strict(self) -> bool:
         """Some function asks for its arguments to follow its schema."""
         return any(f.strict for f in self.functions)
-
-    def template_tools(self) -> list[dict[str, Any]]:
-        """The tools as chat templates take them (OpenAI's shape)."""
-        return [{"type": "function", "function": _definition(f)} for f in self.functions]
-
-    def definitions(self) -> list[dict[str, Any]]:
-        return [_definition(f) for f in self.functions]
-
-    def chars(self) -> int:
-        """The definitions' characters as JSON: what they add to the prompt, about."""
-        return len(json.dumps(self.definitions(), ensure_ascii=False))
-
-
-def _definition(f: FunctionDefinition) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": f.name}
-    if f.description is not None:
-        out["description"] = f.description
-    out["parameters"] = f.parameters if f.parameters is not None else NO_ARGUMENTS
-    return out
 
 
 # a function without `parameters` takes none: its arguments are "{}" (docs/tools.md)
@@ -89,8 +88,10 @@ def tool_ask(
     choice: ToolChoice | None,
     parallel: bool | None,
     fmt: ToolFormat,
+    closed: bool = True,
 ) -> ToolAsk | None:
-    """None: no tools for this reply (none offered, or tool_choice "none")."""
+    """None: no tools for this reply (none offered, or tool_choice "none"). `closed`: the
+    server's schema_extra_keys is forbid (ToolAsk.closed)."""
     if not functions:
         if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools", "tool_choice")
@@ -115,5 +116,5 @@ def tool_ask(
             raise bad_request(
                 f"tool_choice names {name!r}, which is not among the tools", "tool_choice"
             )
-        return ToolAsk(tuple(functions), "named", parallel is not False, fmt, name)
-    return ToolAsk(tuple(functions), choice or "auto", parallel is not False, fmt)
+        return ToolAsk(tuple(functions), "named", parallel is not False, fmt, name, closed=closed)
+    return ToolAsk(tuple(functions), choice or "auto", parallel is not False, fmt, closed=closed)

@@ -10,19 +10,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from probserve.api.protocol import FunctionDefinition
-from probserve.api.structured import JSON_OPTIONS, GrammarAsk, closed_objects
-from probserve.api.tools.ask import NO_ARGUMENTS, ToolAsk
+from probserve.api.structured import JSON_OPTIONS, GrammarAsk
+from probserve.api.tools.ask import ToolAsk
 from probserve.api.tools.formats import ToolParser
 
 
-def call_schema(ask: ToolAsk, arguments: str = "arguments", closed: bool = True) -> dict[str, Any]:
-    """One call: {"name": one of the offered functions, `arguments`: that one's schema (its
-    objects `closed`: no keys it does not name, unless it says additionalProperties)}."""
+def call_schema(ask: ToolAsk, arguments: str = "arguments") -> dict[str, Any]:
+    """One call: {"name": one of the offered functions, `arguments`: that one's schema (as
+    `ask.schemas` holds it)}."""
     options = []
-    for f in ask.offered:
-        schema = f.parameters if f.parameters is not None else NO_ARGUMENTS
-        schema = closed_objects(schema) if closed else schema
+    for f, schema in ask.offered_schemas:
         options.append(
             {
                 "type": "object",
@@ -34,11 +31,11 @@ def call_schema(ask: ToolAsk, arguments: str = "arguments", closed: bool = True)
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
-def generic_schema(ask: ToolAsk, closed: bool = True) -> dict[str, Any]:
+def generic_schema(ask: ToolAsk) -> dict[str, Any]:
     """The generic format's reply: {"tool_calls": [calls]} or, for "auto", {"content": text}."""
     calls: dict[str, Any] = {
         "type": "array",
-        "items": call_schema(ask, closed=closed),
+        "items": call_schema(ask),
         "minItems": 1,
     }
     if ask.most_calls is not None:
@@ -60,23 +57,21 @@ def generic_schema(ask: ToolAsk, closed: bool = True) -> dict[str, Any]:
     return {"anyOf": [reply, content]}
 
 
-def primed_grammar(ask: ToolAsk, closed: bool = True) -> str:
+def primed_grammar(ask: ToolAsk) -> str:
     """The generic format's calls after `ask.primer` (in the prompt): a named function's
     arguments and the wrapper's close; or each call's name (one of the offered), its arguments
     and the object's close, with more calls where several may be, then the list's close."""
 
-    def arguments(f: FunctionDefinition) -> str:
-        schema = f.parameters if f.parameters is not None else NO_ARGUMENTS
-        schema = closed_objects(schema) if closed else schema
+    def arguments(schema: Any) -> str:
         return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **_object_schema(schema)})}"
 
     if ask.choice == "named":
-        (f,) = ask.offered
-        return f"start: args {json.dumps('}]}')}\nargs: {arguments(f)}"
+        ((_, schema),) = ask.offered_schemas
+        return f"start: args {json.dumps('}]}')}\nargs: {arguments(schema)}"
     rules = []
-    for i, f in enumerate(ask.offered):
+    for i, (f, schema) in enumerate(ask.offered_schemas):
         head = json.dumps(f'{f.name}", "arguments": ')
-        rules.append(f"f{i}: {head} a{i} {json.dumps('}')}\na{i}: {arguments(f)}")
+        rules.append(f"f{i}: {head} a{i} {json.dumps('}')}\na{i}: {arguments(schema)}")
     call = " | ".join(f"f{i}" for i in range(len(ask.offered)))
     again = json.dumps(', {"name": "')
     more = "" if ask.most_calls == 1 else f" ({again} call)*"
@@ -90,21 +85,18 @@ def _object_schema(schema: Any) -> dict[str, Any]:
     return {} if schema else {"not": {}}
 
 
-def tool_grammar(
-    ask: ToolAsk, special_id: int | None, closed: bool = True, primed: bool = False
-) -> GrammarAsk | None:
+def tool_grammar(ask: ToolAsk, special_id: int | None, primed: bool = False) -> GrammarAsk | None:
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
-    where it is a special token (Mistral's [TOOL_CALLS]); `closed`: the arguments' objects
-    take no keys they do not name, unless they say additionalProperties; `primed`: the reply
-    begins after `ask.primer`, which the prompt holds."""
+    where it is a special token (Mistral's [TOOL_CALLS]); the arguments follow `ask.schemas`;
+    `primed`: the reply begins after `ask.primer`, which the prompt holds."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
         if primed:
-            return GrammarAsk("lark", "tools", primed_grammar(ask, closed))
-        return GrammarAsk("json_schema", "tools", generic_schema(ask, closed))
+            return GrammarAsk("lark", "tools", primed_grammar(ask))
+        return GrammarAsk("json_schema", "tools", generic_schema(ask))
     if not ask.forced and ask.parallel and not ask.strict:
         return None
-    schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments, closed)}
+    schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments)}
     call = f"%json {json.dumps(schema)}"
     if fmt.parser is ToolParser.HERMES:
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'

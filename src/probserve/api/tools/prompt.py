@@ -1,6 +1,6 @@
 """Tools in the prompt. A native format's template gets the tools (`apply_chat_template(tools=)`)
 and the conversation's calls and results as it expects them. The generic format tells the model
-in the system message: the tools as JSON, and the one JSON object to reply with; earlier calls
+in the system message (`generic_instructions`); earlier calls
 become the assistant's JSON replies and each tool result a user message holding it as JSON
 (a result that is JSON itself, as its value)."""
 
@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from probserve.api.tools.ask import ToolAsk
+from probserve.api.protocol import FunctionDefinition
+from probserve.api.tools.ask import NO_ARGUMENTS, ToolAsk
 from probserve.api.tools.formats import ToolFormat
 
 
@@ -36,11 +37,30 @@ class ToolPrompt:
         return out
 
 
+def definitions(ask: ToolAsk) -> list[dict[str, Any]]:
+    """The functions offered, as JSON (a function without parameters takes none)."""
+    return [_definition(f) for f in ask.functions]
+
+
+def _definition(f: FunctionDefinition) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": f.name}
+    if f.description is not None:
+        out["description"] = f.description
+    out["parameters"] = f.parameters if f.parameters is not None else NO_ARGUMENTS
+    return out
+
+
+def tools_chars(ask: ToolAsk | None) -> int:
+    """The definitions' characters as JSON: what the tools add to the prompt, about."""
+    return len(json.dumps(definitions(ask), ensure_ascii=False)) if ask is not None else 0
+
+
 def generic_instructions(ask: ToolAsk) -> str:
-    """The system message's part for the generic format (docs/tools.md shows it)."""
+    """The generic format's part of the system message (docs/tools.md shows it): the tools
+    as JSON, and the one JSON object to reply with."""
     lines = [
         "You can call functions. They are, as JSON:",
-        json.dumps(ask.definitions(), ensure_ascii=False),
+        json.dumps(definitions(ask), ensure_ascii=False),
         'To call functions, reply with only this JSON: {"tool_calls": [{"name": "<a function\'s '
         'name>", "arguments": {<its arguments>}}]}'
         + (" (one call)." if ask.most_calls == 1 else " (one or more calls)."),
@@ -93,8 +113,9 @@ def tool_prompt(dicts: list[dict[str, Any]], ask: ToolAsk | None, fmt: ToolForma
     the generic format begins in the prompt (`ToolAsk.primer`, an assistant turn continued)."""
     origins: list[int | None] = list(range(len(dicts)))
     if fmt.native:
-        kwargs = {"tools": ask.template_tools()} if ask is not None else {}
-        return ToolPrompt(dicts, kwargs, origins)
+        # the tools as chat templates take them (OpenAI's shape)
+        tools = [{"type": "function", "function": d} for d in definitions(ask)] if ask else None
+        return ToolPrompt(dicts, {"tools": tools} if tools is not None else {}, origins)
     messages = [_generic_history(m) for m in dicts]
     if ask is None:
         return ToolPrompt(messages, {}, origins)
