@@ -2,11 +2,14 @@
 process: each tree's kernels/*.cpp built with the same flags into a library of its own, then
 `ps_qlinear` on the same packed blocks and rows, the libraries alternated round by round (so
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
-block-sum product as a third contender; `--copies N` runs each round over N copies of the weight
-in turn, so that with more bytes than the L3 holds every product reads its blocks from memory.
+block-sum product as a third contender and `--limbs` its integer-limb product (limbs.cpp, on the
+layout `pack_limbs` makes; Q4_0, Q4_1 and Q8_0 where the CPU has AVX-512 VNNI); `--copies N`
+runs each round over N copies of the weight in turn, so that with more bytes than the L3 holds
+every product reads its blocks from memory.
 
     .venv/bin/python bench/kernel_race.py --before HEAD~1 --shape 5632 2048 --rows 1 16 --block-sums
     .venv/bin/python bench/kernel_race.py --format Q4_1 --shape 576 576 --rows 1 --copies 300
+    .venv/bin/python bench/kernel_race.py --before HEAD --shape 5632 2048 --rows 1 4 16 256 --limbs
 
 Run alone on the machine (see docs/benchmarks.md).
 """
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seconds", type=float, default=0.5, help="of products per round")
     ap.add_argument("--block-sums", action="store_true")
+    ap.add_argument("--limbs", action="store_true", help="this tree's integer-limb product too")
     ap.add_argument(
         "--copies", type=int, default=1,
         help="products over this many copies of the weight in turn (more than the L3 holds: "
@@ -130,6 +134,16 @@ def main() -> None:
             now = trees["now"][0]
             flag = int(now.ps_block_sums_flag())
             contenders.append(("now --block-sums", now, fmt + flag, packs["now"]))
+        if args.limbs:
+            from probserve.kernels.build import header_constant
+            from probserve.kernels.qlayout import pack_limbs
+
+            now = trees["now"][0]
+            limb = np.ascontiguousarray(pack_limbs(blocks, qtype.value, panel))
+            limb_copies = [limb] + [limb.copy() for _ in range(args.copies - 1)]
+            contenders.append(
+                ("now --products limbs", now, fmt + header_constant("PS_LIMBS"), limb_copies)
+            )
         for rows in args.rows:
             x = rng.standard_normal((rows, k), dtype=np.float32)
             times: dict[str, list[float]] = {name: [] for name, *_ in contenders}

@@ -1,9 +1,10 @@
 """The ground truth of the exactness tests: prompt logprobs from a float64 forward of the same
 (dequantized) weights, against probserve's deterministic engine and transformers' float32
 forward (the float32 reference). Run as a script (`python tests/float64_truth.py`), it prints
-one JSON line per prompt: each side's max |logprob - float64| and their max distance. It runs
-in a process of its own so that `PROBSERVE_KERNEL_ISA` picks the kernels' ISA path
-(tests/test_exactness.py runs it once per path the CPU has)."""
+one JSON line per prompt: each side's max |logprob - float64| and their max distance, and the
+products in effect (its argument: `float`, the default, or `limbs`). It runs in a process of its
+own so that `PROBSERVE_KERNEL_ISA` picks the kernels' ISA path (tests/test_exactness.py runs it
+once per path the CPU has, with each product)."""
 
 from __future__ import annotations
 
@@ -60,13 +61,14 @@ def engine_logprobs(core: Any, rid: str, ids: list[int]) -> np.ndarray:
     return np.concatenate([np.asarray(r.logprobs, np.float64) for r in rows])
 
 
-def measure() -> list[dict[str, Any]]:
+def measure(products: str) -> list[dict[str, Any]]:
     from probserve.engine import EngineConfig, EngineCore
     from probserve.models import load_model
 
     float32 = load_model()  # the GGUF dequantized, as transformers loads it
     m64 = float64_model(float32.model)
-    core = EngineCore(load_model(None, "native"), EngineConfig(kv_cache_gib=0.1))
+    config = EngineConfig(kv_cache_gib=0.1, products=products)  # type: ignore[arg-type]
+    core = EngineCore(load_model(None, "native"), config)
     assert core.info.deterministic, "the deterministic kernels did not build"
     out = []
     for name, text in PROMPTS.items():
@@ -78,12 +80,13 @@ def measure() -> list[dict[str, Any]]:
             "probserve": float(np.abs(ours - truth).max()),
             "reference": float(np.abs(ref - truth).max()),
             "apart": float(np.abs(ours - ref).max()),
+            "products": core.info.products,
         })  # fmt: skip
     return out
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for row in measure():
+    for row in measure(sys.argv[1] if len(sys.argv) > 1 else "float"):
         print(json.dumps(row))
     sys.stdout.flush()

@@ -145,6 +145,91 @@ def test_block_sums_are_row_invariant_and_within_float32_rounding(kernels, qtype
     assert torch.equal(sums.qrows(packed, ids), weight[ids])  # lookups stay the exact values
 
 
+# ---- integer limbs (limbs.cpp, --products limbs) ----------------------------------------------
+LIMB_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+
+
+@pytest.fixture(scope="module")
+def limbs() -> InvariantKernels:
+    kernels = InvariantKernels(limbs=True)
+    if not kernels.limb_types:  # tests/test_exactness.py checks such a CPU runs the float path
+        pytest.skip("no AVX-512 VNNI here: limbs.cpp multiplies no format")
+    assert kernels.limb_types == {q.value for q in LIMB_FORMATS}
+    return kernels
+
+
+def _limb_bound(x: torch.Tensor, weight: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """limbs.cpp's error bound: each x off by at most 2^-23 of its block's largest |x| (times
+    |w|), the float64 sums' roundings (two a block, each at most 2^-53 of the terms' magnitude),
+    the weights' own rounding for Q4_1 (d q + m is exact in the limbs, rounded in gguf's float32
+    copy); the result's float32 rounding is the caller's."""
+    k = x.shape[1]
+    top = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, -1)
+    w = weight.double().abs()
+    magnitude = F.linear(x.double().abs(), w)
+    bound = F.linear(top, w) * 2.0**-31 + magnitude * (k // 32) * 2.0**-51
+    if qtype == Q.Q4_1:
+        bound += magnitude * 2.0**-24
+    return bound
+
+
+@pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", range(6))
+def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q, shape: int):
+    """Every float16 field (subnormals to 65504) and every quant: within the bound of the file's
+    head comment, bitwise the same for every row count, and the lookups gguf's exact values."""
+    n, k = SHAPES[32][shape]
+    rng = np.random.default_rng(n * k + qtype.value + 7)
+    raw = random_blocks(qtype, n, k, rng)
+    weight = dequantized(raw, qtype)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    packed = limbs.qpack(raw, qtype.value, bias)
+    assert packed.data.numel() == -(-n // 32) * 32 * raw[0].nbytes  # the bytes, moved (padded)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    x[3, :32] *= 1e-30  # a block of tiny values: its own exponent
+    x[5, :] = 0.0
+    full = limbs.qlinear(x, packed)
+    reference = F.linear(x.double(), weight.double())
+    finite = torch.isfinite(full) & (reference.abs() < 1e38)
+    assert finite.float().mean() > 0.99
+    # the bias is added in float32 after the product's one rounding: a second rounding
+    product = full.double() - bias.double()
+    slack = (full.double().abs() + bias.double().abs()) * 2.0**-23
+    error = (product - reference).abs()
+    assert (error <= _limb_bound(x, weight, qtype) + slack + 1e-38)[finite].all()
+    assert torch.equal(full[5], bias)  # zeros: exactly the bias
+    for rows in range(1, 41):
+        start = random.Random(rows).randrange(0, 41 - rows)
+        part = limbs.qlinear(x[start : start + rows], packed)
+        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+    ids = torch.tensor([0, n - 1, n // 2, 0])
+    assert torch.equal(limbs.qrows(packed, ids), weight[ids])
+
+
+@pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
+def test_limb_products_are_closer_to_float64_than_float32(limbs, kernels, qtype: Q):
+    """A weight as models hold them (gguf's quantization of normals), rows with outliers: the
+    limbs' error against the float64 product is smaller than the float32 path's, at its largest
+    and on average; a non-finite activation gives NaN, as in float32."""
+    rng = np.random.default_rng(qtype.value)
+    n, k = 512, 2048
+    raw = gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    weight = dequantized(raw, qtype)
+    x = torch.from_numpy(rng.standard_normal((24, k)).astype(np.float32))
+    x[:, 7] *= 50.0  # a massive-activation channel, as LLMs have
+    truth = F.linear(x.double(), weight.double())
+    ours = limbs.qlinear(x, limbs.qpack(raw, qtype.value)).double()
+    float32 = kernels.qlinear(x, kernels.qpack(raw, qtype.value)).double()
+    err, err32 = (ours - truth).abs(), (float32 - truth).abs()
+    assert err.max() < err32.max(), (float(err.max()), float(err32.max()))
+    assert err.pow(2).mean() < err32.pow(2).mean()
+    x[2, 100] = float("nan")
+    x[4, 0] = float("inf")
+    bad = limbs.qlinear(x, limbs.qpack(raw, qtype.value))
+    assert torch.isnan(bad[2]).all() and torch.isnan(bad[4]).all()
+    assert torch.isfinite(bad[[0, 1, 3]]).all()
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_quantized_weights_are_held_at_their_size(kernels, qtype: Q):
     rng = np.random.default_rng(5)
@@ -279,6 +364,37 @@ def test_block_sum_requests_are_within_1e4_and_batch_invariant(native: LoadedMod
     assert not exact.info.block_sums
     floats = EngineCore(smol, EngineConfig(kv_cache_gib=0.1, block_sums=True))
     assert not floats.info.block_sums  # no blocks: nothing to apply it to
+
+
+def test_limb_requests_are_within_1e4_and_batch_invariant(native: LoadedModel, smol, limbs):
+    """The embedded model (Q4_1 and Q8_0) served with --products limbs: /health's facts say so,
+    prompt logprobs within 1e-4 of transformers' float32 forward of the same file, other
+    numbers than the float path's, and a request among others the same bits as alone."""
+    from test_deterministic import _others
+
+    from probserve.engine import EngineRequest, LogprobsSpec, SamplingParams
+
+    text = "The quick brown fox jumps over the lazy dog because it was"
+    ids = smol.tokenizer(text).input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(smol.model(torch.tensor([ids])).logits[0].double(), -1)
+    core = EngineCore(native, EngineConfig(kv_cache_gib=0.1, products="limbs", max_num_seqs=32))
+    assert core.info.products == "limbs"
+    req = EngineRequest("p", tuple(ids), SamplingParams(max_tokens=1), LogprobsSpec(prompt_top_k=1))
+    prompt = next(o.prompt_logprobs for o in run_core(core, [req])["p"] if o.prompt_logprobs)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(prompt.logprobs, expected, atol=1e-4)
+    floats = EngineCore(native, EngineConfig(kv_cache_gib=0.1))
+    assert floats.info.products == "float"
+    other = next(o.prompt_logprobs for o in run_core(floats, [req])["p"] if o.prompt_logprobs)
+    assert np.asarray(other.logprobs).tobytes() != np.asarray(prompt.logprobs).tobytes()
+    for seeded in (False, True):
+        alone = run_core(core, [_canary(native, seeded=seeded)])["canary"]
+        crowd = _others(native, 20, seed=7)
+        mixed = run_core(core, [*crowd[:10], _canary(native, seeded=seeded), *crowd[10:]])
+        assert _bits(mixed["canary"]) == _bits(alone)
+    sums = EngineCore(native, EngineConfig(kv_cache_gib=0.1, products="limbs", block_sums=True))
+    assert sums.info.products == "float" and sums.info.block_sums  # one or the other
 
 
 # ---- mixed formats on a tiny Llama ------------------------------------------------------------

@@ -612,6 +612,7 @@ class ModelCard(BaseModel):
     weights: str | None = None
     weights_in_blocks: float | None = None
     block_sums: bool | None = None
+    products: str | None = None
 
 
 class ModelList(BaseModel):

@@ -56,6 +56,15 @@ class EngineConfig:
         "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
         "needs --deterministic and the paged runner, else float32); float32: dequantized",
     )
+    products: Literal["float", "limbs"] = setting(
+        "float",
+        "how GGUF blocks are multiplied on the exact path: float (each weight dequantized, "
+        "float32 FMAs) or limbs (Q4_0, Q4_1 and Q8_0 on a CPU with AVX-512 VNNI: each "
+        "activation as four integer bytes, exact integer products summed in float64, rounded "
+        "once: closer to a float64 forward; faster for one stream's decode steps, slower for "
+        "batched steps, prefill and scoring: docs/benchmarks.md; elsewhere float); both bitwise "
+        "batch-invariant",
+    )
     block_sums: bool = setting(
         False,
         "GGUF blocks multiplied with each sub-block's scale applied to its sum, not to every "

@@ -22,6 +22,7 @@ class EngineInfo:
     weights: str = "float32"  # what the weights are held as: float32, or GGUF blocks "Q4_1+Q8_0"
     weights_in_blocks: float = 0.0  # the fraction of the parameters held in those blocks
     block_sums: bool = False  # the blocks' products apply scales per sub-block sum (in effect)
+    products: str = "float"  # the blocks' products: "limbs" where some run in integer limbs
     architecture: str = ""  # the model's own type (its config's model_type: "llama", "gemma3")
     block_size: int = 0  # tokens a KV cache block holds
 

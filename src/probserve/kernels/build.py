@@ -1,9 +1,9 @@
 """Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
 
-The sources (invariant.cpp, quantized.cpp and layer.cpp, with simd.h) are compiled into one
-library with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it runs on
-(-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default ~/.cache/probserve)
-under a key of the sources, the compiler, the flags and the CPU's feature
+The sources (invariant.cpp, quantized.cpp, limbs.cpp and layer.cpp, with simd.h) are compiled
+into one library with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it
+runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
+~/.cache/probserve) under a key of the sources, the compiler, the flags and the CPU's feature
 list, so a source change, another compiler or another machine builds afresh and every later
 start loads the cached library in milliseconds. The build writes to a temporary file and renames
 it into place, so concurrent starts never load half a library. torch is imported first: the
@@ -33,7 +33,12 @@ from probserve.progress import Stage
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "invariant.cpp", HERE / "quantized.cpp", HERE / "layer.cpp")  # one library
+SOURCES = (
+    HERE / "invariant.cpp",
+    HERE / "quantized.cpp",
+    HERE / "limbs.cpp",
+    HERE / "layer.cpp",
+)  # one library
 HEADERS = (HERE / "simd.h", HERE / "probserve.h")
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)

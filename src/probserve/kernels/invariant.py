@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from probserve.kernels.build import load
-from probserve.kernels.qlayout import FORMATS, pack_blocks
+from probserve.kernels.build import header_constant, load
+from probserve.kernels.qlayout import FORMATS, LIMB_TYPES, pack_blocks, pack_limbs
+
+PS_LIMBS = header_constant("PS_LIMBS")  # probserve.h's: added to a format id in limbs.cpp's layout
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class QuantizedWeight:
 
     data: torch.Tensor  # uint8 [panels, K / block length, P * the file's block bytes]
     bias: torch.Tensor | None
-    fmt: int  # quantized.cpp's format id (qlayout.FORMATS)
+    fmt: int  # quantized.cpp's format id (qlayout.FORMATS), + PS_LIMBS in limbs.cpp's layout
     n: int
     k: int
 
@@ -58,15 +61,25 @@ def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     return ids
 
 
+def limb_types(lib: Any) -> frozenset[int]:
+    """The GGML types `lib` multiplies in integer limbs (limbs.cpp: Q4_0, Q4_1 and Q8_0 where
+    it was built with AVX-512 VNNI; none elsewhere)."""
+    return frozenset(t for t in LIMB_TYPES if lib.ps_limb_block_bytes(FORMATS[t].fmt) > 0)
+
+
 class InvariantKernels:
     """The library's kernels. `block_sums`: the products on GGUF blocks apply each sub-block's
     scale to its sum (quantized.cpp, --block-sums): row-invariant and within float32 rounding of
-    the dequantized product, but not its bits; the weights packed by `qpack` carry the choice."""
+    the dequantized product, but not its bits. `limbs`: the formats limbs.cpp multiplies in
+    integer limbs are packed for it (--products limbs; not with block_sums): row-invariant and
+    closer to a float64 product than the float32 path. The weights packed by `qpack` carry the
+    choice."""
 
-    def __init__(self, block_sums: bool = False) -> None:
+    def __init__(self, block_sums: bool = False, limbs: bool = False) -> None:
         self.lib = load()
         self.panel = int(self.lib.ps_panel_width())
         self.block_sums = block_sums
+        self.limb_types = limb_types(self.lib) if limbs and not block_sums else frozenset()
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
         n, k = weight.shape
@@ -91,6 +104,12 @@ class InvariantKernels:
         packed into quantized.cpp's panels (the values are untouched: only their places change)."""
         f = FORMATS[ggml_type]
         n = int(blocks.shape[0])
+        if ggml_type in self.limb_types:
+            data = pack_limbs(blocks, ggml_type, self.panel)
+            assert data.shape[-1] == self.lib.ps_limb_block_bytes(f.fmt)
+            k = int(data.shape[1] * f.qk)
+            fmt = f.fmt + PS_LIMBS
+            return QuantizedWeight(torch.from_numpy(data), self._bias(bias, n), fmt, n, k)
         data = pack_blocks(blocks, ggml_type, self.panel)
         assert data.shape[-1] == self.lib.ps_qblock_bytes(f.fmt)
         assert self.lib.ps_qblock_len(f.fmt) == f.qk
@@ -101,7 +120,8 @@ class InvariantKernels:
 
     def qlinear(self, x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         """x [..., K] times a quantized weight: the same bits as `linear` on its dequantized
-        float32 copy (with `block_sums`: row-invariant, within float32 rounding of them)."""
+        float32 copy (with `block_sums`: row-invariant, within float32 rounding of them; in
+        limbs: row-invariant, closer to the float64 product)."""
         return self._product(x, w, lambda *a: self.lib.ps_qlinear(w.fmt, *a))
 
     def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@
 #include <cstdint>
 
 #define PS_MAX_PARTS 4  // the parts of one projection (PsProj), kernels/layers.py reads it
+#define PS_LIMBS 32     // added to a format id: the weight is in limbs.cpp's layout, its product
+                        // in integer limbs (ps_qlinear and ps_qrows hand it to limbs.cpp)
 
 extern "C" {
 
@@ -98,6 +100,13 @@ void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* pa
 int ps_block_sums_flag();
 void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
               float* out);
+
+// ---- limbs.cpp: the linear layers on GGUF blocks in integer limbs (AVX-512 VNNI) ------------
+int64_t ps_limb_block_bytes(int fmt);
+void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                    const float* bias, float* out);
+void ps_limb_rows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
+                  float* out);
 
 // ---- layer.cpp: a step's decoder layers in one call -------------------------------------------
 int64_t ps_layers_scratch(const PsModel* m, int64_t T);

@@ -1,5 +1,6 @@
 """GGUF block formats as kernels/quantized.cpp reads them: the formats' tables and the packing
-of a tensor's rows of blocks into panels (numpy alone: no torch, no library).
+of a tensor's rows of blocks into panels (numpy alone: no torch, no library); `pack_limbs`, the
+panels of kernels/limbs.cpp (its own order, described there).
 
 A [N, K] weight becomes panels of P output columns (P = the library's panel width, NR); in a
 panel, for each block of `qk` weights along K: the float16 fields of the P columns (d, then Q4_1
@@ -119,4 +120,37 @@ def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     parts.append(rows.reshape(panels, nb, -1))
     data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     assert data.shape[-1] == p * f.size
+    return data
+
+
+LIMB_TYPES = (2, 3, 8)  # the GGML types limbs.cpp multiplies in integer limbs: Q4_0, Q4_1, Q8_0
+
+
+def pack_limbs(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
+    """Rows of Q4_0, Q4_1 or Q8_0 blocks packed into limbs.cpp's panels (`panel` = 32 columns,
+    two halves of 16): uint8 [ceil(N / 32), K / 32, 32 * size]. Per block: the d's of the 32
+    columns (float16; Q4_1 then the m's), then per half the quants in vpdpbusd's order, chunks
+    of 64 bytes holding 16 columns x 4 k's (byte 4c + j: column c's k j): 4-bit, chunk i's low
+    nibbles k's 8i..8i+3 and its high nibbles k's 8i+4..8i+7; Q8_0, chunk i k's 4i..4i+3, each
+    int8 + 128. The file's bytes, moved (Q8_0's shifted by 128)."""
+    if ggml_type not in LIMB_TYPES or panel != 32:
+        raise ValueError(f"no limb layout for GGML type {ggml_type} in panels of {panel}")
+    f = FORMATS[ggml_type]
+    n, row_bytes = blocks.shape
+    nb = row_bytes // f.size
+    raw = np.zeros((-(-n // panel) * panel, nb, f.size), dtype=np.uint8)
+    raw[:n] = np.asarray(blocks).reshape(n, nb, f.size)
+    panels = raw.shape[0] // panel
+    by_panel = raw.reshape(panels, panel, nb, f.size).swapaxes(1, 2)  # [panels, nb, 32, size]
+    parts = [by_panel[..., at : at + 2].reshape(panels, nb, 2 * panel) for at in f.halves]
+    q = quants(raw, ggml_type).reshape(panels, panel, nb, 32).swapaxes(1, 2)  # [p, nb, col, k]
+    if ggml_type == 8:
+        q = q ^ np.uint8(128)  # int8 + 128 as an unsigned byte
+    # [p, nb, half, col 16, k 32] -> chunks of 4 k's: [p, nb, half, k // 4, col, k % 4]
+    q = q.reshape(panels, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)
+    if f.bits == 4:  # chunk i: k group 2i in the low nibbles, 2i + 1 in the high ones
+        q = q[:, :, :, 0::2] | (q[:, :, :, 1::2] << 4)
+    parts.append(np.ascontiguousarray(q).reshape(panels, nb, -1))
+    data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
+    assert data.shape[-1] == panel * f.size
     return data

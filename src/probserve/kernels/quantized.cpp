@@ -651,9 +651,11 @@ int64_t ps_qblock_len(int fmt) {
 
 // out[M, N] = x[M, K] . w^T + bias, w quantized in format `fmt`, packed as above (K a multiple
 // of the format's block length); bias padded to a multiple of NR, or null. `fmt` plus
-// PS_BLOCK_SUMS: the scales applied per sub-block sum (row-invariant, not the dequantized bits)
+// PS_BLOCK_SUMS: the scales applied per sub-block sum (row-invariant, not the dequantized bits);
+// plus PS_LIMBS: limbs.cpp's layout and integer product
 void ps_qlinear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                 const float* bias, float* out) {
+    if (fmt >= PS_LIMBS) return ps_limb_linear(fmt - PS_LIMBS, x, M, K, packed, N, bias, out);
     switch (fmt) {
 #define X(F) case F: return qlinear<F>(x, M, K, packed, N, bias, out); \
         case F + PS_BLOCK_SUMS: return qlinear_bsum<F>(x, M, K, packed, N, bias, out);
@@ -667,6 +669,7 @@ int ps_block_sums_flag() { return PS_BLOCK_SUMS; }
 
 // the rows are the weights' exact values whatever the product's arithmetic (PS_BLOCK_SUMS)
 void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
+    if (fmt >= PS_LIMBS) return ps_limb_rows(fmt - PS_LIMBS, packed, K, ids, T, out);
     switch (fmt % PS_BLOCK_SUMS) {
 #define X(F) case F: return qrows<F>(packed, K, ids, T, out);
         PS_FORMATS(X)

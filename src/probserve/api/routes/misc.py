@@ -81,6 +81,7 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
         "weights": info.weights,
         "weights_in_blocks": info.weights_in_blocks,
         "block_sums": info.block_sums,
+        "products": info.products,
     }
 
 

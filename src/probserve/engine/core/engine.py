@@ -88,9 +88,23 @@ class EngineCore:
             weights=loaded.weights_format,
             weights_in_blocks=round(loaded.weights_in_blocks, 4),
             block_sums=self.config.block_sums and loaded.weights_in_blocks > 0,
+            products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             block_size=self.config.block_size,
         )
+
+    def _products(self, loaded: LoadedModel) -> str:
+        """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a
+        format and CPU limbs.cpp serves, not --block-sums), else "float"."""
+        cfg = self.config
+        if cfg.products != "limbs" or cfg.block_sums or loaded.weights_in_blocks <= 0:
+            return "float"
+        from probserve.kernels.build import load
+        from probserve.kernels.invariant import limb_types
+        from probserve.kernels.qlayout import FORMATS
+
+        names = {FORMATS[t].name for t in limb_types(load())}
+        return "limbs" if names & set(loaded.weights_format.split("+")) else "float"
 
     @property
     def runner(self) -> Runner:

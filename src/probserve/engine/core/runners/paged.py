@@ -35,7 +35,8 @@ class PagedRunner:
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
         model = loaded.model
-        kernels = InvariantKernels(config.block_sums) if config.deterministic else None
+        limbs = config.products == "limbs"
+        kernels = InvariantKernels(config.block_sums, limbs) if config.deterministic else None
         self.forward = LlamaForward(model, config.linear, kernels, loaded.weights)
         self.row_math: RowMath = InvariantRowMath(kernels) if kernels else TorchRowMath()
         self.block_size = block_size = config.block_size
