@@ -68,6 +68,15 @@ def dequantized(raw: np.ndarray, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values).reshape(raw.shape[0], -1))
 
 
+def assert_row_invariant(kernels: InvariantKernels, x: torch.Tensor, packed, full: torch.Tensor):
+    """Every row count from 1 to 40 (registers, then a buffered panel or a shared limb buffer)
+    gives each row the bits it has in the full product."""
+    for rows in range(1, 41):
+        start = random.Random(rows).randrange(0, 41 - rows)
+        part = kernels.qlinear(x[start : start + rows], packed)
+        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+
+
 # ---- the kernel -------------------------------------------------------------------------------
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", range(6))
@@ -90,10 +99,7 @@ def test_quantized_linear_equals_the_dequantized_product(kernels, qtype: Q, shap
     error = (full.double() - reference).abs()[finite]
     assert (error <= 1e-5 * scale[finite] + 1e-30).all()
     # ... and row-invariant: every row count (registers up to 12 rows, a buffered panel beyond)
-    for rows in range(1, 41):
-        start = random.Random(rows).randrange(0, 41 - rows)
-        part = kernels.qlinear(x[start : start + rows], packed_q)
-        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+    assert_row_invariant(kernels, x, packed_q, full)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(kernels.qrows(packed_q, ids), weight[ids])
     with pytest.raises(IndexError):
@@ -137,10 +143,7 @@ def test_block_sums_are_row_invariant_and_within_float32_rounding(kernels, qtype
     assert finite.float().mean() > 0.99
     error = (full.double() - reference).abs()[finite]
     assert (error <= 1e-5 * scale[finite] + 1e-30).all()
-    for rows in range(1, 41):
-        start = random.Random(rows).randrange(0, 41 - rows)
-        part = sums.qlinear(x[start : start + rows], packed)
-        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+    assert_row_invariant(sums, x, packed, full)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(sums.qrows(packed, ids), weight[ids])  # lookups stay the exact values
 
@@ -198,10 +201,7 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
     error = (product - reference).abs()
     assert (error <= _limb_bound(x, weight, qtype) + slack + 1e-38)[finite].all()
     assert torch.equal(full[5], bias)  # zeros: exactly the bias
-    for rows in range(1, 41):
-        start = random.Random(rows).randrange(0, 41 - rows)
-        part = limbs.qlinear(x[start : start + rows], packed)
-        assert part.numpy().tobytes() == full[start : start + rows].numpy().tobytes()
+    assert_row_invariant(limbs, x, packed, full)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(limbs.qrows(packed, ids), weight[ids])
 
