@@ -150,13 +150,14 @@ def test_the_api_compiles_and_checks_a_grammar_once(smol: LoadedModel, monkeypat
 
     from probserve.api.errors import APIError
     from probserve.api.plans import grammar as plans_grammar
+    from probserve.api.server.config import ServerConfig
     from probserve.api.server.grammar_cache import GrammarCache
     from probserve.api.server.limits import Limits
     from probserve.engine.grammar import llguidance_tokenizer
 
     lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
     model = SimpleNamespace(grammars=GrammarCache(2), grammar_tokenizer=lambda: lltok)
-    config = SimpleNamespace(limits=Limits(), schema_extra_keys="forbid")
+    config = ServerConfig(limits=Limits(), schema_extra_keys="forbid")  # the real settings
     state = SimpleNamespace(config=config, model=model)
     compiled: list[str] = []
     real = plans_grammar.compile_grammar
