@@ -3,7 +3,7 @@ process: each tree's kernels/*.cpp built with the same flags into a library of i
 `ps_qlinear` on the same packed blocks and rows, the libraries alternated round by round (so
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
 block-sum product as a third contender and `--limbs` its integer-limb product (limbs.cpp, on the
-layout `pack_limbs` makes; Q4_0, Q4_1 and Q8_0 where the CPU has AVX-512 VNNI); `--copies N`
+layout `pack_limbs` makes; every format where the CPU has AVX-512 VNNI); `--copies N`
 runs each round over N copies of the weight in turn, so that with more bytes than the L3 holds
 every product reads its blocks from memory.
 

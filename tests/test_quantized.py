@@ -149,7 +149,10 @@ def test_block_sums_are_row_invariant_and_within_float32_rounding(kernels, qtype
 
 
 # ---- integer limbs (limbs.cpp, --products limbs) ----------------------------------------------
-LIMB_FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0]
+LIMB_FORMATS = FORMATS
+# the bytes of each format's quants in the file's block (d, m and scales elsewhere), for the
+# formats whose weight is s u + o
+QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q5_1: (4, 24), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176)}
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +164,31 @@ def limbs() -> InvariantKernels:
     return kernels
 
 
-def _limb_bound(x: torch.Tensor, weight: torch.Tensor, qtype: Q) -> torch.Tensor:
-    """limbs.cpp's error bound: each x off by at most 2^-23 of its block's largest |x| (times
-    |w|), the float64 sums' roundings (two a block, each at most 2^-53 of the terms' magnitude),
-    the weights' own rounding for Q4_1 (d q + m is exact in the limbs, rounded in gguf's float32
-    copy); the result's float32 rounding is the caller's."""
+def _offsets(raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """Each weight's o of w = s u + o (Q4_1, Q5_1: m; Q4_K, Q5_K: -dmin mn): the weight gguf
+    dequantizes with every quant 0."""
+    lo, hi = QUANT_BYTES[qtype]
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    zeroed = raw.reshape(raw.shape[0], -1, size).copy()
+    zeroed[..., lo:hi] = 0
+    return dequantized(zeroed.reshape(raw.shape[0], -1), qtype)
+
+
+def _limb_bound(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
+    """limbs.cpp's error bound: each x off by at most 2^-31 of its block's largest |x| (times
+    |w|), the float64 roundings (at most 2^-51 of sum |x| (|s u| + |o|) a block of 32), and for
+    the formats with an o the weights' own rounding (s u + o is exact in the limbs, rounded once
+    in gguf's float32 copy); the result's float32 rounding is the caller's."""
     k = x.shape[1]
+    weight = dequantized(raw, qtype).double()
     top = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, -1)
-    w = weight.double().abs()
+    w = weight.abs()
     magnitude = F.linear(x.double().abs(), w)
-    bound = F.linear(top, w) * 2.0**-31 + magnitude * (k // 32) * 2.0**-51
-    if qtype == Q.Q4_1:
+    parts = magnitude
+    if qtype in QUANT_BYTES:  # |s u| + |o| <= |w| + 2 |o|
+        parts = F.linear(x.double().abs(), w + 2 * _offsets(raw, qtype).double().abs())
+    bound = F.linear(top, w) * 2.0**-31 + parts * (k // 32) * 2.0**-51
+    if qtype in QUANT_BYTES:
         bound += magnitude * 2.0**-24
     return bound
 
@@ -179,15 +196,19 @@ def _limb_bound(x: torch.Tensor, weight: torch.Tensor, qtype: Q) -> torch.Tensor
 @pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("shape", range(6))
 def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q, shape: int):
-    """Every float16 field (subnormals to 65504) and every quant: within the bound of the file's
-    head comment, bitwise the same for every row count, and the lookups gguf's exact values."""
-    n, k = SHAPES[32][shape]
+    """Every float16 field (subnormals to 65504), every quant and sub-block scale: within the
+    bound of the file's head comment, bitwise the same for every row count, and the lookups
+    gguf's exact values."""
+    qk, size = gguf.GGML_QUANT_SIZES[qtype]
+    n, k = SHAPES[qk][shape]
     rng = np.random.default_rng(n * k + qtype.value + 7)
     raw = random_blocks(qtype, n, k, rng)
     weight = dequantized(raw, qtype)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     packed = limbs.qpack(raw, qtype.value, bias)
-    assert packed.data.numel() == -(-n // 32) * 32 * raw[0].nbytes  # the bytes, moved (padded)
+    # the file's bytes, moved (padded to 32 columns); Q4_K and Q5_K's 6-bit scales a byte each
+    unpacked = 4 if qtype in (Q.Q4_K, Q.Q5_K) else 0
+    assert packed.data.numel() == -(-n // 32) * 32 * (k // qk) * (size + unpacked)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
     x[3, :32] *= 1e-30  # a block of tiny values: its own exponent
     x[5, :] = 0.0
@@ -199,21 +220,29 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
     product = full.double() - bias.double()
     slack = (full.double().abs() + bias.double().abs()) * 2.0**-23
     error = (product - reference).abs()
-    assert (error <= _limb_bound(x, weight, qtype) + slack + 1e-38)[finite].all()
+    assert (error <= _limb_bound(x, raw, qtype) + slack + 1e-38)[finite].all()
     assert torch.equal(full[5], bias)  # zeros: exactly the bias
     assert_row_invariant(limbs, x, packed, full)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(limbs.qrows(packed, ids), weight[ids])
 
 
+def _model_like(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A weight as models hold them: gguf's quantization of normals (x 0.02), or for the
+    K-quants (gguf-py has no quantizer for them) `model_blocks`."""
+    if gguf.GGML_QUANT_SIZES[qtype][0] == 32:
+        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    return model_blocks(qtype, n, k, rng)
+
+
 @pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
 def test_limb_products_are_closer_to_float64_than_float32(limbs, kernels, qtype: Q):
-    """A weight as models hold them (gguf's quantization of normals), rows with outliers: the
-    limbs' error against the float64 product is smaller than the float32 path's, at its largest
-    and on average; a non-finite activation gives NaN, as in float32."""
+    """A weight as models hold them, rows with outliers: the limbs' error against the float64
+    product is smaller than the float32 path's, at its largest and on average; a non-finite
+    activation gives NaN, as in float32."""
     rng = np.random.default_rng(qtype.value)
     n, k = 512, 2048
-    raw = gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    raw = _model_like(qtype, n, k, rng)
     weight = dequantized(raw, qtype)
     x = torch.from_numpy(rng.standard_normal((24, k)).astype(np.float32))
     x[:, 7] *= 50.0  # a massive-activation channel, as LLMs have
@@ -490,11 +519,11 @@ def tiny256(smol: LoadedModel) -> LoadedModel:
     )  # fmt: skip
 
 
-def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
-    """Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 in one model (as a Q4_K_M or Q5_K_M file mixes them),
-    q/k/v in different formats (each part in its own blocks, joined), a Q6_K embedding and an
-    untied Q5_0 head: the same bits as the float32 twin, for greedy and seeded requests in one
-    batch, with no matrix held in float32."""
+@pytest.fixture(scope="module")
+def kmix(tiny256: LoadedModel) -> tuple[LoadedModel, LoadedModel, dict]:
+    """tiny256 with Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks (as a Q4_K_M or Q5_K_M file mixes
+    them): q/k/v in different formats, a Q6_K embedding, an untied Q5_0 head, the second
+    layer's Q4_K tensors in Q5_1. (blocks, its float32 twin, the weights)."""
     import copy
 
     twin = copy.deepcopy(tiny256.model)
@@ -516,12 +545,22 @@ def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
             raw = model_blocks(qtype, param.shape[0], param.shape[1], rng)
             weights[name] = QuantizedTensor(raw, qtype.value, param.shape[1])
             param.copy_(dequantized(raw, qtype))
-    held = {w.type_name for w in weights.values() if isinstance(w, QuantizedTensor)}
-    formats = "+".join(sorted(held))
+    quantized = [w for w in weights.values() if isinstance(w, QuantizedTensor)]
+    formats = "+".join(sorted({w.type_name for w in quantized}))
+    share = sum(w.n * w.k for w in quantized) / sum(
+        w.n * w.k if isinstance(w, QuantizedTensor) else w.numel() for w in weights.values()
+    )
     blocks = LoadedModel(**{**tiny256.__dict__, "model": twin, "weights": weights,
-                            "weights_format": formats})  # fmt: skip
+                            "weights_format": formats, "weights_in_blocks": share})  # fmt: skip
     floats = LoadedModel(**{**tiny256.__dict__, "model": twin})
-    fw = LlamaForward(twin, "auto", InvariantKernels(), weights)
+    return blocks, floats, weights
+
+
+def test_k_quants_and_q5_in_one_model(kmix):
+    """The K-quants and Q5 mix: each q/k/v part in its own blocks, joined, no matrix held in
+    float32; the same bits as the float32 twin, for greedy and seeded requests in one batch."""
+    blocks, floats, weights = kmix
+    fw = LlamaForward(floats.model, "auto", InvariantKernels(), weights)
     qkv = fw.layers[0].qkv
     assert isinstance(qkv, Joined) and all(p.quantized is not None for p in qkv.parts)
     assert len(qkv.parts) == 3 and qkv.out_features == sum(p.out_features for p in qkv.parts)
@@ -529,8 +568,31 @@ def test_k_quants_and_q5_in_one_model(tiny256: LoadedModel):
     assert fw.layers[0].gate_up.quantized is not None and fw.layers[0].down.quantized is not None
     assert fw.lm_head.quantized is not None and not isinstance(fw.embed, torch.Tensor)
     assert_same_requests(blocks, floats)
-    assert_native_equals_op_by_op(twin, weights)
-    assert_native_equals_op_by_op(twin, weights, block_sums=True)
+    assert_native_equals_op_by_op(floats.model, weights)
+    assert_native_equals_op_by_op(floats.model, weights, block_sums=True)
+
+
+def test_k_quants_in_limbs_are_within_1e4_and_batch_invariant(kmix, limbs):
+    """The same mix served with --products limbs: every format in limbs, prompt logprobs within
+    1e-4 of the float32 twin's forward, and a request among others the same bits as alone."""
+    from test_deterministic import _others
+
+    from probserve.engine import EngineRequest, LogprobsSpec, SamplingParams
+
+    blocks, floats, _ = kmix
+    ids = blocks.tokenizer("The quick brown fox jumps over the lazy dog because").input_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(floats.model(torch.tensor([ids])).logits[0].double(), -1)
+    core = EngineCore(blocks, EngineConfig(kv_cache_gib=0.05, block_size=4, products="limbs"))
+    assert core.info.products == "limbs"
+    req = EngineRequest("p", tuple(ids), SamplingParams(max_tokens=1), LogprobsSpec(prompt_top_k=1))
+    prompt = next(o.prompt_logprobs for o in run_core(core, [req])["p"] if o.prompt_logprobs)
+    expected = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(prompt.logprobs, expected, atol=1e-4)
+    alone = run_core(core, [_canary(blocks, seeded=True)])["canary"]
+    crowd = _others(blocks, 12, seed=3)
+    mixed = run_core(core, [*crowd[:6], _canary(blocks, seeded=True), *crowd[6:]])
+    assert _bits(mixed["canary"]) == _bits(alone)
 
 
 # ---- choosing the weights ---------------------------------------------------------------------
@@ -575,4 +637,34 @@ def test_a_real_q4_k_m_files_tensors_multiply_bit_for_bit(kernels, gemma_gguf: P
             assert got == kernels.linear(x[:rows], packed_f).numpy().tobytes(), tensor.name
         ids = torch.tensor([0, 255, 17])
         assert torch.equal(kernels.qrows(packed_q, ids), weight[ids]), tensor.name
+    assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= seen, seen
+
+
+@pytest.mark.slow
+def test_a_real_q4_k_m_files_tensors_in_limbs(limbs, kernels, gemma_gguf: Path):
+    """Every format of a real Q4_K_M file in limbs: closer to the float64 product than the
+    float32 path, at its largest and on average, the same bits at 1, 7 and 40 rows, and its rows
+    gather gguf's values exactly."""
+    reader = gguf.GGUFReader(gemma_gguf)
+    seen: set[Q] = set()
+    rng = np.random.default_rng(1)
+    for tensor in reader.tensors:
+        qtype = Q(tensor.tensor_type)
+        if qtype not in FORMATS or qtype in seen or len(tensor.data.shape) != 2:
+            continue
+        seen.add(qtype)
+        raw = np.ascontiguousarray(np.asarray(tensor.data)[:256])
+        weight = dequantized(raw, qtype)
+        ours, float32 = limbs.qpack(raw, qtype.value), kernels.qpack(raw, qtype.value)
+        x = torch.from_numpy(rng.standard_normal((40, weight.shape[1])).astype(np.float32))
+        x[:, 3] *= 50.0
+        full = limbs.qlinear(x, ours)
+        truth = F.linear(x.double(), weight.double())
+        err = (full.double() - truth).abs()
+        err32 = (kernels.qlinear(x, float32).double() - truth).abs()
+        assert err.max() < err32.max() and err.pow(2).mean() < err32.pow(2).mean(), tensor.name
+        for rows in (1, 7):
+            assert limbs.qlinear(x[:rows], ours).numpy().tobytes() == full[:rows].numpy().tobytes()
+        ids = torch.tensor([0, 255, 17])
+        assert torch.equal(limbs.qrows(ours, ids), weight[ids]), tensor.name
     assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= seen, seen

@@ -59,7 +59,7 @@ class EngineConfig:
     products: Literal["float", "limbs"] = setting(
         "float",
         "how GGUF blocks are multiplied on the exact path: float (each weight dequantized, "
-        "float32 FMAs) or limbs (Q4_0, Q4_1 and Q8_0 on a CPU with AVX-512 VNNI: each "
+        "float32 FMAs) or limbs (every GGUF block format, on a CPU with AVX-512 VNNI: each "
         "activation as four integer bytes, exact integer products summed in float64, rounded "
         "once: closer to a float64 forward; faster for one stream's decode steps, slower for "
         "batched steps, prefill and scoring: docs/benchmarks.md; elsewhere float); both bitwise "

@@ -62,8 +62,8 @@ def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def limb_types(lib: Any) -> frozenset[int]:
-    """The GGML types `lib` multiplies in integer limbs (limbs.cpp: Q4_0, Q4_1 and Q8_0 where
-    it was built with AVX-512 VNNI; none elsewhere)."""
+    """The GGML types `lib` multiplies in integer limbs (limbs.cpp: every native format where it
+    was built with AVX-512 VNNI; none elsewhere)."""
     return frozenset(t for t in LIMB_TYPES if lib.ps_limb_block_bytes(FORMATS[t].fmt) > 0)
 
 

@@ -1,6 +1,7 @@
-// Linear layers on GGUF blocks in integer arithmetic (--products limbs): Q4_0, Q4_1 and Q8_0
-// on AVX-512 VNNI. Each product is the exact one of the float32 activations and the dequantized
-// weights, rounded (to float32) about once: closer to a float64 forward than the float32 path.
+// Linear layers on GGUF blocks in integer arithmetic (--products limbs): every native format
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on AVX-512 VNNI. Each product is the exact one
+// of the float32 activations and the dequantized weights, rounded (to float32) about once:
+// closer to a float64 forward than the float32 path.
 //
 // The float32 path (quantized.cpp) dequantizes each weight and adds x * w with one FMA a weight,
 // K roundings of running sums. Here each row of x is written, one block of 32 k's at a time, as
@@ -11,18 +12,26 @@
 // other is off by at most half of 2^e, 2^-31 of the largest (an outlier channel costs the rest of
 // its block nothing a float32 sum would keep). X is split into four signed bytes,
 //   X = a3 * 2^24 + a2 * 2^16 + a1 * 2^8 + a0,  each a in -128..127 (balanced limbs)
-// and each limb's dot product with the block's stored quants u (unsigned bytes: Q4_0 and Q4_1 the
-// nibble 0..15, Q8_0 its int8 + 128) is exact in 32-bit integers (vpdpbusd: 64 byte products an
+// Every format's weight is w = s (u + offset) or s u + o, u the stored unsigned quant (0..15,
+// 0..31, 0..63, or Q8_0's int8 + 128), per group of k's sharing a scale s (and o):
+//   Q4_0, Q5_0, Q8_0  s = d,          offset -8, -16, -128         group = the block of 32
+//   Q4_1, Q5_1        s = d,          o = m                        group = the block of 32
+//   Q4_K, Q5_K        s = d * sc,     o = -(dmin * mn)             group = a sub-block of 32
+//   Q6_K              s = d * sc,     offset -32                   group = a sub-block of 16
+// (d, m, dmin float16, sc and mn 6-bit, Q6_K's sc int8: s and o are exact in doubles). Each limb's
+// dot product with a group's quants u is exact in 32-bit integers (vpdpbusd: 64 byte products an
 // instruction, four summed into each of 16 columns' lanes; at most 32 * 128 * 255 < 2^21). Per
-// block, per column:
+// group, per column:
 //   T = (A2 + A3 * 256) * 65536 + (A0 + A1 * 256)    the parts exact in int32 (< 2^29), T < 2^45
-//   y += (T * d + S * o) * 2^e     S = the block's sum of X, o = Q4_1's m or the offset's d
-// in float64 (Q4_0 w = d (u - 8) and Q8_0 d (u - 128) carry their offset as o = offset * d,
-// exact): T, S and the float16 d and m are exact in doubles, T * d and S * o are exact or round
-// at 2^-53, and each add rounds at 2^-53 of y. y is rounded to float32 once, at the end. So the
-// error against the exact product is one float32 rounding of y, plus |sum_k w[k] r[k]| <= 2^-31
-// sum_b max_b|x| sum_k |w[k]| and the float64 roundings (tests/test_quantized.py checks this
-// bound on every float16 scale, and that the error is below the float32 path's).
+//   y += ((T + offset * S) * s) * 2^e   or   y += (T * s + S * o) * 2^e
+// in float64, S the group's sum of X: T + offset * S is an integer below 2^53 (exact), so the
+// offset formats round twice a group (the product by s, the add to y), the others three times
+// (T * s, its sum with S * o, the add), each at 2^-53 of its operands. y is rounded to float32
+// once, at the end. So the error against the exact product is one float32 rounding of y, plus
+// |sum_k w[k] r[k]| <= 2^-31 sum_b max_b|x| sum_k |w[k]|, plus the float64 roundings (at most
+// 2^-51 of sum_k |x[k]| (|s u| + |o|) a block). gguf's float32 copy rounds the sums d u + m and
+// (d sc) u - dmin mn once; these products use the exact value. (tests/test_quantized.py checks
+// this bound on every float16 scale, and that the error is below the float32 path's.)
 //
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
@@ -32,10 +41,17 @@
 // whichever rows share a pass (row-invariant: bitwise batch-invariant, as invariant.cpp).
 //
 // The packed layout (kernels/qlayout.py `pack_limbs`): panels of NR = 32 columns (two halves of
-// 16, one zmm of int32 lanes each); in a panel, for each block of 32 k's: d[32] float16 (Q4_1:
-// then m[32]), then per half the quants in vpdpbusd's order: 4-bit, 4 chunks of 64 bytes, chunk c
-// byte i holding column i / 4's k 8c + i % 4 in its low nibble and k 8c + 4 + i % 4 in its high
-// one; Q8_0, 8 chunks, chunk c byte i column i / 4's k 4c + i % 4 (+ 128). The file's bytes, moved.
+// 16, one zmm of int32 lanes each); in a panel, for each block of QK k's (32; the K-quants' 256):
+// the float16 fields of the 32 columns (d[32]; Q4_1, Q5_1 then m[32]; Q4_K, Q5_K dmin[32]), then
+// for each sub-block of 32 k's: the K-quants' scale bytes (Q4_K, Q5_K: sc[32] then mn[32], the
+// 6-bit values unpacked; Q6_K: the int8 sc[32] of its first 16 k's, then of its second 16), then
+// per half the quants in vpdpbusd's order, in chunks of 64 bytes, byte 4j + i holding column j's
+// k 4c + i of chunk c (c = 0..7): Q8_0 eight chunks (int8 + 128); the others first four chunks of
+// nibbles, chunk i holding chunk 2i's low 4 bits in its low nibbles and chunk 2i + 1's in its
+// high ones, then the high bits: 5-bit, one chunk, bit c of a byte the bit 4 of chunk c's;
+// Q6_K, two chunks, bits 2j and 2j + 1 of chunk t's bytes bits 4 and 5 of chunk 4t + j's. The
+// file's bytes, moved (Q8_0's shifted by 128; the K-quants' 6-bit scales a byte each: Q4_K and
+// Q5_K hold 4 more bytes a column per 256 k's than the file).
 #include <cstring>
 #include <memory>
 
@@ -48,35 +64,48 @@
 
 namespace {
 
-enum LimbFormat : int { L4_0 = 0, L4_1 = 1, L8_0 = 2 };  // quantized.cpp's Q4_0, Q4_1, Q8_0 ids
+// quantized.cpp's format ids
+enum LimbFormat : int { L4_0 = 0, L4_1 = 1, L8_0 = 2, L5_0 = 3, L5_1 = 4, L4_K = 5, L5_K = 6, L6_K = 7 };
+
+constexpr int64_t LP = 32;  // columns a panel
 
 template <int F>
 struct LimbLayout {
-    static constexpr int64_t QK = 32;
-    static constexpr int64_t halves = F == L4_1 ? 2 : 1;               // float16 fields: d (, m)
-    static constexpr int64_t chunks = F == L8_0 ? 8 : 4;               // 64-byte chunks a half
-    static constexpr int64_t head = halves * 2 * 32;
-    static constexpr int64_t block = head + 2 * chunks * 64;           // = 32 file blocks
-    static constexpr int offset = F == L4_0 ? -8 : F == L8_0 ? -128 : 0;
+    static constexpr bool kmin = F == L4_K || F == L5_K;               // s = d sc, o = -dmin mn
+    static constexpr bool kquant = kmin || F == L6_K;
+    static constexpr bool plus_m = F == L4_1 || F == L5_1;             // o = m
+    static constexpr int bits = F == L8_0 ? 8 : F == L6_K ? 6 : (F == L5_0 || F == L5_1 || F == L5_K) ? 5 : 4;
+    static constexpr int offset = F == L4_0 ? -8 : F == L5_0 ? -16 : F == L8_0 ? -128 : F == L6_K ? -32 : 0;
+    static constexpr int64_t QK = kquant ? 256 : 32;
+    static constexpr int64_t subs = QK / 32;                          // sub-blocks of 32 a block
+    static constexpr int groups = F == L6_K ? 2 : 1;                  // scales a sub-block
+    static constexpr int64_t head = (plus_m || kmin ? 2 : 1) * 2 * LP;  // float16 fields
+    static constexpr int64_t scale_bytes = kquant ? 2 * LP : 0;        // a sub-block's
+    static constexpr int64_t chunks = bits == 8 ? 8 : bits;            // 64-byte chunks a half
+    static constexpr int64_t sub = scale_bytes + 2 * chunks * 64;
+    static constexpr int64_t block = head + subs * sub;
 };
 
 #ifdef PS_LIMBS_BUILT
+
+static_assert(NR == LP, "limbs.cpp's panels are the library's panel width");
 
 constexpr int LIMBS = 4;
 constexpr double XMAX = 127.0 * 16843009.0;  // the largest |X| four balanced limbs hold (< 2^31)
 constexpr int LMR = 3;                       // rows a pass over a panel
 
-// The rows' limbs: l[i][m * K + k] limb i of row m's X[k]; per row m and block b (at = m * nb +
-// b), scale[at] = 2^e and sum[at] the sum of the block's X (exact in a double: < 2^36)
+// The rows' limbs: l[i][m * K + k] limb i of row m's X[k]; per row m and block of 32 b (at = m *
+// nb + b), scale[at] = 2^e, sum[at] the sum of the block's X and sum16[2 at + j] that of its
+// j-th 16 (exact in doubles: < 2^36)
 struct RowLimbs {
     std::vector<int8_t> l[LIMBS];
-    std::vector<double> scale;
-    std::vector<double> sum;  // exact: |sum| < 32 * 2^31
+    std::vector<double> scale, sum, sum16;
     int64_t K = 0, nb = 0;
     RowLimbs(int64_t M, int64_t K_) : K(K_), nb(K_ / 32) {
         for (auto& v : l) v.resize(M * K);
         scale.resize(M * nb);
         sum.resize(M * nb);
+        sum16.resize(2 * M * nb);
     }
 };
 
@@ -105,7 +134,6 @@ void row_limbs(const float* x, int64_t m, RowLimbs& r) {
         const int e = finite && top > 0.0f ? block_exponent(top) : 0;
         r.scale[at] = finite ? std::ldexp(1.0, e) : std::numeric_limits<double>::quiet_NaN();
         const __m512d inv = _mm512_set1_pd(finite ? std::ldexp(1.0, -e) : 0.0);
-        __m512d total = _mm512_setzero_pd();
         for (int h = 0; h < 2; ++h) {
             const __m512 v = h ? v1 : v0;
             // x 2^-e is exact in a double; the conversion rounds to nearest (even)
@@ -124,15 +152,38 @@ void row_limbs(const float* x, int64_t m, RowLimbs& r) {
             _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[1].data() + k), _mm512_cvtepi32_epi8(a1));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[2].data() + k), _mm512_cvtepi32_epi8(a2));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[3].data() + k), _mm512_cvtepi32_epi8(a3));
-            total = _mm512_add_pd(total, _mm512_add_pd(_mm512_cvtepi32_pd(lo), _mm512_cvtepi32_pd(hi)));
+            // integers below 2^35: exact
+            r.sum16[2 * at + h] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtepi32_pd(lo), _mm512_cvtepi32_pd(hi)));
         }
-        r.sum[at] = _mm512_reduce_add_pd(total);  // integers below 2^37: exact
+        r.sum[at] = r.sum16[2 * at] + r.sum16[2 * at + 1];
     }
 }
 
-// a half's quants of one block, unsigned bytes in vpdpbusd's order: w[c] holds k's 4c..4c+3
+// chunk C's high bits (the 5- and 6-bit formats) moved to bits 4 (and 5) of each byte, the rest
+// zero; h the half's high chunks (epi16 shifts: no bit that is kept crosses a byte)
+template <int F, int C>
+inline __m512i high_bits(const __m512i* h) {
+    using L = LimbLayout<F>;
+    constexpr int at = L::bits == 5 ? C : 2 * (C % 4);  // where chunk C's bits are in a byte
+    const __m512i v = h[L::bits == 5 ? 0 : C / 4];
+    const __m512i mask = _mm512_set1_epi8(L::bits == 5 ? 16 : 48);
+    if constexpr (at < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - at), mask);
+    else if constexpr (at == 4) return _mm512_and_si512(v, mask);
+    else return _mm512_and_si512(_mm512_srli_epi16(v, at - 4), mask);
+}
+
+template <int F, int C>
+inline void add_high(__m512i* w, const __m512i* h) {
+    if constexpr (C < 8) {
+        w[C] = _mm512_or_si512(w[C], high_bits<F, C>(h));
+        add_high<F, C + 1>(w, h);
+    }
+}
+
+// a half's quants of one sub-block, unsigned bytes in vpdpbusd's order: w[c] holds k's 4c..4c+3
 template <int F>
 inline void half_quants(const uint8_t* q, __m512i* w) {
+    using L = LimbLayout<F>;
     if constexpr (F == L8_0) {
 #pragma GCC unroll 8
         for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(q + 64 * c);
@@ -143,6 +194,11 @@ inline void half_quants(const uint8_t* q, __m512i* w) {
             const __m512i v = _mm512_loadu_si512(q + 64 * c);
             w[2 * c] = _mm512_and_si512(v, lo4);
             w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        }
+        if constexpr (L::bits > 4) {
+            __m512i h[2];
+            for (int t = 0; t < L::bits - 4; ++t) h[t] = _mm512_loadu_si512(q + 64 * (4 + t));
+            add_high<F, 0>(w, h);
         }
     }
 }
@@ -155,66 +211,117 @@ inline __m512d half_pd(__m256i h16) {
                              : _mm512_castps512_ps256(f));
 }
 
+// sixteen int32 lanes as two vectors of eight doubles
+inline void i32_pd(__m512i v, __m512d& lo, __m512d& hi) {
+    lo = _mm512_cvtepi32_pd(_mm512_castsi512_si256(v));
+    hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
+}
+
+// a half's (16 columns, h) scales of one sub-block: s[g] and o[g] of each group g, columns 0..7
+// in [0], 8..15 in [1] (exact: float16 times a 6- or 8-bit integer)
+template <int F>
+inline void half_scales(const uint8_t* blk, const uint8_t* sb, int64_t h, __m512d (*s)[2], __m512d (*o)[2]) {
+    using L = LimbLayout<F>;
+    const __m256i* h16 = reinterpret_cast<const __m256i*>(blk);
+    const __m256i dh = _mm256_loadu_si256(h16 + h);
+    const __m512d d0 = half_pd<0>(dh), d1 = half_pd<1>(dh);
+    o[0][0] = o[0][1] = _mm512_setzero_pd();
+    if constexpr (L::kquant) {
+        const __m128i* sc = reinterpret_cast<const __m128i*>(sb);  // [row of 32][half]
+        for (int g = 0; g < L::groups; ++g) {
+            const __m128i bytes = _mm_loadu_si128(sc + 2 * g + h);
+            __m512d lo, hi;
+            i32_pd(F == L6_K ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes), lo, hi);
+            s[g][0] = _mm512_mul_pd(d0, lo);
+            s[g][1] = _mm512_mul_pd(d1, hi);
+        }
+        if constexpr (L::kmin) {
+            const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
+            __m512d lo, hi;
+            i32_pd(_mm512_cvtepu8_epi32(_mm_loadu_si128(sc + 2 + h)), lo, hi);
+            const __m512d neg = _mm512_set1_pd(-1.0);
+            o[0][0] = _mm512_mul_pd(_mm512_mul_pd(half_pd<0>(mh), lo), neg);
+            o[0][1] = _mm512_mul_pd(_mm512_mul_pd(half_pd<1>(mh), hi), neg);
+        }
+    } else {
+        s[0][0] = d0;
+        s[0][1] = d1;
+        if constexpr (L::plus_m) {
+            const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
+            o[0][0] = half_pd<0>(mh);
+            o[0][1] = half_pd<1>(mh);
+        }
+    }
+}
+
 // MR rows (from m0) of the limbs times one packed panel, HS halves (16 columns each) a pass
-// starting at half h0: y[r] accumulates in doubles, columns in order
+// starting at half h0: y[r] accumulates in doubles, groups in order
 template <int F, int MR, int HS>
 void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0, const float* bias,
                 float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
+    constexpr int G = L::groups, CG = 8 / G;  // chunks a group
+    constexpr int64_t stride = L::block / L::subs;  // bytes a sub-block, heads spread
     const int64_t K = R.K, nb = R.nb;
     __m512d y[MR][HS][2];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r)
         for (int h = 0; h < HS; ++h) y[r][h][0] = y[r][h][1] = _mm512_setzero_pd();
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = 0; b < K / L::QK; ++b) {
         const uint8_t* blk = panel + b * L::block;
-        for (int64_t i = 0; i < L::block; i += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * L::block + i), _MM_HINT_T0);
-        const __m256i* h16 = reinterpret_cast<const __m256i*>(blk);
+        for (int64_t j = 0; j < L::subs; ++j) {
+            const uint8_t* sb = blk + L::head + j * L::sub;
+            for (int64_t i = 0; i < stride; i += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(sb + 8 * stride + i), _MM_HINT_T0);
+            const int64_t kb = b * L::subs + j;  // the block of 32 k's
 #pragma GCC unroll 2
-        for (int h = 0; h < HS; ++h) {
-            const int64_t hh = h0 + h;
-            const __m256i dh = _mm256_loadu_si256(h16 + hh);
-            const __m512d d0 = half_pd<0>(dh), d1 = half_pd<1>(dh);
-            __m512d n0, n1;  // o: the offset's scale (offset d, exact), or m
-            if constexpr (F == L4_1) {
-                const __m256i mh = _mm256_loadu_si256(h16 + 2 + hh);
-                n0 = half_pd<0>(mh);
-                n1 = half_pd<1>(mh);
-            } else {
-                n0 = _mm512_mul_pd(d0, _mm512_set1_pd(L::offset));
-                n1 = _mm512_mul_pd(d1, _mm512_set1_pd(L::offset));
-            }
-            __m512i w[8];
-            half_quants<F>(blk + L::head + hh * L::chunks * 64, w);
+            for (int h = 0; h < HS; ++h) {
+                const int64_t hh = h0 + h;
+                __m512d s[G][2], o[G][2];
+                half_scales<F>(blk, sb, hh, s, o);
+                __m512i w[8];
+                half_quants<F>(sb + L::scale_bytes + hh * L::chunks * 64, w);
 #pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) {
-                const int64_t m = m0 + r, at = m * nb + b;
-                __m512i a[LIMBS];
-                const int32_t* p[LIMBS];
+                for (int r = 0; r < MR; ++r) {
+                    const int64_t m = m0 + r, at = m * nb + kb;
+                    const __m512d e = _mm512_set1_pd(R.scale[at]);
+                    const int32_t* p[LIMBS];
 #pragma GCC unroll 4
-                for (int i = 0; i < LIMBS; ++i) {
-                    a[i] = _mm512_setzero_si512();
-                    p[i] = reinterpret_cast<const int32_t*>(R.l[i].data() + m * K + b * 32);
-                }
+                    for (int i = 0; i < LIMBS; ++i)
+                        p[i] = reinterpret_cast<const int32_t*>(R.l[i].data() + m * K + kb * 32);
+#pragma GCC unroll 2
+                    for (int g = 0; g < G; ++g) {
+                        __m512i a[LIMBS];
+#pragma GCC unroll 4
+                        for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-                for (int c = 0; c < 8; ++c)
+                        for (int c = g * CG; c < (g + 1) * CG; ++c)
 #pragma GCC unroll 4
-                    for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
-                // limbs 0 and 1, 2 and 3 joined in int32 (below 2^29), then T in a double (< 2^53)
-                const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
-                const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
-                const __m512d big = _mm512_set1_pd(65536.0), e = _mm512_set1_pd(R.scale[at]);
-                const __m512d t0 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_castsi512_si256(a23)), big,
-                                                   _mm512_cvtepi32_pd(_mm512_castsi512_si256(a01)));
-                const __m512d t1 = _mm512_fmadd_pd(_mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a23, 1)), big,
-                                                   _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(a01, 1)));
-                // T d + S o: both products exact (o = offset d, or Q4_1's m)
-                const __m512d S = _mm512_set1_pd(R.sum[at]);
-                const __m512d u0 = _mm512_fmadd_pd(S, n0, _mm512_mul_pd(t0, d0));
-                const __m512d u1 = _mm512_fmadd_pd(S, n1, _mm512_mul_pd(t1, d1));
-                y[r][h][0] = _mm512_fmadd_pd(u0, e, y[r][h][0]);
-                y[r][h][1] = _mm512_fmadd_pd(u1, e, y[r][h][1]);
+                            for (int i = 0; i < LIMBS; ++i)
+                                a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
+                        // limbs 0 and 1, 2 and 3 joined in int32 (below 2^29), then T in a double
+                        const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
+                        const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
+                        __m512d l01, h01, l23, h23;
+                        i32_pd(a01, l01, h01);
+                        i32_pd(a23, l23, h23);
+                        const __m512d big = _mm512_set1_pd(65536.0);
+                        const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
+                        const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
+                        __m512d u0, u1;
+                        if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
+                            const __m512d os = _mm512_set1_pd(S * L::offset);
+                            u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[g][0]);
+                            u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[g][1]);
+                        } else {  // T s + S o
+                            const __m512d Sv = _mm512_set1_pd(S);
+                            u0 = _mm512_fmadd_pd(Sv, o[g][0], _mm512_mul_pd(t0, s[g][0]));
+                            u1 = _mm512_fmadd_pd(Sv, o[g][1], _mm512_mul_pd(t1, s[g][1]));
+                        }
+                        y[r][h][0] = _mm512_fmadd_pd(u0, e, y[r][h][0]);
+                        y[r][h][1] = _mm512_fmadd_pd(u1, e, y[r][h][1]);
+                    }
+                }
             }
         }
     }
@@ -235,7 +342,7 @@ template <int F>
 void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                  const float* bias, float* out) {
     using L = LimbLayout<F>;
-    const int64_t panels = (N + NR - 1) / NR, panel_bytes = (K / L::QK) * L::block;
+    const int64_t panels = (N + LP - 1) / LP, panel_bytes = (K / L::QK) * L::block;
     on_team(M * N * K > (1 << 18), [&] {
         // the rows' limbs: a few rows, each thread its own (no barrier); more, one buffer the
         // team fills (a row a thread) and then reads. The same limbs either way.
@@ -254,10 +361,10 @@ void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, in
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
             const uint8_t* panel = packed + p * panel_bytes;
-            const float* b = bias ? bias + p * NR : nullptr;
-            float* o = out + p * NR;
-            const int64_t ncols = std::min<int64_t>(NR, N - p * NR);
-            int64_t m0 = 0;  // one row: both halves a pass (six independent sums in flight)
+            const float* b = bias ? bias + p * LP : nullptr;
+            float* o = out + p * LP;
+            const int64_t ncols = std::min<int64_t>(LP, N - p * LP);
+            int64_t m0 = 0;  // one row: both halves a pass (independent sums in flight)
             // a few rows at a time, each half in turn (the rows' limbs then come from the cache
             // for the second half: the activations are read once a panel, as the float path's)
             for (; m0 + LMR <= M; m0 += LMR)
@@ -273,52 +380,77 @@ void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, in
     });
 }
 
-// rows of the weight, dequantized as gguf computes them (w = d (u + offset), or d u + m)
+// rows of the weight, dequantized as gguf computes them (float32, in its order: the products
+// exact, the one add rounded)
 template <int F>
 void limb_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
     using L = LimbLayout<F>;
     const int64_t panel_bytes = (K / L::QK) * L::block;
     for (int64_t t = 0; t < T; ++t) {
-        const uint8_t* panel = packed + (ids[t] / NR) * panel_bytes;
-        const int64_t c = ids[t] % NR, h = c / 16, col = c % 16;
-        for (int64_t b = 0; b < K / L::QK; ++b) {
-            const uint8_t* blk = panel + b * L::block;
+        const uint8_t* panel = packed + (ids[t] / LP) * panel_bytes;
+        const int64_t c = ids[t] % LP, col = c % 16;
+        for (int64_t k = 0; k < K; ++k) {
+            const uint8_t* blk = panel + (k / L::QK) * L::block;
+            const uint8_t* sb = blk + L::head + ((k % L::QK) / 32) * L::sub;
+            const uint8_t* q = sb + L::scale_bytes + (c / 16) * L::chunks * 64;
+            const int64_t kk = k % 32, chunk = kk / 4, at = col * 4 + kk % 4;
             const uint16_t* h16 = reinterpret_cast<const uint16_t*>(blk);
             const float d = _cvtsh_ss(h16[c]);
-            const float mm = F == L4_1 ? _cvtsh_ss(h16[NR + c]) : 0.0f;
-            const uint8_t* q = blk + L::head + h * L::chunks * 64;
-            for (int64_t k = 0; k < 32; ++k) {
-                int u;
-                if constexpr (F == L8_0) {
-                    u = q[(k / 4) * 64 + col * 4 + k % 4];
-                } else {
-                    const uint8_t byte = q[(k / 8) * 64 + col * 4 + k % 4];
-                    u = (k % 8) < 4 ? byte & 15 : byte >> 4;
-                }
-                float w = d * static_cast<float>(u + L::offset);
-                if constexpr (F == L4_1) w = d * static_cast<float>(u) + mm;
-                out[t * K + b * 32 + k] = w;
+            int u;
+            if constexpr (F == L8_0) {
+                u = q[chunk * 64 + at];
+            } else {
+                const uint8_t byte = q[(chunk / 2) * 64 + at];
+                u = chunk % 2 ? byte >> 4 : byte & 15;
+                if constexpr (L::bits == 5) u |= ((q[4 * 64 + at] >> chunk) & 1) << 4;
+                if constexpr (L::bits == 6) u |= ((q[(4 + chunk / 4) * 64 + at] >> (2 * (chunk % 4))) & 3) << 4;
             }
+            float w;
+            if constexpr (L::kmin) {
+                const float s = d * static_cast<float>(sb[c]);
+                const float o = _cvtsh_ss(h16[LP + c]) * static_cast<float>(sb[LP + c]);
+                w = s * static_cast<float>(u) - o;
+            } else if constexpr (F == L6_K) {
+                const float s = d * static_cast<float>(static_cast<int8_t>(sb[(kk / 16) * LP + c]));
+                w = s * static_cast<float>(u + L::offset);
+            } else if constexpr (L::plus_m) {
+                w = d * static_cast<float>(u) + _cvtsh_ss(h16[LP + c]);
+            } else {
+                w = d * static_cast<float>(u + L::offset);
+            }
+            out[t * K + k] = w;
         }
     }
 }
 
 #endif  // PS_LIMBS_BUILT
 
+// the format's template instance (F a LimbFormat), or `none` for any other id
+template <class Fn, class None>
+inline auto by_format(int fmt, Fn&& fn, None&& none) {
+    switch (fmt) {
+        case L4_0: return fn(std::integral_constant<int, L4_0>{});
+        case L4_1: return fn(std::integral_constant<int, L4_1>{});
+        case L8_0: return fn(std::integral_constant<int, L8_0>{});
+        case L5_0: return fn(std::integral_constant<int, L5_0>{});
+        case L5_1: return fn(std::integral_constant<int, L5_1>{});
+        case L4_K: return fn(std::integral_constant<int, L4_K>{});
+        case L5_K: return fn(std::integral_constant<int, L5_K>{});
+        case L6_K: return fn(std::integral_constant<int, L6_K>{});
+        default: return none();
+    }
+}
+
 }  // namespace
 
 extern "C" {
 
-// bytes of one packed block of a limb panel (NR file blocks), or -1 where this build has no
-// limb product for the format (not Q4_0, Q4_1 or Q8_0, or no AVX-512 VNNI)
+// bytes of one packed block of a limb panel (32 columns, QK k's), or -1 where this build has no
+// limb product for the format (no AVX-512 VNNI, or not a native format)
 int64_t ps_limb_block_bytes(int fmt) {
 #ifdef PS_LIMBS_BUILT
-    switch (fmt) {
-        case L4_0: return LimbLayout<L4_0>::block;
-        case L4_1: return LimbLayout<L4_1>::block;
-        case L8_0: return LimbLayout<L8_0>::block;
-        default: return -1;
-    }
+    return by_format(fmt, [](auto f) -> int64_t { return LimbLayout<decltype(f)::value>::block; },
+                     []() -> int64_t { return -1; });
 #else
     (void)fmt;
     return -1;
@@ -329,12 +461,7 @@ int64_t ps_limb_block_bytes(int fmt) {
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
 #ifdef PS_LIMBS_BUILT
-    switch (fmt) {
-        case L4_0: return limb_linear<L4_0>(x, M, K, packed, N, bias, out);
-        case L4_1: return limb_linear<L4_1>(x, M, K, packed, N, bias, out);
-        case L8_0: return limb_linear<L8_0>(x, M, K, packed, N, bias, out);
-        default: return;
-    }
+    by_format(fmt, [&](auto f) { limb_linear<decltype(f)::value>(x, M, K, packed, N, bias, out); }, [] {});
 #else
     (void)fmt, (void)x, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out;
 #endif
@@ -343,12 +470,7 @@ void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t
 // rows `ids` of a weight in the limb layout, dequantized (a tied embedding's lookup)
 void ps_limb_rows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, float* out) {
 #ifdef PS_LIMBS_BUILT
-    switch (fmt) {
-        case L4_0: return limb_rows<L4_0>(packed, K, ids, T, out);
-        case L4_1: return limb_rows<L4_1>(packed, K, ids, T, out);
-        case L8_0: return limb_rows<L8_0>(packed, K, ids, T, out);
-        default: return;
-    }
+    by_format(fmt, [&](auto f) { limb_rows<decltype(f)::value>(packed, K, ids, T, out); }, [] {});
 #else
     (void)fmt, (void)packed, (void)K, (void)ids, (void)T, (void)out;
 #endif

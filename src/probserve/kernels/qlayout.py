@@ -123,34 +123,69 @@ def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     return data
 
 
-LIMB_TYPES = (2, 3, 8)  # the GGML types limbs.cpp multiplies in integer limbs: Q4_0, Q4_1, Q8_0
+LIMB_TYPES = tuple(FORMATS)  # the GGML types limbs.cpp multiplies in integer limbs: all
+
+
+def _k_scales(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """The K-quants' per-sub-block scale bytes [..., 8 sub-blocks of 32, 2]: Q4_K and Q5_K's 6-bit
+    sc and mn (get_scale_min_k4's unpacking of the 12 bytes), Q6_K's int8 scales of the sub-block's
+    first and second 16 weights."""
+    if ggml_type == 14:
+        return raw[..., 192:208].reshape(*raw.shape[:-1], 8, 2)
+    q = raw[..., 4:16]
+    a, b, c = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    sc = np.concatenate([a & 63, (c & 15) | ((a >> 6) << 4)], axis=-1)
+    mn = np.concatenate([b & 63, (c >> 4) | ((b >> 6) << 4)], axis=-1)
+    return np.stack([sc, mn], axis=-1)
+
+
+def limb_block_bytes(ggml_type: int) -> int:
+    """Bytes of one block of a limb panel (32 columns by the format's block along K): the file's,
+    plus the K-quants' unpacked scales (Q4_K, Q5_K: 16 bytes a column where the file packs 12)."""
+    f = FORMATS[ggml_type]
+    return 32 * (f.size + (4 if ggml_type in (12, 13) else 0))
 
 
 def pack_limbs(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
-    """Rows of Q4_0, Q4_1 or Q8_0 blocks packed into limbs.cpp's panels (`panel` = 32 columns,
-    two halves of 16): uint8 [ceil(N / 32), K / 32, 32 * size]. Per block: the d's of the 32
-    columns (float16; Q4_1 then the m's), then per half the quants in vpdpbusd's order, chunks
-    of 64 bytes holding 16 columns x 4 k's (byte 4c + j: column c's k j): 4-bit, chunk i's low
-    nibbles k's 8i..8i+3 and its high nibbles k's 8i+4..8i+7; Q8_0, chunk i k's 4i..4i+3, each
-    int8 + 128. The file's bytes, moved (Q8_0's shifted by 128)."""
+    """Rows of GGUF blocks packed into limbs.cpp's panels (`panel` = 32 columns, two halves of
+    16): uint8 [ceil(N / 32), K / qk, limb_block_bytes]. Per block: the float16 fields of the 32
+    columns (d; then m or dmin), then per sub-block of 32 k's the K-quants' scale bytes (two rows of
+    32: sc and mn, or Q6_K's two int8 scales), then per half the quants in vpdpbusd's order: chunks
+    of 64 bytes holding 16 columns x 4 k's (byte 4j + i: column j's k 4c + i of chunk c); Q8_0
+    eight chunks of int8 + 128; the others four chunks of nibbles (chunk i: chunk 2i's low bits
+    in the low nibbles, 2i + 1's in the high ones) and their high bits: 5-bit one chunk (bit c:
+    chunk c's bit 4), Q6_K two (bits 2j, 2j + 1 of chunk t: chunk 4t + j's bits 4 and 5)."""
     if ggml_type not in LIMB_TYPES or panel != 32:
         raise ValueError(f"no limb layout for GGML type {ggml_type} in panels of {panel}")
     f = FORMATS[ggml_type]
     n, row_bytes = blocks.shape
     nb = row_bytes // f.size
+    subs = f.qk // 32
     raw = np.zeros((-(-n // panel) * panel, nb, f.size), dtype=np.uint8)
     raw[:n] = np.asarray(blocks).reshape(n, nb, f.size)
     panels = raw.shape[0] // panel
     by_panel = raw.reshape(panels, panel, nb, f.size).swapaxes(1, 2)  # [panels, nb, 32, size]
-    parts = [by_panel[..., at : at + 2].reshape(panels, nb, 2 * panel) for at in f.halves]
-    q = quants(raw, ggml_type).reshape(panels, panel, nb, 32).swapaxes(1, 2)  # [p, nb, col, k]
+    head = [by_panel[..., at : at + 2].reshape(panels, nb, 2 * panel) for at in f.halves]
+    q = quants(raw, ggml_type).reshape(panels, panel, nb, f.qk).swapaxes(1, 2)  # [p, nb, col, k]
     if ggml_type == 8:
         q = q ^ np.uint8(128)  # int8 + 128 as an unsigned byte
-    # [p, nb, half, col 16, k 32] -> chunks of 4 k's: [p, nb, half, k // 4, col, k % 4]
-    q = q.reshape(panels, nb, 2, 16, 8, 4).transpose(0, 1, 2, 4, 3, 5)
-    if f.bits == 4:  # chunk i: k group 2i in the low nibbles, 2i + 1 in the high ones
-        q = q[:, :, :, 0::2] | (q[:, :, :, 1::2] << 4)
-    parts.append(np.ascontiguousarray(q).reshape(panels, nb, -1))
-    data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
-    assert data.shape[-1] == panel * f.size
-    return data
+    # [p, nb, col, k] -> [p, nb, sub, half, chunk (k // 4 in the sub-block), col 16, k % 4]
+    q = q.reshape(panels, nb, 2, 16, subs, 8, 4).transpose(0, 1, 4, 2, 5, 3, 6)
+    if f.bits < 8:
+        low = q & 15
+        parts = [low[:, :, :, :, 0::2] | (low[:, :, :, :, 1::2] << 4)]
+        if f.bits > 4:  # chunk c's high bits at bit c (5-bit) or 2 (c % 4) (6-bit) of chunk c // g
+            width = f.bits - 4
+            g = 8 // width
+            shape = (panels, nb, subs, 2, 8 // g, g, 16, 4)
+            shift = (np.arange(g, dtype=np.uint8) * width).reshape(g, 1, 1)
+            high = (q >> 4).reshape(shape) << shift
+            parts.append(np.bitwise_or.reduce(high, axis=5))
+        q = np.concatenate(parts, axis=4)
+    quant_bytes = np.ascontiguousarray(q).reshape(panels, nb, subs, -1)
+    if f.qk == 256:  # the scale rows: [p, nb, sub, 2, col]
+        scales = _k_scales(by_panel, ggml_type).transpose(0, 1, 3, 4, 2)
+        quant_bytes = np.concatenate([scales.reshape(panels, nb, subs, 2 * panel), quant_bytes], -1)
+    data = np.concatenate([*head, quant_bytes.reshape(panels, nb, -1)], axis=-1)
+    assert data.shape[-1] == limb_block_bytes(ggml_type)
+    return np.ascontiguousarray(data)
