@@ -3,7 +3,7 @@ process: each tree's kernels/*.cpp built with the same flags into a library of i
 `ps_qlinear` on the same packed blocks and rows, the libraries alternated round by round (so
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
 block-sum product as a third contender and `--limbs` its integer-limb product (limbs.cpp, on the
-layout `pack_limbs` makes; every format where the CPU has AVX-512 VNNI); `--copies N`
+layout `pack_limbs` makes; every format, AVX-512 VNNI or AVX2); `--copies N`
 runs each round over N copies of the weight in turn, so that with more bytes than the L3 holds
 every product reads its blocks from memory.
 
@@ -136,10 +136,10 @@ def main() -> None:
             contenders.append(("now --block-sums", now, fmt + flag, packs["now"]))
         if args.limbs:
             from probserve.kernels.build import header_constant
-            from probserve.kernels.qlayout import pack_limbs
+            from probserve.kernels.qlayout import LIMB_PANEL, pack_limbs
 
             now = trees["now"][0]
-            limb = np.ascontiguousarray(pack_limbs(blocks, qtype.value, panel))
+            limb = np.ascontiguousarray(pack_limbs(blocks, qtype.value, LIMB_PANEL))
             limb_copies = [limb] + [limb.copy() for _ in range(args.copies - 1)]
             contenders.append(
                 ("now --products limbs", now, fmt + header_constant("PS_LIMBS"), limb_copies)

@@ -158,8 +158,8 @@ QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q5_1: (4, 24), Q.Q4_K: (16, 144), Q.Q5_K: (16,
 @pytest.fixture(scope="module")
 def limbs() -> InvariantKernels:
     kernels = InvariantKernels(limbs=True)
-    if not kernels.limb_types:  # tests/test_exactness.py checks such a CPU runs the float path
-        pytest.skip("no AVX-512 VNNI here: limbs.cpp multiplies no format")
+    if not kernels.limb_types:
+        pytest.skip("no AVX2 here: limbs.cpp multiplies no format")
     assert kernels.limb_types == {q.value for q in LIMB_FORMATS}
     return kernels
 
@@ -225,6 +225,56 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
     assert_row_invariant(limbs, x, packed, full)
     ids = torch.tensor([0, n - 1, n // 2, 0])
     assert torch.equal(limbs.qrows(packed, ids), weight[ids])
+
+
+AVX2_LIMBS = """
+import sys, numpy as np, torch
+from probserve.kernels.invariant import InvariantKernels
+kernels = InvariantKernels(limbs=True)
+data = np.load(sys.argv[1])
+out = {}
+for name in data.files:
+    if name.startswith("raw_"):
+        qtype = int(name[4:])
+        packed = kernels.qpack(data[name], qtype)
+        x = torch.from_numpy(data["x_" + str(qtype)])
+        parts = [kernels.qlinear(x[:r], packed).numpy() for r in (1, 5, 40)]
+        out[str(qtype)] = np.concatenate(parts)
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.slow
+def test_limbs_on_the_avx2_path_are_the_same_bits(limbs, tmp_path: Path):
+    """The AVX2 path (PROBSERVE_KERNEL_ISA=avx2: vpmaddubsw runs summed in int16, Q8_0's quants
+    as two nibbles) computes the same exact sums: every format's products, at 1, 5 and 40 rows,
+    the same bits as this CPU's limbs, and within their bound (the kernel tests above run on
+    whichever path a CPU has)."""
+    import os
+    import subprocess
+    import sys
+
+    if " avx512_vnni" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU's limbs are the AVX2 path")
+    rng = np.random.default_rng(48)
+    arrays, want = {}, {}
+    for qtype in LIMB_FORMATS:
+        qk = gguf.GGML_QUANT_SIZES[qtype][0]
+        n, k = SHAPES[qk][3]
+        raw = random_blocks(qtype, n, k, rng)
+        x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+        x[2, 5] *= 300.0
+        arrays[f"raw_{qtype.value}"], arrays[f"x_{qtype.value}"] = raw, x.numpy()
+        packed = limbs.qpack(raw, qtype.value)
+        want[qtype] = np.concatenate([limbs.qlinear(x[:r], packed).numpy() for r in (1, 5, 40)])
+    np.savez(tmp_path / "in.npz", **arrays)
+    env = {**os.environ, "PROBSERVE_KERNEL_ISA": "avx2", "OMP_NUM_THREADS": "2"}
+    args = [sys.executable, "-c", AVX2_LIMBS, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    for qtype in LIMB_FORMATS:
+        assert got[str(qtype.value)].tobytes() == want[qtype].tobytes(), qtype.name
 
 
 def _model_like(qtype: Q, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -59,11 +59,11 @@ class EngineConfig:
     products: Literal["float", "limbs"] = setting(
         "float",
         "how GGUF blocks are multiplied on the exact path: float (each weight dequantized, "
-        "float32 FMAs) or limbs (every GGUF block format, on a CPU with AVX-512 VNNI: each "
+        "float32 FMAs) or limbs (every GGUF block format; AVX-512 VNNI, else AVX2: each "
         "activation as four integer bytes, exact integer products summed in float64, rounded "
-        "once: closer to a float64 forward; faster for one stream's decode steps, slower for "
-        "batched steps, prefill and scoring: docs/benchmarks.md; elsewhere float); both bitwise "
-        "batch-invariant",
+        "once: closer to a float64 forward; on AVX-512 VNNI faster for one stream's decode "
+        "steps, slower for batched steps, prefill and scoring; on AVX2 slower throughout: "
+        "docs/benchmarks.md); both bitwise batch-invariant",
     )
     block_sums: bool = setting(
         False,

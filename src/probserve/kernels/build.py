@@ -39,7 +39,7 @@ SOURCES = (
     HERE / "limbs.cpp",
     HERE / "layer.cpp",
 )  # one library
-HEADERS = (HERE / "simd.h", HERE / "probserve.h")
+HEADERS = (HERE / "simd.h", HERE / "probserve.h", HERE / "limbs_avx2.h")
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")

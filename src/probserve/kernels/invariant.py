@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from probserve.kernels.build import header_constant, load
-from probserve.kernels.qlayout import FORMATS, LIMB_TYPES, pack_blocks, pack_limbs
+from probserve.kernels.qlayout import FORMATS, LIMB_PANEL, LIMB_TYPES, pack_blocks, pack_limbs
 
 PS_LIMBS = header_constant("PS_LIMBS")  # probserve.h's: added to a format id in limbs.cpp's layout
 
@@ -63,7 +63,7 @@ def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def limb_types(lib: Any) -> frozenset[int]:
     """The GGML types `lib` multiplies in integer limbs (limbs.cpp: every native format where it
-    was built with AVX-512 VNNI; none elsewhere)."""
+    was built with AVX-512 VNNI or AVX2; none elsewhere)."""
     return frozenset(t for t in LIMB_TYPES if lib.ps_limb_block_bytes(FORMATS[t].fmt) > 0)
 
 
@@ -90,10 +90,11 @@ class InvariantKernels:
         panels = w.view(padded // p, p, k).transpose(1, 2).contiguous()
         return PackedWeight(panels, self._bias(bias, n), int(n), int(k))
 
-    def _bias(self, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    def _bias(self, bias: torch.Tensor | None, n: int, panel: int = 0) -> torch.Tensor | None:
         if bias is None:
             return None
-        padded = torch.zeros(-(-n // self.panel) * self.panel, dtype=torch.float32)
+        panel = panel or self.panel
+        padded = torch.zeros(-(-n // panel) * panel, dtype=torch.float32)
         padded[:n] = bias.detach().float()
         return padded
 
@@ -105,11 +106,12 @@ class InvariantKernels:
         f = FORMATS[ggml_type]
         n = int(blocks.shape[0])
         if ggml_type in self.limb_types:
-            data = pack_limbs(blocks, ggml_type, self.panel)
+            data = pack_limbs(blocks, ggml_type, LIMB_PANEL)  # its own panels, whatever the ISA
             assert data.shape[-1] == self.lib.ps_limb_block_bytes(f.fmt)
             k = int(data.shape[1] * f.qk)
             fmt = f.fmt + PS_LIMBS
-            return QuantizedWeight(torch.from_numpy(data), self._bias(bias, n), fmt, n, k)
+            limb_bias = self._bias(bias, n, LIMB_PANEL)
+            return QuantizedWeight(torch.from_numpy(data), limb_bias, fmt, n, k)
         data = pack_blocks(blocks, ggml_type, self.panel)
         assert data.shape[-1] == self.lib.ps_qblock_bytes(f.fmt)
         assert self.lib.ps_qblock_len(f.fmt) == f.qk

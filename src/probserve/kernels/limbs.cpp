@@ -1,5 +1,6 @@
 // Linear layers on GGUF blocks in integer arithmetic (--products limbs): every native format
-// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on AVX-512 VNNI. Each product is the exact one
+// (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on AVX-512 VNNI, and on AVX2 (limbs_avx2.h:
+// the same sums, the same bits, from vpmaddubsw runs). Each product is the exact one
 // of the float32 activations and the dequantized weights, rounded (to float32) about once:
 // closer to a float64 forward than the float32 path.
 //
@@ -36,6 +37,8 @@
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
 // of one stream), not in batched products (docs/benchmarks.md measures both; AMX's tiles would).
+// On AVX2 (three instructions for 32 byte products) it is slower than the float path at every
+// row count: there it buys accuracy only.
 //
 // Every row's arithmetic is its own: its limbs, its sums over k in order, whatever M is and
 // whichever rows share a pass (row-invariant: bitwise batch-invariant, as invariant.cpp).
@@ -60,6 +63,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PS_LIMBS_BUILT 1
+#define PS_LIMBS_ZMM 1  // vpdpbusd on 16 columns' lanes
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PS_LIMBS_BUILT 1  // vpmaddubsw + vpmaddwd on 8 columns' lanes (limbs_avx2.h)
 #endif
 
 namespace {
@@ -87,8 +93,6 @@ struct LimbLayout {
 };
 
 #ifdef PS_LIMBS_BUILT
-
-static_assert(NR == LP, "limbs.cpp's panels are the library's panel width");
 
 constexpr int LIMBS = 4;
 constexpr double XMAX = 127.0 * 16843009.0;  // the largest |X| four balanced limbs hold (< 2^31)
@@ -119,6 +123,8 @@ inline int block_exponent(float top) {
     if (std::ldexp(static_cast<double>(top), -e) > XMAX) e += 1;
     return e;
 }
+
+#ifdef PS_LIMBS_ZMM
 
 // row m's limbs; a block with a non-finite x gets scale NaN (its outputs NaN)
 void row_limbs(const float* x, int64_t m, RowLimbs& r) {
@@ -338,6 +344,26 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
         }
 }
 
+// rows 0..M-1 of the limbs times one panel: a few rows at a time, each half in turn (the rows'
+// limbs then come from the cache for the second half: the activations are read once a panel, as
+// the float path's); one row both halves a pass (independent sums in flight)
+template <int F>
+void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float* b, float* o, int64_t N,
+                int64_t ncols) {
+    int64_t m0 = 0;
+    for (; m0 + LMR <= M; m0 += LMR)
+        for (int64_t h = 0; h < 2; ++h) limb_micro<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);
+    for (; m0 + 2 <= M; m0 += 2)
+        for (int64_t h = 0; h < 2; ++h) limb_micro<F, 2, 1>(R, m0, panel, h, b, o, N, ncols);
+    for (; m0 < M; ++m0) limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
+}
+
+#else  // the AVX2 path
+
+#include "limbs_avx2.h"
+
+#endif  // PS_LIMBS_ZMM
+
 template <int F>
 void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                  const float* bias, float* out) {
@@ -363,15 +389,7 @@ void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, in
             const uint8_t* panel = packed + p * panel_bytes;
             const float* b = bias ? bias + p * LP : nullptr;
             float* o = out + p * LP;
-            const int64_t ncols = std::min<int64_t>(LP, N - p * LP);
-            int64_t m0 = 0;  // one row: both halves a pass (independent sums in flight)
-            // a few rows at a time, each half in turn (the rows' limbs then come from the cache
-            // for the second half: the activations are read once a panel, as the float path's)
-            for (; m0 + LMR <= M; m0 += LMR)
-                for (int64_t h = 0; h < 2; ++h) limb_micro<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);
-            for (; m0 + 2 <= M; m0 += 2)
-                for (int64_t h = 0; h < 2; ++h) limb_micro<F, 2, 1>(R, m0, panel, h, b, o, N, ncols);
-            for (; m0 < M; ++m0) limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
+            panel_rows<F>(R, M, panel, b, o, N, std::min<int64_t>(LP, N - p * LP));
         }
         if (!few) {
 #pragma omp single
@@ -446,7 +464,7 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 extern "C" {
 
 // bytes of one packed block of a limb panel (32 columns, QK k's), or -1 where this build has no
-// limb product for the format (no AVX-512 VNNI, or not a native format)
+// limb product for the format (no AVX2, or not a native format)
 int64_t ps_limb_block_bytes(int fmt) {
 #ifdef PS_LIMBS_BUILT
     return by_format(fmt, [](auto f) -> int64_t { return LimbLayout<decltype(f)::value>::block; },

@@ -124,6 +124,7 @@ def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
 
 
 LIMB_TYPES = tuple(FORMATS)  # the GGML types limbs.cpp multiplies in integer limbs: all
+LIMB_PANEL = 32  # limbs.cpp's panel width (columns), on every ISA
 
 
 def _k_scales(raw: np.ndarray, ggml_type: int) -> np.ndarray:
