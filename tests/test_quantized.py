@@ -309,6 +309,21 @@ def test_limb_products_are_closer_to_float64_than_float32(limbs, kernels, qtype:
     assert torch.isfinite(bad[[0, 1, 3]]).all()
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_packing_in_chunks_gives_the_same_panels(monkeypatch, qtype: Q):
+    """A matrix is packed PACK_ROWS rows at a time (its transients a chunk's): the same panels as
+    packed whole, a partial last chunk and a partial last panel included."""
+    from probserve.kernels import qlayout
+
+    qk = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, 150, 2 * qk, np.random.default_rng(9))
+    whole = [qlayout.pack_blocks(raw, qtype.value, 16), qlayout.pack_limbs(raw, qtype.value, 32)]
+    monkeypatch.setattr(qlayout, "PACK_ROWS", 64)
+    chunked = [qlayout.pack_blocks(raw, qtype.value, 16), qlayout.pack_limbs(raw, qtype.value, 32)]
+    for a, b in zip(whole, chunked, strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_quantized_weights_are_held_at_their_size(kernels, qtype: Q):
     rng = np.random.default_rng(5)

@@ -18,6 +18,7 @@ bytes for its columns (P times the file's block size per block), and padded colu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,9 +88,34 @@ def quants(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     raise KeyError(f"no native kernel for GGML type {ggml_type}")
 
 
+PACK_ROWS = 1024  # rows packed at a time: the unpacked quants of a chunk, not of a whole matrix
+
+
+def _in_chunks(
+    blocks: np.ndarray, panel: int, pack: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """`pack` (rows of blocks -> their panels [ceil(rows / panel), nb, bytes]) over PACK_ROWS
+    rows at a time, into one array: the same panels, with transients of a chunk's size (an 8B
+    model's largest matrix would otherwise hold a gigabyte of them at load)."""
+    n = blocks.shape[0]
+    step = max(panel, PACK_ROWS // panel * panel)
+    if n <= step:
+        return pack(blocks)
+    first = pack(blocks[:step])
+    out = np.empty((-(-n // panel), *first.shape[1:]), dtype=np.uint8)
+    out[: step // panel] = first
+    for start in range(step, n, step):
+        out[start // panel : -(-min(n, start + step) // panel)] = pack(blocks[start : start + step])
+    return out
+
+
 def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     """Rows of GGUF blocks, uint8 [N, K / qk * size] as the file holds them, packed into
     quantized.cpp's panels: uint8 [ceil(N / panel), K / qk, panel * size]."""
+    return _in_chunks(blocks, panel, lambda rows: _pack_blocks(rows, ggml_type, panel))
+
+
+def _pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     f = FORMATS[ggml_type]
     p, half = panel, panel // 2
     n, row_bytes = blocks.shape
@@ -156,8 +182,12 @@ def pack_limbs(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     eight chunks of int8 + 128; the others four chunks of nibbles (chunk i: chunk 2i's low bits
     in the low nibbles, 2i + 1's in the high ones) and their high bits: 5-bit one chunk (bit c:
     chunk c's bit 4), Q6_K two (bits 2j, 2j + 1 of chunk t: chunk 4t + j's bits 4 and 5)."""
-    if ggml_type not in LIMB_TYPES or panel != 32:
+    if ggml_type not in LIMB_TYPES or panel != LIMB_PANEL:
         raise ValueError(f"no limb layout for GGML type {ggml_type} in panels of {panel}")
+    return _in_chunks(blocks, panel, lambda rows: _pack_limbs(rows, ggml_type, panel))
+
+
+def _pack_limbs(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     f = FORMATS[ggml_type]
     n, row_bytes = blocks.shape
     nb = row_bytes // f.size
