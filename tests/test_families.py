@@ -1,9 +1,11 @@
 """Every family the paged forward runs (models/family.py) against transformers' own float32
 forward: tiny random models built here (Qwen3's q/k norms; Gemma 2's soft-capping and alternating
 windows; Gemma 3's (1 + w) norms, GeGLU, sandwich norms, q/k norms and local/global RoPE bases;
-Phi-3's fused projections and per-position LongRoPE; Mistral's sliding window), prompt and
-generated logprobs within 1e-4 on both paths (deterministic kernels and torch), and bitwise the
-same alone and among other requests."""
+Phi-3's fused projections and per-position LongRoPE; Mistral's sliding window; the mixtures of
+experts: Qwen3-MoE with a dense layer among sparse ones and renormalised top-k, OLMoE's
+whole-projection q/k norms and plain top-k, Mixtral's windowed attention), prompt and generated
+logprobs within 1e-4 on both paths (deterministic kernels and torch), and bitwise the same alone
+and among other requests."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from native_util import assert_native_equals_op_by_op
 from reference import full_logprobs
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.kernels.invariant import InvariantKernels
 from probserve.models import LoadedModel
 from probserve.models.family import family
+from probserve.models.llama import LlamaForward
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4}
 WINDOW = 6  # shorter than the prompts: the windowed layers drop keys
@@ -41,8 +45,11 @@ def _config(kind: str, vocab: int) -> Any:
         Gemma2Config,
         Gemma3TextConfig,
         MistralConfig,
+        MixtralConfig,
+        OlmoeConfig,
         Phi3Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     common = {**SMALL, "vocab_size": vocab, "max_position_embeddings": 256, "eos_token_id": 2}
@@ -68,13 +75,29 @@ def _config(kind: str, vocab: int) -> Any:
             **common, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW + 3,
             rope_parameters=_longrope(16), pad_token_id=0, tie_word_embeddings=False,
         )  # fmt: skip
+    if kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), 0 and 2 sparse
+        return Qwen3MoeConfig(
+            **common, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1], tie_word_embeddings=False,
+        )  # fmt: skip
+    if kind == "olmoe":
+        return OlmoeConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=2, num_experts=8,
+            num_experts_per_tok=2, tie_word_embeddings=False, pad_token_id=0,
+        )  # fmt: skip
+    if kind == "mixtral":
+        return MixtralConfig(
+            **common, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, sliding_window=WINDOW, tie_word_embeddings=False,
+        )  # fmt: skip
     return MistralConfig(
         **common, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW,
         tie_word_embeddings=False,
     )  # fmt: skip
 
 
-KINDS = ["qwen3", "gemma2", "gemma3", "phi3", "mistral"]
+KINDS = ["qwen3", "gemma2", "gemma3", "phi3", "mistral", "qwen3_moe", "olmoe", "mixtral"]
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -166,6 +189,10 @@ def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedM
 
 
 def test_the_native_layers_are_the_op_by_op_kernels_bit_for_bit(model: LoadedModel):
+    if family(model.model.config).experts:  # a mixture of experts runs op by op
+        fw = LlamaForward(model.model, "auto", InvariantKernels())
+        assert fw.native is None and any(layer.moe for layer in fw.layers)
+        return
     assert_native_equals_op_by_op(model.model)
 
 

@@ -38,6 +38,7 @@ SOURCES = (
     HERE / "quantized.cpp",
     HERE / "limbs.cpp",
     HERE / "layer.cpp",
+    HERE / "route.cpp",
 )  # one library
 HEADERS = (HERE / "simd.h", HERE / "probserve.h", HERE / "limbs_avx2.h")
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend

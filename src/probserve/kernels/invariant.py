@@ -45,6 +45,7 @@ class QuantizedWeight:
 
 
 SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
+ROUTE_MAX_K = 64  # the most experts ps_route chooses for a token
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -238,6 +239,20 @@ class InvariantKernels:
         if k > 0 and m > 0:
             self.lib.ps_topk(x.data_ptr(), m, v, k, vals.data_ptr(), ids.data_ptr())
         return vals, ids
+
+    def route(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's choice for each row of logits [m, E]: the k experts of highest softmax
+        probability (ties by id ascending) [m, k] and their weights [m, k] (renormalised to sum
+        to 1 with `norm`), from the row alone (kernels/route.cpp)."""
+        x = _f32(logits)
+        m, e = x.shape
+        if not 0 < k <= min(ROUTE_MAX_K, e):
+            raise ValueError(f"cannot route to {k} of {e} experts")
+        ids = torch.empty((m, k), dtype=torch.int64)
+        weights = torch.empty((m, k), dtype=torch.float32)
+        if m:
+            self.lib.ps_route(x.data_ptr(), m, e, k, int(norm), ids.data_ptr(), weights.data_ptr())
+        return ids, weights
 
     def rope_cache(
         self,

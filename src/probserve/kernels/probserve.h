@@ -92,6 +92,9 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                   int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
                   int64_t window, float softcap);
 
+// ---- route.cpp: a mixture-of-experts router's k experts and weights per token ----------------
+void ps_route(const float* logits, int64_t M, int64_t E, int64_t k, int norm, int64_t* ids, float* weights);
+
 // ---- quantized.cpp: the linear layers on GGUF blocks ----------------------------------------
 int64_t ps_qblock_bytes(int fmt);
 int64_t ps_qblock_len(int fmt);

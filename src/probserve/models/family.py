@@ -8,7 +8,11 @@ Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 is read from the configuration once
   queries by query_pre_attn_scalar^-0.5, and Gemma 2 soft-caps attention scores and final logits;
 - Gemma 2/3 interleave sliding-window and global layers (Gemma 3 with a RoPE base of each),
   Mistral and Phi-3 window every layer;
-- Phi-3 stores QKV and gate/up fused in its checkpoint.
+- Phi-3 stores QKV and gate/up fused in its checkpoint;
+- Qwen3-MoE, OLMoE and Mixtral replace the MLP (in every layer, or Qwen3-MoE's sparse ones) by
+  a mixture of experts: a router's softmax, the top k experts of each token (renormalised:
+  Qwen3-MoE's norm_topk_prob, always for Mixtral), their SwiGLUs summed by weight
+  (models/moe.py); OLMoE RMS-norms the whole query and key projections, not each head.
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SUPPORTED_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"})
+SUPPORTED_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
+    | {"qwen3_moe", "olmoe", "mixtral"}
+)
+# what the paged forward lacks for a mixture-of-experts type it does not run (the refusal's line)
+MISSING = {
+    "gpt_oss": "attention sinks, the clamped SwiGLU of gpt-oss and expert biases are not built",
+    "qwen2_moe": "its shared expert is not built",
+    "deepseek_v3": "multi-head latent attention and its grouped routing are not built",
+}
 _GEMMA = frozenset({"gemma2", "gemma3_text"})
 _ACTIVATIONS: dict[str, Literal["silu", "gelu_tanh"]] = {
     "silu": "silu",
@@ -48,6 +61,12 @@ class Family:
     fused: bool = False  # the checkpoint's qkv_proj and gate_up_proj (Phi-3)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    experts: int = 0  # a MoE layer's experts (0: every layer dense)
+    top_k: int = 0  # the experts a token is routed to
+    norm_topk: bool = False  # the chosen experts' weights renormalised to sum to 1
+    expert_intermediate: int = 0  # an expert's SwiGLU width
+    sparse: tuple[bool, ...] = ()  # each layer: a MoE feed-forward (else the dense MLP)
+    qk_norm_full: bool = False  # q and k RMS-normed over the whole projection (OLMoE)
 
 
 def head_dim(config: Any) -> int:
@@ -91,8 +110,12 @@ def family(config: Any) -> Family:
     """The forward's parameters for `config`; raises Unsupported, saying why, for a model the
     paged forward does not reproduce."""
     kind = getattr(config, "model_type", None)
+    if kind in MISSING:
+        raise Unsupported(f"{kind} does not run on the paged forward: {MISSING[kind]}")
     if kind not in SUPPORTED_TYPES:
         raise Unsupported(f"{kind} does not run on the paged forward")
+    if getattr(config, "clip_qkv", None) is not None:
+        raise Unsupported("its clip_qkv (clamped q/k/v) is not one the paged forward has")
     gemma = kind in _GEMMA
     act_name = getattr(config, "hidden_activation", None) if gemma else None
     act_name = act_name or getattr(config, "hidden_act", "silu")
@@ -115,11 +138,34 @@ def family(config: Any) -> Family:
         scale=scale,
         norm_plus_one=gemma,
         embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
-        qk_norm=kind in ("qwen3", "gemma3_text"),
+        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe"),
+        qk_norm_full=kind == "olmoe",
         sandwich=gemma,
         fused=kind == "phi3",
         attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
         final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
         windows=_windows(config),
         rope_keys=rope_keys(config),
+        **_experts(config),
     )
+
+
+def _experts(config: Any) -> dict[str, Any]:
+    """A mixture of experts' parameters (Qwen3-MoE, OLMoE, Mixtral), else none."""
+    kind, n = config.model_type, config.num_hidden_layers
+    if kind not in ("qwen3_moe", "olmoe", "mixtral"):
+        return {}
+    experts = int(config.num_local_experts if kind == "mixtral" else config.num_experts)
+    sparse = (True,) * n
+    if kind == "qwen3_moe":
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(config, "mlp_only_layers", None) or ())
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
+    width = config.moe_intermediate_size if kind == "qwen3_moe" else config.intermediate_size
+    return {
+        "experts": experts,
+        "top_k": int(config.num_experts_per_tok),
+        "norm_topk": kind == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        "expert_intermediate": int(width),
+        "sparse": sparse,
+    }

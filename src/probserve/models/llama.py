@@ -34,6 +34,7 @@ from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Kernel, Linear, choose_kernel
+from probserve.models.moe import Expert, MoE, moe_forward
 from probserve.models.skeleton import Rotary
 
 ROPE_BLOCK = 1024  # positions per block of the deterministic cos/sin table
@@ -186,21 +187,47 @@ class _Layer:
         self.post_ff = norm("post_feedforward_layernorm")
         self.q_norm = norm("self_attn.q_norm")
         self.k_norm = norm("self_attn.k_norm")
+
+        def expert(e: int) -> Expert:
+            """Expert e: from transformers' [E, 2I, H] and [E, H, I] parameters (views), or a
+            GGUF file's rows of each expert (models/gguf_blocks.py names them per expert)."""
+            fused = weights.get(f"{prefix}mlp.experts.gate_up_proj")
+            if fused is not None:
+                down = as_float(weights[f"{prefix}mlp.experts.down_proj"])[e]
+                return Expert(
+                    Linear(as_float(fused)[e], None, kernel, kernels),
+                    Linear(down, None, kernel, kernels),
+                )
+            at = f"mlp.experts.{e}."
+            return Expert(linear(at + "gate_proj", at + "up_proj"), linear(at + "down_proj"))
+
         if fam.fused:
             self.qkv = linear("self_attn.qkv_proj")
-            self.gate_up = linear("mlp.gate_up_proj")
         else:
             self.qkv = linear("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-            self.gate_up = linear("mlp.gate_proj", "mlp.up_proj")
         self.o = linear("self_attn.o_proj")
-        self.down = linear("mlp.down_proj")
-        self.intermediate = int(config.intermediate_size)
+        # the feed-forward: a mixture of experts, or the dense MLP
+        self.moe: MoE | None = None
+        self.gate_up: Linear | Joined | None = None
+        self.down: Linear | Joined | None = None
+        if fam.experts and fam.sparse[index]:
+            experts = tuple(expert(e) for e in range(fam.experts))
+            self.moe = MoE(linear("mlp.gate"), experts, fam.top_k, fam.norm_topk)
+            self.intermediate = fam.expert_intermediate
+        else:
+            self.gate_up = (
+                linear("mlp.gate_up_proj") if fam.fused else linear("mlp.gate_proj", "mlp.up_proj")
+            )
+            self.down = linear("mlp.down_proj")
+            self.intermediate = int(config.intermediate_size)
         self.window = fam.windows[index]
         self.rope_key = fam.rope_keys[index]
 
 
-def _parts(linear: Linear | Joined) -> list[PackedWeight | QuantizedWeight]:
+def _parts(linear: Linear | Joined | None) -> list[PackedWeight | QuantizedWeight]:
     """A projection's weights as the native layers read them (invariant kernels only)."""
+    if linear is None:
+        raise ValueError("the native layers run dense feed-forwards only")
     found: list[PackedWeight | QuantizedWeight] = []
     for part in linear.parts if isinstance(linear, Joined) else [linear]:
         weight = part.quantized if part.quantized is not None else part.packed
@@ -262,6 +289,8 @@ class LlamaForward:
                 if fam.fused
                 else (first + "gate_proj.weight", first + "up_proj.weight")
             )
+            if fam.experts:  # no dense MLP to time: the first attention's query matrix
+                names = ("model.layers.0.self_attn.q_proj.weight",)
             kernel = choose_kernel(as_float(stack_rows([weights[n] for n in names])))
         self.kernel: Kernel = kernel
         self.model = model
@@ -301,7 +330,8 @@ class LlamaForward:
         self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self.native: NativeLayers | None = None
-        if kernels is not None and not op_by_op:
+        if kernels is not None and not op_by_op and not fam.experts:
+            # (a mixture of experts runs op by op: layer.cpp has no expert dispatch)
             self.native = self._native_layers(kernels)
 
     def _native_layers(self, kernels: InvariantKernels) -> NativeLayers:
@@ -395,11 +425,11 @@ class LlamaForward:
                 assert layer.pre_ff is not None and layer.post_ff is not None
                 h = h + self._norm(attn, layer.ln2)
                 x = self._norm(h, layer.pre_ff)
-                h = h + self._norm(layer.down(self._act(layer.gate_up(x))), layer.post_ff)
+                h = h + self._norm(self._ffn(layer, x), layer.post_ff)
             else:
                 h = h + attn
                 x = self._norm(h, layer.ln2)
-                h = h + layer.down(self._act(layer.gate_up(x)))
+                h = h + self._ffn(layer, x)
         out = self._norm(h, self.norm)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
@@ -421,18 +451,31 @@ class LlamaForward:
         return F.rms_norm(h, (h.shape[-1],), weight, self.eps)
 
     def _qk_norm(self, qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        """qkv with every query and key head RMS-normed over the head dimension (Qwen3, Gemma 3)."""
+        """qkv with every query and key head RMS-normed over the head dimension (Qwen3, Gemma 3),
+        or the whole query and key projections (OLMoE)."""
         t, (nq, nkv, d) = qkv.shape[0], (self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.family.qk_norm_full:
+            q = self._norm(qkv[:, : nq * d].contiguous(), qw)
+            k = self._norm(qkv[:, nq * d : (nq + nkv) * d].contiguous(), kw)
+            return torch.cat([q, k, qkv[:, (nq + nkv) * d :]], dim=1)
         q = self._norm(qkv[:, : nq * d].reshape(t * nq, d), qw).view(t, nq * d)
         k = self._norm(qkv[:, nq * d : (nq + nkv) * d].reshape(t * nkv, d), kw).view(t, nkv * d)
         return torch.cat([q, k, qkv[:, (nq + nkv) * d :]], dim=1)
+
+    def _ffn(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The feed-forward of normed rows x: the layer's experts, or its MLP."""
+        if layer.moe is not None:
+            return moe_forward(layer.moe, x, self._act, self.kernels)
+        assert layer.gate_up is not None and layer.down is not None
+        return layer.down(self._act(layer.gate_up(x)))
 
     def _act(self, gu: torch.Tensor) -> torch.Tensor:
         """SwiGLU or GeGLU of rows [gate | up]."""
         gelu = self.family.activation == "gelu_tanh"
         if self.kernels is not None:
             return self.kernels.gelu_tanh_mul(gu) if gelu else self.kernels.silu_mul(gu)
-        gate, up = gu[:, : self.intermediate], gu[:, self.intermediate :]
+        width = gu.shape[1] // 2
+        gate, up = gu[:, :width], gu[:, width:]
         return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)) * up
 
     def _rope(
