@@ -17,6 +17,93 @@ def _q8_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _writer(path: Path, arch: str) -> tuple[GGUFWriter, int]:
+    """A writer for `arch` holding the embedded model's tokenizer (and its vocabulary size)."""
+    from probserve.models.loader import embedded_gguf_path
+
+    reader = GGUFReader(str(embedded_gguf_path()))
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer = GGUFWriter(str(path), arch=arch)
+    for name, field in reader.fields.items():
+        if name.startswith(("tokenizer.", "general.")) and name not in (
+            "general.file_type",
+            "general.architecture",
+        ):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    return writer, vocab
+
+
+def write_qwen3moe_gguf(
+    path: Path, *, hidden: int, layers: int, experts: int, used: int, expert_ffn: int, seed: int = 0
+) -> Path:
+    """A Qwen3-MoE GGUF file (q/k head norms, a router and 3-D expert tensors in every layer,
+    untied head): the experts and attention Q8_0, the router float32, norms random around 1."""
+    writer, vocab = _writer(path, "qwen3moe")
+    heads, kv_heads, head_dim = 4, 2, 16
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    for key, value, vtype in [
+        ("qwen3moe.context_length", 2048, u32),
+        ("qwen3moe.embedding_length", hidden, u32),
+        ("qwen3moe.block_count", layers, u32),
+        ("qwen3moe.feed_forward_length", 4 * hidden, u32),
+        ("qwen3moe.expert_feed_forward_length", expert_ffn, u32),
+        ("qwen3moe.expert_count", experts, u32),
+        ("qwen3moe.expert_used_count", used, u32),
+        ("qwen3moe.attention.head_count", heads, u32),
+        ("qwen3moe.attention.head_count_kv", kv_heads, u32),
+        ("qwen3moe.attention.key_length", head_dim, u32),
+        ("qwen3moe.attention.value_length", head_dim, u32),
+        ("qwen3moe.rope.freq_base", 10000.0, f32),
+        ("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6, f32),
+        ("general.file_type", 7, u32),
+    ]:
+        writer.add_key_value(key, value, vtype)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "q8")]
+    for i in range(layers):
+        p = f"blk.{i}."
+        plan += [
+            (p + "attn_norm.weight", (hidden,), "norm"),
+            (p + "attn_q.weight", (q, hidden), "q8"),
+            (p + "attn_k.weight", (kv, hidden), "q8"),
+            (p + "attn_v.weight", (kv, hidden), "q8"),
+            (p + "attn_output.weight", (hidden, q), "q8"),
+            (p + "attn_q_norm.weight", (head_dim,), "norm"),
+            (p + "attn_k_norm.weight", (head_dim,), "norm"),
+            (p + "ffn_norm.weight", (hidden,), "norm"),
+            (p + "ffn_gate_inp.weight", (experts, hidden), "f32"),
+            (p + "ffn_gate_exps.weight", (experts, expert_ffn, hidden), "q8"),
+            (p + "ffn_up_exps.weight", (experts, expert_ffn, hidden), "q8"),
+            (p + "ffn_down_exps.weight", (experts, hidden, expert_ffn), "q8"),
+        ]
+    plan += [("output_norm.weight", (hidden,), "norm"), ("output.weight", (vocab, hidden), "q8")]
+    for name, shape, kind in plan:
+        if kind == "q8":
+            byte_shape = (*shape[:-1], shape[-1] // 32 * Q8_0_BYTES)
+            writer.add_tensor_info(
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
+                raw_dtype=GGMLQuantizationType.Q8_0,
+            )  # fmt: skip
+        else:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for _name, shape, kind in plan:
+        if kind == "q8":
+            rows = _q8_0_rows(rng, int(np.prod(shape[:-1])), shape[-1])
+            writer.write_tensor_data(rows.reshape(*shape[:-1], -1))
+        elif kind == "norm":
+            writer.write_tensor_data(1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32))
+        else:
+            writer.write_tensor_data(rng.standard_normal(shape, dtype=np.float32) * 0.3)
+    writer.close()
+    return path
+
+
 def write_llama_gguf(
     path: Path,
     *,
@@ -30,16 +117,7 @@ def write_llama_gguf(
 ) -> Path:
     """A Llama-shape GGUF file (untied head, norms 1.0) at `path`: every matrix Q8_0, except
     those whose name holds one of `half` ("ffn_down"): float16 (a format without a kernel)."""
-    from probserve.models.loader import embedded_gguf_path
-
-    reader = GGUFReader(str(embedded_gguf_path()))
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    writer = GGUFWriter(str(path), arch="llama")
-    for name, field in reader.fields.items():
-        if name.startswith(("tokenizer.", "general.")) and name != "general.file_type":
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    writer, vocab = _writer(path, "llama")
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     for key, value, vtype in [
         ("llama.context_length", 2048, u32),

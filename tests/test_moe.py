@@ -5,6 +5,7 @@ say in one line what is missing."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,3 +53,78 @@ def test_unbuilt_mixtures_are_refused_naming_what_is_missing():
         family(GptOssConfig(num_hidden_layers=2))
     with pytest.raises(Unsupported, match="clip_qkv"):
         family(OlmoeConfig(num_hidden_layers=2, clip_qkv=8.0))
+
+
+def test_a_qwen3_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch):
+    """A Qwen3-MoE GGUF file (3-D expert tensors in Q8_0, a float32 router): each expert's rows
+    held as the file's blocks (no float32 copy), the configuration's expert width from the file,
+    prompt logprobs within 1e-4 of transformers' forward of the dequantized weights, and a request
+    the same bits among others."""
+    from conftest import run_core
+    from gguf_util import write_qwen3moe_gguf
+    from transformers import Qwen3MoeForCausalLM
+
+    from probserve.engine import (
+        EngineConfig,
+        EngineCore,
+        EngineRequest,
+        LogprobsSpec,
+        SamplingParams,
+    )
+    from probserve.kernels.build import build
+    from probserve.models import load_model
+    from probserve.models.gguf_blocks import QuantizedTensor, as_float
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(build().parent, target_is_directory=True)
+    monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
+    path = write_qwen3moe_gguf(
+        tmp_path / "moe.gguf", hidden=64, layers=2, experts=8, used=3, expert_ffn=32
+    )
+    loaded = load_model(str(path), "native")
+    cfg = loaded.model.config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 3)
+    assert cfg.moe_intermediate_size == 32 and cfg.norm_topk_prob
+    weights = loaded.weights
+    assert weights is not None and loaded.weights_format == "Q8_0"
+    down = weights["model.layers.1.mlp.experts.7.down_proj.weight"]
+    assert isinstance(down, QuantizedTensor) and (down.n, down.k) == (64, 32)
+    twin = Qwen3MoeForCausalLM(cfg).eval().requires_grad_(False)
+    state = {}
+    for name, param in twin.named_parameters():
+        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+            base = name.rsplit(".", 1)[0]
+            parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            state[name] = torch.stack([
+                torch.cat([as_float(weights[f"{base}.{e}.{p}.weight"]) for p in parts])
+                for e in range(cfg.num_experts)
+            ])  # fmt: skip
+        else:
+            state[name] = as_float(weights[name])
+        assert state[name].shape == param.shape, name
+    twin.load_state_dict(state, strict=False)
+    ids = [
+        int(t) for t in torch.randint(10, 4000, (21,), generator=torch.Generator().manual_seed(5))
+    ]
+    with torch.no_grad():
+        ref = torch.log_softmax(twin(torch.tensor([ids])).logits[0].double(), -1)
+    core = EngineCore(loaded, EngineConfig(kv_cache_gib=0.02, block_size=4))
+    assert core.info.runner == "PagedRunner" and core.info.weights_in_blocks > 0.9
+
+    def request(rid: str, prompt: list[int]) -> EngineRequest:
+        spec = LogprobsSpec(top_k=2, prompt_top_k=1)
+        return EngineRequest(
+            rid, tuple(prompt), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), spec
+        )
+
+    alone = run_core(core, [request("p", ids)])["p"]
+    prompt = next(o.prompt_logprobs for o in alone if o.prompt_logprobs is not None)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    np.testing.assert_allclose(prompt.logprobs, want, atol=1e-4)
+    others = [request(f"o{i}", ids[i : i + 9]) for i in range(4)]
+    mixed = run_core(core, [*others[:2], request("p", ids), *others[2:]])["p"]
+    assert [o.new_token_ids for o in mixed] == [o.new_token_ids for o in alone]
+    assert [np.asarray(o.logprobs.logprobs).tobytes() for o in mixed if o.logprobs] == [
+        np.asarray(o.logprobs.logprobs).tobytes() for o in alone if o.logprobs
+    ]

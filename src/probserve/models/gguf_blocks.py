@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,6 +256,10 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
             names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     out: dict[str, Weight] = {}
     for tensor in reader.tensors:
+        experts = _EXPERTS.fullmatch(tensor.name)
+        if experts is not None:
+            out.update(_expert_rows(tensor, int(experts[1]), experts[2]))
+            continue
         name = names.get(tensor.name)
         if name is None:
             continue
@@ -269,6 +274,35 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     return _with_ties(out, skeleton, Path(path).name)
 
 
+# a mixture of experts' stacked tensor: [experts, rows, row bytes] (llama.cpp's ffn_*_exps)
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+
+
+def _expert_rows(tensor: Any, layer: int, which: str) -> dict[str, Weight]:
+    """Each expert's matrix of a stacked expert tensor, under its own name
+    (model.layers.L.mlp.experts.E.gate_proj.weight: the forward's per-expert weights), as views
+    of the file's rows: blocks stay blocks, float32 is read as float32."""
+    kind, k = tensor.tensor_type, int(tensor.shape[0])
+    out: dict[str, Weight] = {}
+    for e in range(tensor.data.shape[0]):
+        name = f"model.layers.{layer}.mlp.experts.{e}.{which}_proj.weight"
+        if kind.name == "F32":
+            out[name] = torch.from_numpy(np.array(tensor.data[e], dtype=np.float32))
+        else:
+            out[name] = QuantizedTensor(tensor.data[e], int(kind), k)
+    return out
+
+
+def _held_per_expert(name: str, out: dict[str, Weight]) -> bool:
+    """A skeleton's stacked expert parameter (transformers' mlp.experts.gate_up_proj or
+    down_proj) the weights hold per expert instead."""
+    firsts = {"gate_up_proj": "0.gate_proj.weight", "down_proj": "0.down_proj.weight"}
+    for stacked, first in firsts.items():
+        if name.endswith(f"mlp.experts.{stacked}"):
+            return name[: -len(stacked)] + first in out
+    return False
+
+
 def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, Weight]:
     """Tied parameters (one Parameter under several names) share one tensor; every parameter
     must have one."""
@@ -278,7 +312,7 @@ def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, 
             twin = next((o for o, p in params if o in out and p is param), None)
             if twin is not None:
                 out[name] = out[twin]
-    missing = sorted(name for name, _ in params if name not in out)
+    missing = sorted(n for n, _ in params if n not in out and not _held_per_expert(n, out))
     if missing:
         raise KeyError(f"{source} has no tensor for {', '.join(missing[:3])}")
     return out

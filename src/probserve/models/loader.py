@@ -206,9 +206,23 @@ def write_metadata(source: ModelSource, out: Path) -> None:
     except _LOAD_ERRORS as exc:
         raise _load_error(source, exc) from exc
     config.dtype = torch.float32
+    _experts_config(config, Path(source.name_or_path) / str(source.gguf_file))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _experts_config(config: Any, gguf: Path) -> None:
+    """What transformers' GGUF configuration leaves out of a Qwen3-MoE file: its experts' width
+    (`expert_feed_forward_length`) and the renormalised top-k llama.cpp always applies to it."""
+    if getattr(config, "model_type", None) != "qwen3_moe":
+        return
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get("qwen3moe.expert_feed_forward_length")
+    if field is not None:
+        config.moe_intermediate_size = int(field.contents())
+    config.norm_topk_prob = True
 
 
 def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -98,6 +98,9 @@ class _Attention(nn.Module):
         if fam.qk_norm:
             self.q_norm = _Norm(d, config.rms_norm_eps)
             self.k_norm = _Norm(d, config.rms_norm_eps)
+        if fam.qk_norm_full:  # OLMoE: over the whole projections
+            self.q_norm = _Norm(heads * d, config.rms_norm_eps)
+            self.k_norm = _Norm(kv * d, config.rms_norm_eps)
 
 
 class _MLP(nn.Module):
@@ -113,11 +116,29 @@ class _MLP(nn.Module):
         self.down_proj = _linear(inner, hidden, bias)
 
 
-class _Layer(nn.Module):
+class _Experts(nn.Module):
+    def __init__(self, experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner, device="meta"))
+
+
+class _MoE(nn.Module):
+    """A mixture of experts' parameters under transformers' names: the router `gate` [E, H], the
+    experts' stacked gate/up [E, 2I, H] and down [E, H, I]."""
+
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
+        self.gate = _linear(config.hidden_size, fam.experts, False)
+        self.experts = _Experts(fam.experts, config.hidden_size, fam.expert_intermediate)
+
+
+class _Layer(nn.Module):
+    def __init__(self, config: Any, fam: Family, index: int) -> None:
+        super().__init__()
         self.self_attn = _Attention(config, fam)
-        self.mlp = _MLP(config, fam)
+        sparse = fam.experts and fam.sparse[index]
+        self.mlp = _MoE(config, fam) if sparse else _MLP(config, fam)
         eps = config.rms_norm_eps
         self.input_layernorm = _Norm(config.hidden_size, eps)
         self.post_attention_layernorm = _Norm(config.hidden_size, eps)
@@ -131,7 +152,7 @@ class _Body(nn.Module):
         super().__init__()
         fam = family(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
-        self.layers = nn.ModuleList(_Layer(config, fam) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(_Layer(config, fam, i) for i in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Rotary(config, fam.rope_keys[0])
 
