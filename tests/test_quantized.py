@@ -23,9 +23,11 @@ from probserve.models.gguf_blocks import QuantizedTensor, load_weights, read_wei
 from probserve.models.linear import Joined
 from probserve.models.llama import LlamaForward
 
-FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+FORMATS = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.MXFP4]
 # the float16 fields of each format's block (d first; then m or dmin), by byte offset
-HALVES = {Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+HALVES = {
+    Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.MXFP4: (),
+}  # fmt: skip
 # shapes [N, K] per block length along K (K a multiple of it)
 SHAPES = {
     32: [(37, 96), (576, 576), (1, 32), (100, 1536), (33, 64), (20, 64)],
@@ -59,6 +61,8 @@ def random_blocks(
         else:
             bits = rng.choice(halves.astype(np.float16), size=(n, k // qk)).view(np.uint16)
         raw[..., at : at + 2] = bits.view(np.uint8).reshape(n, k // qk, 2)
+    if qtype == Q.MXFP4:  # its E8M0 scale 2^(e - 128): subnormal (e < 2) to 2^72, products finite
+        raw[..., 0] = rng.integers(0, 201, size=(n, k // qk), dtype=np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -149,7 +153,7 @@ def test_block_sums_are_row_invariant_and_within_float32_rounding(kernels, qtype
 
 
 # ---- integer limbs (limbs.cpp, --products limbs) ----------------------------------------------
-LIMB_FORMATS = FORMATS
+LIMB_FORMATS = [q for q in FORMATS if q != Q.MXFP4]
 # the bytes of each format's quants in the file's block (d, m and scales elsewhere), for the
 # formats whose weight is s u + o
 QUANT_BYTES = {Q.Q4_1: (4, 20), Q.Q5_1: (4, 24), Q.Q4_K: (16, 144), Q.Q5_K: (16, 176)}

@@ -6,14 +6,15 @@ A [N, K] weight becomes panels of P output columns (P = the library's panel widt
 panel, for each block of `qk` weights along K: the float16 fields of the P columns (d, then Q4_1
 and Q5_1's m or the K-quants' dmin: column c's two bytes at 2c), the K-quants' per-sub-block
 scale bytes as the file holds them (byte i of column c at i * P + c: Q4_K and Q5_K's twelve
-packed 6-bit scales and mins, Q6_K's sixteen int8 scales), then `qk` rows of P quants, one row
+packed 6-bit scales and mins, Q6_K's sixteen int8 scales; MXFP4's one E8M0 byte, its block
+having no float16 field), then `qk` rows of P quants, one row
 per k: 8-bit formats one byte a column; the others the low nibbles two columns a byte (byte j
 holds column j in its low nibble and column j + P/2 in its high one). The 5- and 6-bit formats
 take their k's in groups of g = 8 or 4: the g rows of nibbles, then a high row of P bytes, byte c
 holding column c's high bits of the g k's (5-bit: bit j is the group's k j's bit 4; Q6_K: bits 2j
 and 2j + 1 its bits 4 and 5). No value changes, only places: a panel holds exactly the file's
 bytes for its columns (P times the file's block size per block), and padded columns are zeros
-(d = 0: weights 0).
+(d = 0: weights 0; MXFP4's e = 0 is 2^-128 times zero quants' values: 0).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class BlockFormat:
     qk: int  # weights per block along K
     size: int  # the file's bytes per block
     halves: tuple[int, ...]  # offsets of the float16 fields in the file's block (d first)
-    scales: tuple[int, int] | None  # the byte range of the per-sub-block scales (K-quants)
+    scales: tuple[int, int] | None  # the byte range of the scale bytes (K-quants; MXFP4's E8M0)
     bits: int  # bits per quant: 4, 5, 6 or 8
 
 
@@ -45,6 +46,7 @@ FORMATS: dict[int, BlockFormat] = {
     12: BlockFormat("Q4_K", 5, 256, 144, (0, 2), (4, 16), 4),
     13: BlockFormat("Q5_K", 6, 256, 176, (0, 2), (4, 16), 5),
     14: BlockFormat("Q6_K", 7, 256, 210, (208,), (192, 208), 6),
+    39: BlockFormat("MXFP4", 8, 32, 17, (), (0, 1), 4),  # E8M0 scale byte | 16 bytes of E2M1
 }
 
 
@@ -62,6 +64,8 @@ def quants(raw: np.ndarray, ggml_type: int) -> np.ndarray:
         return raw[..., 2:34]
     if ggml_type in (2, 3):  # Q4_0: d | qs[16]; Q4_1: d | m | qs[16]
         return _nibbles(raw[..., 2 if ggml_type == 2 else 4 :])
+    if ggml_type == 39:  # MXFP4: e | qs[16], each nibble an index into the E2M1 values
+        return _nibbles(raw[..., 1:17])
     if ggml_type in (6, 7):  # Q5_0: d | qh u32 | qs[16]; Q5_1: d | m | qh u32 | qs[16]
         at = 2 if ggml_type == 6 else 4
         # bit j: weight j
@@ -149,7 +153,8 @@ def _pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
     return data
 
 
-LIMB_TYPES = tuple(FORMATS)  # the GGML types limbs.cpp multiplies in integer limbs: all
+# the GGML types limbs.cpp multiplies in integer limbs: all but MXFP4
+LIMB_TYPES = (2, 3, 8, 6, 7, 12, 13, 14)
 LIMB_PANEL = 32  # limbs.cpp's panel width (columns), on every ISA
 
 

@@ -13,7 +13,9 @@
 //   Q4_K  w = (d * sc) * q - (dmin * mn)   q in 0..15, sc and mn in 0..63 per 32 weights
 //   Q5_K  w = (d * sc) * q - (dmin * mn)   q in 0..31
 //   Q6_K  w = (d * sc) * (q - 32)          q in 0..63, sc in -128..127 per 16 weights
-// with d, m and dmin float16. Every product there is exact in float32: d has an 11-bit
+//   MXFP4 w = d * v[q]                     q in 0..15, v the doubled E2M1 values (0, 1, 2, 3,
+//                                          4, 6, 8, 12 and their negatives), d = 2^(e - 128)
+// with d, m and dmin float16 (MXFP4's d from its E8M0 byte e: exact, a power of two). Every product there is exact in float32: d has an 11-bit
 // significand (a float16 subnormal too), d * sc at most 18 bits, times q at most 23. So the only
 // rounding is the final add (Q4_1, Q5_1) or subtraction (Q4_K, Q5_K), and one FMA (FMS) gives
 // gguf's two-step value. Each w is thus the very float32 a dequantized copy holds, and the
@@ -38,6 +40,7 @@
 // 4; Q6_K: bits 2j and 2j + 1 are its bits 4 and 5), so a k's high bits come out of a vector of
 // bytes with one shift and one mask, every lane at once. A panel is then the file's bytes for its
 // columns, moved. Padded columns are zeros (d = 0).
+#include <cstring>
 #include <memory>
 
 #include "probserve.h"
@@ -45,7 +48,10 @@
 
 namespace {
 
-enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+enum Format : int { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, MXFP4 = 8 };
+
+// MXFP4's E2M1 values, doubled (ggml's kvalues: the block's scale is 2^(e - 128), half of E8M0's)
+constexpr float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 template <int F>
 struct Layout {
@@ -56,8 +62,9 @@ struct Layout {
     static constexpr int64_t SUB = F == Q6_K ? 16 : 32;            // weights per scale
     static constexpr int bits = F == Q8_0 ? 8 : F == Q6_K ? 6 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 5 : 4;
     static constexpr int offset = F == Q4_0 ? -8 : F == Q5_0 ? -16 : F == Q6_K ? -32 : 0;
-    static constexpr int64_t halves = (plus_m || kmin) ? 2 : 1;    // float16 fields
-    static constexpr int64_t scale_bytes = F == Q6_K ? 16 : kmin ? 12 : 0;  // per column
+    static constexpr bool table = F == MXFP4;                       // quants through MXFP4_VALUES
+    static constexpr int64_t halves = table ? 0 : (plus_m || kmin) ? 2 : 1;  // float16 fields
+    static constexpr int64_t scale_bytes = F == Q6_K ? 16 : kmin ? 12 : table ? 1 : 0;  // a column's
     static constexpr bool high = bits == 5 || bits == 6;            // a high row per group
     static constexpr int G = bits == 5 ? 8 : bits == 6 ? 4 : 1;     // k's a group
     static constexpr int64_t group = bits == 8 ? NR : G * (NR / 2) + (high ? NR : 0);  // its bytes
@@ -74,9 +81,15 @@ struct Layout {
 template <int F>
 inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf& o1) {
     using L = Layout<F>;
+    o0 = o1 = vzero();
+    if constexpr (L::table) {  // MXFP4: the E8M0 byte of each column, 2^(e - 128)
+        (void)j;
+        s0 = e8m0_half(vload_u8(blk));
+        s1 = e8m0_half(vload_u8(blk + W));
+        return;
+    }
     const uint16_t* h = reinterpret_cast<const uint16_t*>(blk);
     const vf d0 = vhalf(h), d1 = vhalf(h + W);
-    o0 = o1 = vzero();
     if constexpr (F == Q6_K) {
         const uint8_t* sc = blk + 2 * NR + j * NR;
         s0 = vmul(d0, vcvt(vload_i8(sc)));
@@ -147,8 +160,8 @@ inline vi high_bits(vi h) {
 // q - 16, q - 32, the block sums' values) or as stored (the exact product's: dequant folds the
 // offset into its FMA): columns [0, W) in q0, [W, NR) in q1. `nib` is quant_nibbles<F, OFFSET>().
 // They are exact small integers: (q & 15) | the high bits, + offset.
-template <int F, int J, bool OFFSET>
-inline void quants(const uint8_t* grp, const High& hi, const Nibbles& nib, vf& q0, vf& q1) {
+template <int F, int J, bool OFFSET, class Nib>
+inline void quants(const uint8_t* grp, const High& hi, const Nib& nib, vf& q0, vf& q1) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
         q0 = vcvt(vload_i8(grp));
@@ -168,18 +181,23 @@ inline void quants(const uint8_t* grp, const High& hi, const Nibbles& nib, vf& q
     }
 }
 
-// the 4-bit formats' nibble decoder, with the offset or without (quants' OFFSET)
+// the 4-bit formats' nibble decoder, with the offset or without (quants' OFFSET); MXFP4's
+// through its table of values
 template <int F, bool OFFSET>
-inline Nibbles quant_nibbles() {
-    return Nibbles(OFFSET ? Layout<F>::offset : 0);
+inline auto quant_nibbles() {
+    if constexpr (Layout<F>::table) {
+        return TableNibbles(MXFP4_VALUES);
+    } else {
+        return Nibbles(OFFSET ? Layout<F>::offset : 0);
+    }
 }
 
 // the NR weights of k J of a group: columns [0, W) in w0, [W, NR) in w1, each gguf's float32
 // value. The quants come as stored (`nib` is quant_nibbles<F, false>()): the offset is folded
 // into the one FMA (Q4_0, Q5_0, Q6_K: s q + (offset s), every term exact and so is s (q + offset),
 // the one rounding giving that exact value: an integer add a lane less than offsetting q).
-template <int F, int J>
-inline void dequant(const uint8_t* grp, const High& hi, const Nibbles& nib, vf s0, vf s1, vf o0,
+template <int F, int J, class Nib>
+inline void dequant(const uint8_t* grp, const High& hi, const Nib& nib, vf s0, vf s1, vf o0,
                     vf o1, vf& w0, vf& w1) {
     using L = Layout<F>;
     vf q0, q1;
@@ -241,7 +259,7 @@ inline void walk_subblocks(const uint8_t* panel, int64_t K, Body&& body) {
 template <int F, class Body, class Ended>
 inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body, Ended&& ended) {
     using L = Layout<F>;
-    const Nibbles nib = quant_nibbles<F, false>();
+    const auto nib = quant_nibbles<F, false>();
     walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
         vf s0, s1, o0, o1;
         sub_scales<F>(b, j, s0, s1, o0, o1);
@@ -282,7 +300,7 @@ template <int F, int P>
 void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, const float* bias,
                 float* out, int64_t ncols_last) {
     using L = Layout<F>;
-    const Nibbles nib = quant_nibbles<F, false>();
+    const auto nib = quant_nibbles<F, false>();
     vf a0[P], a1[P], t0[P], t1[P];
 #pragma GCC unroll 8
     for (int i = 0; i < P; ++i) a0[i] = a1[i] = t0[i] = t1[i] = vzero();
@@ -489,7 +507,7 @@ inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs
 template <int MR, int F>
 void bsum_micro(const float* x, int64_t ldx, const float* xs, int64_t subs, const uint8_t* panel,
                 int64_t K, const float* bias, float* out, int64_t ldo, int64_t ncols) {
-    const Nibbles nib = quant_nibbles<F, true>();
+    const auto nib = quant_nibbles<F, true>();
     bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
                      [&](const uint8_t* grp, const High& hi, auto J, int64_t, vf& q0, vf& q1) {
                          quants<F, decltype(J)::value, true>(grp, hi, nib, q0, q1);
@@ -510,7 +528,7 @@ void bsum_micro_buf(const float* x, int64_t ldx, const float* xs, int64_t subs,
 // one panel's quants as floats [K, NR], offset applied, unscaled
 template <int F>
 void quant_panel(const uint8_t* panel, int64_t K, float* dst) {
-    const Nibbles nib = quant_nibbles<F, true>();
+    const auto nib = quant_nibbles<F, true>();
     walk_subblocks<F>(panel, K, [&](const uint8_t*, int64_t, const uint8_t* q, int64_t k0) {
         each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
             vf q0, q1;
@@ -567,6 +585,7 @@ inline int quant_at(const uint8_t* q, int64_t kk, int64_t c) {
         const int64_t j = kk % L::G;
         const uint8_t* nibs = grp + j * (NR / 2);
         int v = c < W ? nibs[c] & 15 : nibs[c - W] >> 4;
+        if constexpr (L::table) return static_cast<int>(MXFP4_VALUES[v]);
         if constexpr (L::high)
             v |= ((grp[L::G * (NR / 2) + c] >> (j * (L::bits - 4))) & ((1 << (L::bits - 4)) - 1)) << 4;
         return v + L::offset;
@@ -589,7 +608,11 @@ void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, floa
             for (int64_t blk = 0; blk < K / L::QK; ++blk) {
                 const uint8_t* b = panel + blk * L::block;
                 const uint16_t* h = reinterpret_cast<const uint16_t*>(b);
-                const float d = _cvtsh_ss(h[c]);
+                float d = L::halves ? _cvtsh_ss(h[c]) : 0.0f;
+                if constexpr (L::table) {  // 2^(e - 128), as e8m0_half
+                    const uint32_t e = b[c], bits = e < 2 ? 0x00200000u << e : (e - 1) << 23;
+                    std::memcpy(&d, &bits, 4);
+                }
                 const float d2 = L::halves == 2 ? _cvtsh_ss(h[NR + c]) : 0.0f;  // m or dmin
                 for (int64_t j = 0; j < L::QK / L::SUB; ++j) {
                     float s = d, off = d2;
@@ -625,7 +648,7 @@ void qrows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, floa
 
 constexpr int PS_BLOCK_SUMS = 16;  // added to a format id: its block-sum product
 
-#define PS_FORMATS(X) X(Q4_0) X(Q4_1) X(Q8_0) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K)
+#define PS_FORMATS(X) X(Q4_0) X(Q4_1) X(Q8_0) X(Q5_0) X(Q5_1) X(Q4_K) X(Q5_K) X(Q6_K) X(MXFP4)
 
 extern "C" {
 

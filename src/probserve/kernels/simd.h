@@ -122,9 +122,18 @@ struct Nibbles {
         for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(i + offset);
         table = _mm512_loadu_ps(v);
     }
+    explicit Nibbles(const float* values) : table(_mm512_loadu_ps(values)) {}  // any 16 values
     vf lo(vi bytes) const { return _mm512_permutexvar_ps(bytes, table); }
     vf hi(vi bytes) const { return _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table); }
 };
+using TableNibbles = Nibbles;  // a table of 16 values (MXFP4's E2M1): the same permute
+// 2^(e - 128) for E8M0 exponents e in 0..255 (ggml's half scale of MXFP4: e < 2 subnormal)
+inline vf e8m0_half(vi e) {
+    const __mmask16 small = _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2));
+    const vi normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const vi sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub));
+}
 // integer lanes: the K-quants' packed 6-bit scales, the 5- and 6-bit quants' high bits
 inline vi vzero_i() { return _mm512_setzero_si512(); }
 inline vi vand_i(vi a, int m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
@@ -226,6 +235,23 @@ struct Nibbles {  // as AVX-512's, with a mask, an add and a conversion
     }
     vf hi(vi bytes) const { return vcvt(_mm256_add_epi32(_mm256_srli_epi32(bytes, 4), offset)); }
 };
+struct TableNibbles {  // any 16 values (MXFP4's E2M1): two 8-entry permutes and a blend
+    vf t0, t1;
+    explicit TableNibbles(const float* values)
+        : t0(_mm256_loadu_ps(values)), t1(_mm256_loadu_ps(values + 8)) {}
+    vf at(vi idx) const {
+        const __m256 high = _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7)));
+        return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx), high);
+    }
+    vf lo(vi bytes) const { return at(_mm256_and_si256(bytes, _mm256_set1_epi32(15))); }
+    vf hi(vi bytes) const { return at(_mm256_srli_epi32(bytes, 4)); }
+};
+inline vf e8m0_half(vi e) {  // as AVX-512's
+    const vi small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    const vi normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const vi sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, small));
+}
 inline vi vzero_i() { return _mm256_setzero_si256(); }
 inline vi vand_i(vi a, int m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
 inline vi vor_i(vi a, vi b) { return _mm256_or_si256(a, b); }

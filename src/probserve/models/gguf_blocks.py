@@ -1,7 +1,7 @@
 """A GGUF file's weights in the file's own blocks: what `--weights native` serves.
 
 transformers' GGUF loader dequantizes every tensor to float32; here the tensors of the block
-formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4:
 kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes; the matrices of
 other formats are cached as the file's bytes too and dequantized as transformers does when they are
 served (`served`), and the vectors (norms) are float32. Names and the q/k row order
@@ -33,7 +33,7 @@ from probserve.progress import Stage
 log = logging.getLogger(__name__)
 
 # GGML type ids of the block formats the kernels multiply in place: Q4_0, Q4_1, Q5_0, Q5_1,
-# Q8_0, Q4_K, Q5_K, Q6_K
+# Q8_0, Q4_K, Q5_K, Q6_K, MXFP4
 NATIVE_TYPES = frozenset(FORMATS)
 
 
