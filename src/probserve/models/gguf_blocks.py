@@ -1,10 +1,10 @@
 """A GGUF file's weights in the file's own blocks: what `--weights native` serves.
 
 transformers' GGUF loader dequantizes every tensor to float32; here the tensors of the block
-formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4:
-kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes; the matrices of
-other formats are cached as the file's bytes too and dequantized as transformers does when they are
-served (`served`), and the vectors (norms) are float32. Names and the q/k row order
+formats probserve's kernels multiply directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+MXFP4: kernels/quantized.cpp, their table in kernels/qlayout.py) stay as the file's bytes; the
+matrices of other formats are cached as the file's bytes too and dequantized as transformers does
+when they are served (`served`), and the vectors (norms) are float32. Names and the q/k row order
 come from transformers' own GGUF mapping and tensor processor (the processor's row permutation
 moves whole rows, so it applies to rows of blocks unchanged).
 So a dequantized `QuantizedTensor` is bit for bit the tensor `from_pretrained(gguf_file=...)`
