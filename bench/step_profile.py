@@ -1,11 +1,12 @@
 """Where a decode step's time goes: the engine alone (no HTTP), `--streams` greedy requests
 decoding together, sampled with `perf` while they decode, the samples grouped into matrix
-products, attention, the other kernels (norms, activations, RoPE, logprob rows) and everything
-else (Python, torch's small operations, OpenMP's waits).
+products, attention, a mixture of experts' routing, the other kernels (norms, activations, RoPE,
+logprob rows) and everything else (Python, torch's small operations, OpenMP's waits).
 
     .venv/bin/python bench/step_profile.py                      # the embedded model, one stream
     .venv/bin/python bench/step_profile.py --model tinyshape-q4_0.gguf --streams 1 16
     .venv/bin/python bench/step_profile.py --op-by-op           # the layers called from Python
+    .venv/bin/python bench/step_profile.py --model shapemoe-q4_k_m.gguf --products limbs
     .venv/bin/python bench/step_profile.py --scoring 8          # echo scoring, 8 prompts in flight
     .venv/bin/python bench/step_profile.py --scoring 32 --prompt-tokens 20
 
@@ -26,7 +27,8 @@ from collections.abc import Callable
 from typing import Any
 
 GROUPS = [
-    ("matrix", re.compile(r"qmicro|micro<|qlinear|ps_linear|dequant_panel|ps_qlinear")),
+    ("matrix", re.compile(r"qmicro|micro<|qlinear|ps_linear|dequant_panel|ps_qlinear|limb")),
+    ("routing", re.compile(r"ps_route")),
     ("attention", re.compile(r"ps_attention|scores_fast|pv_fast")),
     (
         "other kernels",
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="print the N largest symbols")
     ap.add_argument("--no-perf", action="store_true", help="step times only, unsampled")
     ap.add_argument("--block-sums", action="store_true", help="the block-sum products")
+    ap.add_argument("--products", default="float", choices=["float", "limbs"])
     ap.add_argument(
         "--scoring", type=int, default=0, metavar="IN_FLIGHT",
         help="profile echo scoring instead: unrelated prompts, this many in flight",
@@ -127,7 +130,9 @@ def main() -> None:
 
     configure_threads(0)
     loaded = load_model(args.model, "native")
-    config = EngineConfig(deterministic=True, kv_cache_gib=2.0, block_sums=args.block_sums)
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=2.0, block_sums=args.block_sums, products=args.products
+    )
     core = EngineCore(loaded, config)
     core.warmup()
     if args.op_by_op:

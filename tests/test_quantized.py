@@ -689,24 +689,30 @@ def test_a_real_q4_k_m_files_tensors_multiply_bit_for_bit(kernels, gemma_gguf: P
     """Every format of a real Q4_K_M file (its own scales and quants, not random ones): the
     kernel on its blocks equals the float32 kernel on gguf's dequantization, bit for bit, at 1, 7
     and 40 rows, and its rows gather exactly."""
-    reader = gguf.GGUFReader(gemma_gguf)
-    seen: set[Q] = set()
     rng = np.random.default_rng(0)
-    for tensor in reader.tensors:
-        qtype = Q(tensor.tensor_type)
-        if qtype not in FORMATS or qtype in seen or len(tensor.data.shape) != 2:
-            continue
-        seen.add(qtype)
-        raw = np.ascontiguousarray(np.asarray(tensor.data)[:256])  # 256 output rows of it
-        weight = dequantized(raw, qtype)
+    for name, qtype, raw, weight in _first_of_each_format(gemma_gguf):
         packed_q, packed_f = kernels.qpack(raw, qtype.value), kernels.pack(weight)
         x = torch.from_numpy(rng.standard_normal((40, weight.shape[1])).astype(np.float32))
         for rows in (1, 7, 40):
             got = kernels.qlinear(x[:rows], packed_q).numpy().tobytes()
-            assert got == kernels.linear(x[:rows], packed_f).numpy().tobytes(), tensor.name
+            assert got == kernels.linear(x[:rows], packed_f).numpy().tobytes(), name
         ids = torch.tensor([0, 255, 17])
-        assert torch.equal(kernels.qrows(packed_q, ids), weight[ids]), tensor.name
-    assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= seen, seen
+        assert torch.equal(kernels.qrows(packed_q, ids), weight[ids]), name
+
+
+def _first_of_each_format(path: Path) -> list[tuple[str, Q, np.ndarray, torch.Tensor]]:
+    """A real file's first matrix of each native format: (name, format, 256 output rows of its
+    blocks, their gguf dequantization); the Q4_K_M file has Q5_0, Q4_K, Q6_K and Q8_0."""
+    reader = gguf.GGUFReader(path)
+    found: dict[Q, tuple[str, Q, np.ndarray, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        qtype = Q(tensor.tensor_type)
+        if qtype not in FORMATS or qtype in found or len(tensor.data.shape) != 2:
+            continue
+        raw = np.ascontiguousarray(np.asarray(tensor.data)[:256])
+        found[qtype] = (tensor.name, qtype, raw, dequantized(raw, qtype))
+    assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= set(found), set(found)
+    return list(found.values())
 
 
 @pytest.mark.slow
@@ -714,16 +720,8 @@ def test_a_real_q4_k_m_files_tensors_in_limbs(limbs, kernels, gemma_gguf: Path):
     """Every format of a real Q4_K_M file in limbs: closer to the float64 product than the
     float32 path, at its largest and on average, the same bits at 1, 7 and 40 rows, and its rows
     gather gguf's values exactly."""
-    reader = gguf.GGUFReader(gemma_gguf)
-    seen: set[Q] = set()
     rng = np.random.default_rng(1)
-    for tensor in reader.tensors:
-        qtype = Q(tensor.tensor_type)
-        if qtype not in FORMATS or qtype in seen or len(tensor.data.shape) != 2:
-            continue
-        seen.add(qtype)
-        raw = np.ascontiguousarray(np.asarray(tensor.data)[:256])
-        weight = dequantized(raw, qtype)
+    for name, qtype, raw, weight in _first_of_each_format(gemma_gguf):
         ours, float32 = limbs.qpack(raw, qtype.value), kernels.qpack(raw, qtype.value)
         x = torch.from_numpy(rng.standard_normal((40, weight.shape[1])).astype(np.float32))
         x[:, 3] *= 50.0
@@ -731,9 +729,8 @@ def test_a_real_q4_k_m_files_tensors_in_limbs(limbs, kernels, gemma_gguf: Path):
         truth = F.linear(x.double(), weight.double())
         err = (full.double() - truth).abs()
         err32 = (kernels.qlinear(x, float32).double() - truth).abs()
-        assert err.max() < err32.max() and err.pow(2).mean() < err32.pow(2).mean(), tensor.name
+        assert err.max() < err32.max() and err.pow(2).mean() < err32.pow(2).mean(), name
         for rows in (1, 7):
             assert limbs.qlinear(x[:rows], ours).numpy().tobytes() == full[:rows].numpy().tobytes()
         ids = torch.tensor([0, 255, 17])
-        assert torch.equal(limbs.qrows(ours, ids), weight[ids]), tensor.name
-    assert {Q.Q5_0, Q.Q4_K, Q.Q6_K, Q.Q8_0} <= seen, seen
+        assert torch.equal(limbs.qrows(ours, ids), weight[ids]), name
