@@ -35,31 +35,50 @@ def _writer(path: Path, arch: str) -> tuple[GGUFWriter, int]:
     return writer, vocab
 
 
-def write_qwen3moe_gguf(
-    path: Path, *, hidden: int, layers: int, experts: int, used: int, expert_ffn: int, seed: int = 0
+def write_moe_gguf(
+    path: Path,
+    *,
+    arch: str,
+    hidden: int,
+    layers: int,
+    experts: int,
+    used: int,
+    expert_ffn: int,
+    seed: int = 0,
 ) -> Path:
-    """A Qwen3-MoE GGUF file (q/k head norms, a router and 3-D expert tensors in every layer,
-    untied head): the experts and attention Q8_0, the router float32, norms random around 1."""
-    writer, vocab = _writer(path, "qwen3moe")
-    heads, kv_heads, head_dim = 4, 2, 16
+    """A mixture-of-experts GGUF file, `arch` "qwen3moe" (q/k head norms) or "llama" with
+    experts (Mixtral, as llama.cpp writes it): a router and 3-D expert tensors in every layer,
+    untied head; the experts and attention Q8_0, the router float32, norms random around 1."""
+    writer, vocab = _writer(path, arch)
+    heads, kv_heads, head_dim = 4, 2, hidden // 4
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    for key, value, vtype in [
-        ("qwen3moe.context_length", 2048, u32),
-        ("qwen3moe.embedding_length", hidden, u32),
-        ("qwen3moe.block_count", layers, u32),
-        ("qwen3moe.feed_forward_length", 4 * hidden, u32),
-        ("qwen3moe.expert_feed_forward_length", expert_ffn, u32),
-        ("qwen3moe.expert_count", experts, u32),
-        ("qwen3moe.expert_used_count", used, u32),
-        ("qwen3moe.attention.head_count", heads, u32),
-        ("qwen3moe.attention.head_count_kv", kv_heads, u32),
-        ("qwen3moe.attention.key_length", head_dim, u32),
-        ("qwen3moe.attention.value_length", head_dim, u32),
-        ("qwen3moe.rope.freq_base", 10000.0, f32),
-        ("qwen3moe.attention.layer_norm_rms_epsilon", 1e-6, f32),
-        ("general.file_type", 7, u32),
-    ]:
-        writer.add_key_value(key, value, vtype)
+    keys: list[tuple[str, object, GGUFValueType]] = [
+        ("context_length", 2048, u32),
+        ("embedding_length", hidden, u32),
+        ("block_count", layers, u32),
+        ("expert_count", experts, u32),
+        ("expert_used_count", used, u32),
+        ("attention.head_count", heads, u32),
+        ("attention.head_count_kv", kv_heads, u32),
+        ("rope.freq_base", 10000.0, f32),
+        ("attention.layer_norm_rms_epsilon", 1e-6, f32),
+    ]
+    if arch == "qwen3moe":
+        keys += [
+            ("feed_forward_length", 4 * hidden, u32),
+            ("expert_feed_forward_length", expert_ffn, u32),
+            ("attention.key_length", head_dim, u32),
+            ("attention.value_length", head_dim, u32),
+        ]
+    else:  # Mixtral: the experts' width is the feed-forward length
+        keys += [
+            ("feed_forward_length", expert_ffn, u32),
+            ("vocab_size", vocab, u32),
+            ("rope.dimension_count", head_dim, u32),
+        ]
+    for key, value, vtype in keys:
+        writer.add_key_value(f"{arch}.{key}", value, vtype)
+    writer.add_key_value("general.file_type", 7, u32)
     q, kv = heads * head_dim, kv_heads * head_dim
     plan: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (vocab, hidden), "q8")]
     for i in range(layers):
@@ -70,8 +89,13 @@ def write_qwen3moe_gguf(
             (p + "attn_k.weight", (kv, hidden), "q8"),
             (p + "attn_v.weight", (kv, hidden), "q8"),
             (p + "attn_output.weight", (hidden, q), "q8"),
-            (p + "attn_q_norm.weight", (head_dim,), "norm"),
-            (p + "attn_k_norm.weight", (head_dim,), "norm"),
+        ]
+        if arch == "qwen3moe":
+            plan += [
+                (p + "attn_q_norm.weight", (head_dim,), "norm"),
+                (p + "attn_k_norm.weight", (head_dim,), "norm"),
+            ]
+        plan += [
             (p + "ffn_norm.weight", (hidden,), "norm"),
             (p + "ffn_gate_inp.weight", (experts, hidden), "f32"),
             (p + "ffn_gate_exps.weight", (experts, expert_ffn, hidden), "q8"),

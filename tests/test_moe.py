@@ -55,14 +55,15 @@ def test_unbuilt_mixtures_are_refused_naming_what_is_missing():
         family(OlmoeConfig(num_hidden_layers=2, clip_qkv=8.0))
 
 
-def test_a_qwen3_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch):
-    """A Qwen3-MoE GGUF file (3-D expert tensors in Q8_0, a float32 router): each expert's rows
-    held as the file's blocks (no float32 copy), the configuration's expert width from the file,
-    prompt logprobs within 1e-4 of transformers' forward of the dequantized weights, and a request
-    the same bits among others."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: str):
+    """A Qwen3-MoE or Mixtral GGUF file (arch llama with experts, as llama.cpp writes it; 3-D
+    expert tensors in Q8_0, a float32 router): each expert's rows held as the file's blocks (no
+    float32 copy), the configuration's experts from the file, prompt logprobs within 1e-4 of
+    transformers' forward of the dequantized weights, and a request the same bits among others."""
     from conftest import run_core
-    from gguf_util import write_qwen3moe_gguf
-    from transformers import Qwen3MoeForCausalLM
+    from gguf_util import write_moe_gguf
+    from transformers import AutoModelForCausalLM
 
     from probserve.engine import (
         EngineConfig,
@@ -79,18 +80,19 @@ def test_a_qwen3_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch):
     cache.mkdir()
     (cache / "kernels").symlink_to(build().parent, target_is_directory=True)
     monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
-    path = write_qwen3moe_gguf(
-        tmp_path / "moe.gguf", hidden=64, layers=2, experts=8, used=3, expert_ffn=32
+    path = write_moe_gguf(
+        tmp_path / "moe.gguf", arch=arch, hidden=64, layers=2, experts=8, used=3, expert_ffn=32
     )
     loaded = load_model(str(path), "native")
     cfg = loaded.model.config
-    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok) == ("qwen3_moe", 8, 3)
-    assert cfg.moe_intermediate_size == 32 and cfg.norm_topk_prob
+    fam = family(cfg)
+    assert (fam.experts, fam.top_k, fam.expert_intermediate, fam.norm_topk) == (8, 3, 32, True)
+    assert cfg.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral")
     weights = loaded.weights
     assert weights is not None and loaded.weights_format == "Q8_0"
     down = weights["model.layers.1.mlp.experts.7.down_proj.weight"]
     assert isinstance(down, QuantizedTensor) and (down.n, down.k) == (64, 32)
-    twin = Qwen3MoeForCausalLM(cfg).eval().requires_grad_(False)
+    twin = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
     state = {}
     for name, param in twin.named_parameters():
         if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
@@ -98,7 +100,7 @@ def test_a_qwen3_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch):
             parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
             state[name] = torch.stack([
                 torch.cat([as_float(weights[f"{base}.{e}.{p}.weight"]) for p in parts])
-                for e in range(cfg.num_experts)
+                for e in range(fam.experts)
             ])  # fmt: skip
         else:
             state[name] = as_float(weights[name])

@@ -205,24 +205,48 @@ def write_metadata(source: ModelSource, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
     except _LOAD_ERRORS as exc:
         raise _load_error(source, exc) from exc
+    config = _experts_config(config, Path(source.name_or_path) / str(source.gguf_file))
     config.dtype = torch.float32
-    _experts_config(config, Path(source.name_or_path) / str(source.gguf_file))
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
-def _experts_config(config: Any, gguf: Path) -> None:
-    """What transformers' GGUF configuration leaves out of a Qwen3-MoE file: its experts' width
-    (`expert_feed_forward_length`) and the renormalised top-k llama.cpp always applies to it."""
-    if getattr(config, "model_type", None) != "qwen3_moe":
-        return
+# a Llama configuration's fields a Mixtral one does not take
+_NOT_MIXTRAL = ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")
+
+
+def _experts_config(config: Any, gguf: Path) -> Any:
+    """What transformers' GGUF configuration leaves out of a mixture of experts: a Qwen3-MoE
+    file's experts' width (`expert_feed_forward_length`) and the renormalised top-k llama.cpp
+    always applies to it; a Mixtral file (arch `llama` with `llama.expert_count`), read as a
+    dense Llama, becomes the Mixtral configuration it is. Other configurations come back as
+    they are."""
+    kind = getattr(config, "model_type", None)
+    if kind not in ("qwen3_moe", "llama"):
+        return config
     from gguf import GGUFReader
 
-    field = GGUFReader(str(gguf)).fields.get("qwen3moe.expert_feed_forward_length")
-    if field is not None:
-        config.moe_intermediate_size = int(field.contents())
-    config.norm_topk_prob = True
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(key: str) -> int | None:
+        field = fields.get(key)
+        return None if field is None else int(field.contents())
+
+    if kind == "qwen3_moe":
+        width = value("qwen3moe.expert_feed_forward_length")
+        if width is not None:
+            config.moe_intermediate_size = width
+        config.norm_topk_prob = True
+        return config
+    experts = value("llama.expert_count")
+    if not experts:
+        return config
+    from transformers import MixtralConfig
+
+    fields_of = {k: v for k, v in config.to_dict().items() if k not in _NOT_MIXTRAL}
+    used = value("llama.expert_used_count") or 2
+    return MixtralConfig(**fields_of, num_local_experts=experts, num_experts_per_tok=used)
 
 
 def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
