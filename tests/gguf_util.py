@@ -44,11 +44,14 @@ def write_moe_gguf(
     experts: int,
     used: int,
     expert_ffn: int,
+    per_expert: bool = False,
     seed: int = 0,
 ) -> Path:
     """A mixture-of-experts GGUF file, `arch` "qwen3moe" (q/k head norms) or "llama" with
     experts (Mixtral, as llama.cpp writes it): a router and 3-D expert tensors in every layer,
-    untied head; the experts and attention Q8_0, the router float32, norms random around 1."""
+    untied head; the experts and attention Q8_0, the router float32, norms random around 1.
+    `per_expert`: each expert's matrices as their own tensors (blk.N.ffn_gate.E.weight, as the
+    first Mixtral GGUFs hold them) instead of stacked ffn_*_exps."""
     writer, vocab = _writer(path, arch)
     heads, kv_heads, head_dim = 4, 2, hidden // 4
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
@@ -98,10 +101,17 @@ def write_moe_gguf(
         plan += [
             (p + "ffn_norm.weight", (hidden,), "norm"),
             (p + "ffn_gate_inp.weight", (experts, hidden), "f32"),
-            (p + "ffn_gate_exps.weight", (experts, expert_ffn, hidden), "q8"),
-            (p + "ffn_up_exps.weight", (experts, expert_ffn, hidden), "q8"),
-            (p + "ffn_down_exps.weight", (experts, hidden, expert_ffn), "q8"),
         ]
+        shapes = {
+            "gate": (expert_ffn, hidden),
+            "up": (expert_ffn, hidden),
+            "down": (hidden, expert_ffn),
+        }
+        for which, dims in shapes.items():
+            if per_expert:
+                plan += [(p + f"ffn_{which}.{e}.weight", dims, "q8") for e in range(experts)]
+            else:
+                plan += [(p + f"ffn_{which}_exps.weight", (experts, *dims), "q8")]
     plan += [("output_norm.weight", (hidden,), "norm"), ("output.weight", (vocab, hidden), "q8")]
     for name, shape, kind in plan:
         if kind == "q8":

@@ -34,6 +34,11 @@ def test_routing_matches_transformers_and_breaks_ties_by_id(kernels):
     assert ids.tolist() == [[1, 2, 4]] and w[0, 0] == w[0, 1] == w[0, 2]
     with pytest.raises(ValueError):
         kernels.route(tied, 7, False)
+    wide = torch.randn(5, 160, generator=gen)  # more than 64 experts chosen
+    ids, w = kernels.route(wide, 80, True)
+    ref_ids, ref_w = route(wide, 80, True, None)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7)
 
 
 def test_a_tokens_route_is_the_same_bits_in_any_batch(kernels):
@@ -55,12 +60,19 @@ def test_unbuilt_mixtures_are_refused_naming_what_is_missing():
         family(OlmoeConfig(num_hidden_layers=2, clip_qkv=8.0))
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
-def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: str):
+@pytest.mark.parametrize(
+    ("arch", "per_expert"), [("qwen3moe", False), ("llama", False), ("llama", True)]
+)
+def test_a_moe_gguf_serves_its_experts_in_blocks(
+    tmp_path, monkeypatch, arch: str, per_expert: bool
+):
     """A Qwen3-MoE or Mixtral GGUF file (arch llama with experts, as llama.cpp writes it; 3-D
     expert tensors in Q8_0, a float32 router): each expert's rows held as the file's blocks (no
     float32 copy), the configuration's experts from the file, prompt logprobs within 1e-4 of
-    transformers' forward of the dequantized weights, and a request the same bits among others."""
+    transformers' forward of the dequantized weights, and a request the same bits among others;
+    Mixtral's first files (each expert its own tensors) too. The float32 path: Qwen3-MoE through
+    transformers' own GGUF loader with the completed configuration, the same numbers; a Mixtral
+    file (transformers would read a dense Llama) refused in one line."""
     from conftest import run_core
     from gguf_util import write_moe_gguf
     from transformers import AutoModelForCausalLM
@@ -73,7 +85,7 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: st
         SamplingParams,
     )
     from probserve.kernels.build import build
-    from probserve.models import load_model
+    from probserve.models import ModelLoadError, load_model
     from probserve.models.gguf_blocks import QuantizedTensor, as_float
 
     cache = tmp_path / "cache"
@@ -81,8 +93,9 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: st
     (cache / "kernels").symlink_to(build().parent, target_is_directory=True)
     monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
     path = write_moe_gguf(
-        tmp_path / "moe.gguf", arch=arch, hidden=64, layers=2, experts=8, used=3, expert_ffn=32
-    )
+        tmp_path / "moe.gguf", arch=arch, hidden=64, layers=2, experts=8, used=3, expert_ffn=32,
+        per_expert=per_expert,
+    )  # fmt: skip
     loaded = load_model(str(path), "native")
     cfg = loaded.model.config
     fam = family(cfg)
@@ -130,3 +143,11 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: st
     assert [np.asarray(o.logprobs.logprobs).tobytes() for o in mixed if o.logprobs] == [
         np.asarray(o.logprobs.logprobs).tobytes() for o in alone if o.logprobs
     ]
+    if arch == "llama":
+        with pytest.raises(ModelLoadError, match="Mixtral"):
+            load_model(str(path), "float32")
+        return
+    float32 = load_model(str(path), "float32").model
+    with torch.no_grad():
+        theirs = torch.log_softmax(float32(torch.tensor([ids])).logits[0].double(), -1)
+    np.testing.assert_allclose(theirs.numpy(), ref.numpy(), atol=1e-5)

@@ -51,15 +51,15 @@ class EngineConfig:
     threads: int = setting(0, "torch threads of the engine (0: one per core)")
     weights: Literal["native", "float32"] = setting(
         "native",
-        "native: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K blocks stay as the file "
-        "holds them and are "
+        "native: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks stay as the "
+        "file holds them and are "
         "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
         "needs --deterministic and the paged runner, else float32); float32: dequantized",
     )
     products: Literal["float", "limbs"] = setting(
         "float",
         "how GGUF blocks are multiplied on the exact path: float (each weight dequantized, "
-        "float32 FMAs) or limbs (every GGUF block format; AVX-512 VNNI, else AVX2: each "
+        "float32 FMAs) or limbs (every GGUF block format but MXFP4; AVX-512 VNNI, else AVX2: each "
         "activation as four integer bytes, exact integer products summed in float64, rounded "
         "once: closer to a float64 forward; on AVX-512 VNNI faster for one stream's decode "
         "steps, slower for batched steps, prefill and scoring; on AVX2 slower throughout: "

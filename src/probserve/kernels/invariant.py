@@ -37,7 +37,8 @@ class QuantizedWeight:
     output columns, in each for every block along K (32 weights, 256 for the K-quants) the
     columns' float16 fields and scale bytes, then one row of P quants per k."""
 
-    data: torch.Tensor  # uint8 [panels, K / block length, P * the file's block bytes]
+    data: torch.Tensor  # uint8 [panels, K / block length, block bytes] (P times the file's;
+    # limbs.cpp's layout: qlayout.limb_block_bytes)
     bias: torch.Tensor | None
     fmt: int  # quantized.cpp's format id (qlayout.FORMATS), + PS_LIMBS in limbs.cpp's layout
     n: int
@@ -45,7 +46,6 @@ class QuantizedWeight:
 
 
 SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
-ROUTE_MAX_K = 64  # the most experts ps_route chooses for a token
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -63,8 +63,8 @@ def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def limb_types(lib: Any) -> frozenset[int]:
-    """The GGML types `lib` multiplies in integer limbs (limbs.cpp: every native format where it
-    was built with AVX-512 VNNI or AVX2; none elsewhere)."""
+    """The GGML types `lib` multiplies in integer limbs (limbs.cpp: every native format but MXFP4
+    where it was built with AVX-512 VNNI or AVX2; none elsewhere)."""
     return frozenset(t for t in LIMB_TYPES if lib.ps_limb_block_bytes(FORMATS[t].fmt) > 0)
 
 
@@ -246,7 +246,7 @@ class InvariantKernels:
         to 1 with `norm`), from the row alone (kernels/route.cpp)."""
         x = _f32(logits)
         m, e = x.shape
-        if not 0 < k <= min(ROUTE_MAX_K, e):
+        if not 0 < k <= e:
             raise ValueError(f"cannot route to {k} of {e} experts")
         ids = torch.empty((m, k), dtype=torch.int64)
         weights = torch.empty((m, k), dtype=torch.float32)

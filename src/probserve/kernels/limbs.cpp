@@ -475,7 +475,8 @@ int64_t ps_limb_block_bytes(int fmt) {
 #endif
 }
 
-// out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes)
+// out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
+// bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or null
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
 #ifdef PS_LIMBS_BUILT

@@ -29,7 +29,8 @@ void row_limbs(const float* x, int64_t m, RowLimbs& r) {
         const double inv = finite ? std::ldexp(1.0, -e) : 0.0;
         double half[2] = {0.0, 0.0};
         for (int k = 0; k < 32; ++k) {
-            const int32_t X = static_cast<int32_t>(std::nearbyint(static_cast<double>(xb[k]) * inv));
+            const double v = finite ? static_cast<double>(xb[k]) * inv : 0.0;  // (NaN: no int)
+            const int32_t X = static_cast<int32_t>(std::nearbyint(v));
             int32_t rest = X;
             for (int i = 0; i < LIMBS; ++i) {
                 const int32_t a = i == LIMBS - 1 ? rest : ((rest + 128) & 255) - 128;

@@ -28,7 +28,7 @@ void ps_route(const float* logits, int64_t M, int64_t E, int64_t k, int norm, in
         }
         int64_t* id = ids + m * k;
         float* w = weights + m * k;
-        double chosen[64];  // k <= 64 (the caller's bound)
+        std::vector<double> chosen(static_cast<size_t>(k));
         double sum = 0.0;
         for (int64_t j = 0; j < k; ++j) {  // selection: the largest not yet taken, lowest id first
             int64_t best = -1;

@@ -28,7 +28,7 @@ from probserve.progress import Stage
 log = logging.getLogger(__name__)
 
 _DONE = ".complete"
-_LAYOUT = "metadata-v2"  # what a directory holds: a change writes new directories
+_LAYOUT = "metadata-v3"  # what a directory holds: a change writes new directories
 FLOAT32_SUFFIX = ".float32"
 
 

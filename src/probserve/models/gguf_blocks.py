@@ -256,9 +256,16 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
             names.setdefault(f"{gguf_name}.{suffix}", hf_name)
     out: dict[str, Weight] = {}
     for tensor in reader.tensors:
-        experts = _EXPERTS.fullmatch(tensor.name)
-        if experts is not None:
-            out.update(_expert_rows(tensor, int(experts[1]), experts[2]))
+        stacked = _EXPERTS.fullmatch(tensor.name)
+        if stacked is not None:  # [experts, rows, row bytes]: each expert a view
+            layer, which = int(stacked[1]), stacked[2]
+            for e in range(tensor.data.shape[0]):
+                out[_expert_name(layer, e, which)] = _expert_weight(tensor, tensor.data[e])
+            continue
+        one = _ONE_EXPERT.fullmatch(tensor.name)  # an older file: each expert its own tensor
+        if one is not None:
+            expert = _expert_name(int(one[1]), int(one[3]), one[2])
+            out[expert] = _expert_weight(tensor, tensor.data)
             continue
         name = names.get(tensor.name)
         if name is None:
@@ -274,32 +281,32 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     return _with_ties(out, skeleton, Path(path).name)
 
 
-# a mixture of experts' stacked tensor: [experts, rows, row bytes] (llama.cpp's ffn_*_exps)
+# a mixture of experts' stacked tensor: [experts, rows, row bytes] (llama.cpp's ffn_*_exps);
+# one expert's matrix in an older file (Mixtral's first GGUFs: blk.N.ffn_gate.E.weight)
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
-def _expert_rows(tensor: Any, layer: int, which: str) -> dict[str, Weight]:
-    """Each expert's matrix of a stacked expert tensor, under its own name
-    (model.layers.L.mlp.experts.E.gate_proj.weight: the forward's per-expert weights), as views
-    of the file's rows: blocks stay blocks, float32 is read as float32."""
-    kind, k = tensor.tensor_type, int(tensor.shape[0])
-    out: dict[str, Weight] = {}
-    for e in range(tensor.data.shape[0]):
-        name = f"model.layers.{layer}.mlp.experts.{e}.{which}_proj.weight"
-        if kind.name == "F32":
-            out[name] = torch.from_numpy(np.array(tensor.data[e], dtype=np.float32))
-        else:
-            out[name] = QuantizedTensor(tensor.data[e], int(kind), k)
-    return out
+def _expert_name(layer: int, expert: int, which: str) -> str:
+    """Expert `expert`'s matrix under its own name (the forward's per-expert weights)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{which}_proj.weight"
+
+
+def _expert_weight(tensor: Any, rows: np.ndarray) -> Weight:
+    """One expert's rows of `tensor` as a view of the file's: blocks stay blocks, float32 is
+    read as float32 (K: the tensor's first dimension, ggml's order)."""
+    if tensor.tensor_type.name == "F32":
+        return torch.from_numpy(np.array(rows, dtype=np.float32))
+    return QuantizedTensor(rows, int(tensor.tensor_type), int(tensor.shape[0]))
 
 
 def _held_per_expert(name: str, out: dict[str, Weight]) -> bool:
     """A skeleton's stacked expert parameter (transformers' mlp.experts.gate_up_proj or
     down_proj) the weights hold per expert instead."""
-    firsts = {"gate_up_proj": "0.gate_proj.weight", "down_proj": "0.down_proj.weight"}
-    for stacked, first in firsts.items():
+    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+    for stacked, names in parts.items():
         if name.endswith(f"mlp.experts.{stacked}"):
-            return name[: -len(stacked)] + first in out
+            return all(f"{name[: -len(stacked)]}0.{part}.weight" in out for part in names)
     return False
 
 

@@ -144,6 +144,8 @@ def _native(
     if not path:
         return None
     config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+    if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
+        config = _experts_config(config, Path(path))
     generation = None
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
@@ -262,10 +264,17 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
 
     def write(out: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
+        config = AutoConfig.from_pretrained(source.name_or_path)  # completed (_experts_config)
+        if config.model_type == "mixtral":
+            raise ModelLoadError(
+                f"{gguf.name} is a Mixtral file transformers reads as a dense Llama: it is served "
+                "in its blocks only (--weights native with --deterministic)"
+            )
+        extra = {"config": config} if config.model_type == "qwen3_moe" else {}
         model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **extra
         )
         _save_weights(model, out)
         for item in Path(source.name_or_path).iterdir():  # the metadata: a whole HF directory
