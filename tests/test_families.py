@@ -5,7 +5,8 @@ Phi-3's fused projections and per-position LongRoPE; Mistral's sliding window; t
 experts: Qwen3-MoE with a dense layer among sparse ones and renormalised top-k, OLMoE's
 whole-projection q/k norms and plain top-k, Mixtral's windowed attention), prompt and generated
 logprobs within 1e-4 on both paths (deterministic kernels and torch), and bitwise the same alone
-and among other requests."""
+and among other requests; a mixture of experts' returned routing (every prompt and generated
+token's experts and weights in each MoE layer) is the experts transformers' router picks."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ from conftest import run_core
 from native_util import assert_native_equals_op_by_op
 from reference import full_logprobs
 
-from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    LogprobsSpec,
+    RoutedExperts,
+    RoutingSpec,
+    SamplingParams,
+)
 from probserve.kernels.invariant import InvariantKernels
 from probserve.models import LoadedModel
 from probserve.models.family import family
@@ -126,13 +135,45 @@ def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
     )
 
 
-def _request(ids: list[int], rid: str, max_tokens: int = 8) -> EngineRequest:
+def _request(ids: list[int], rid: str, max_tokens: int = 8, routing: bool = False) -> EngineRequest:
     return EngineRequest(
         rid,
         tuple(ids),
         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
+        routing=RoutingSpec(prompt=True) if routing else None,
     )
+
+
+def _routed(model: LoadedModel) -> bool:
+    """A mixture of experts: its requests here also ask for their routing."""
+    return bool(family(model.model.config).experts)
+
+
+def _check_routing(model: LoadedModel, outs: list, ids: list[int], gen: list[int]) -> None:
+    """The routing returned for prompt tokens 1.. and every generated token (each the row
+    before it: positions 0 .. len-2 of prompt + generated) is transformers' router's: the top-k
+    of the softmax of its logits in each MoE layer, weights renormalised where the model does."""
+    fam = family(model.model.config)
+    prompt = next(o.prompt_routed for o in outs if o.prompt_routed is not None)
+    parts = [prompt, *(o.routed for o in outs if o.new_token_ids)]
+    assert all(isinstance(p, RoutedExperts) for p in parts)
+    experts = np.concatenate([p.experts for p in parts])
+    weights = np.concatenate([p.weights for p in parts])
+    total = len(ids) + len(gen) - 1
+    layers = sum(fam.sparse)
+    assert experts.shape == weights.shape == (total, layers, fam.top_k)
+    assert experts.dtype == np.int16 and weights.dtype == np.float32
+    with torch.no_grad():
+        hf = model.model(input_ids=torch.tensor([ids + gen]), output_router_logits=True)
+    assert len(hf.router_logits) == layers
+    for m, logits in enumerate(hf.router_logits):
+        probs = torch.softmax(logits[:total].double(), dim=-1)
+        want_w, want_ids = torch.topk(probs, fam.top_k, dim=-1)
+        if fam.norm_topk:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert np.array_equal(experts[:, m], want_ids.numpy()), f"MoE layer {m}"
+        assert np.abs(weights[:, m] - want_w.numpy()).max() < 1e-5
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -148,8 +189,13 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     )
     assert core.info.runner == "PagedRunner" and core.info.deterministic == deterministic
     ids = _prompt(1, 23)
-    outs = run_core(core, [_request(ids, "r")])["r"]
+    outs = run_core(core, [_request(ids, "r", routing=_routed(model))])["r"]
     gen = [t for o in outs for t in o.new_token_ids]
+    if _routed(model):
+        assert core.info.moe_layers == tuple(
+            i for i, s in enumerate(family(model.model.config).sparse) if s
+        )
+        _check_routing(model, outs, ids, gen)
     ref = full_logprobs(model.model, ids + gen)
     prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
     got = np.asarray(prompt.logprobs, dtype=np.float64)
@@ -171,20 +217,25 @@ def _numbers(outs: list) -> list[bytes]:
             if lp is not None:
                 for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
                     out.append(np.ascontiguousarray(arr).tobytes())
+        for routed in (o.routed, o.prompt_routed):
+            if routed is not None:
+                out += [routed.experts.tobytes(), routed.weights.tobytes()]
     return out
 
 
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
     canary = _prompt(2, 19)
+    routed = _routed(model)
     fresh = EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
-    alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
+    alone = run_core(EngineCore(model, fresh), [_request(canary, "c", routing=routed)])["c"]
     core = EngineCore(
         model,
         EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_batched_tokens=7),
     )
     others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
-    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
-    again = run_core(core, [_request(canary, "again")])["again"]  # its prefix cached
+    mixed = run_core(core, [*others[:2], _request(canary, "c", routing=routed), *others[2:]])["c"]
+    again = run_core(core, [_request(canary, "again", routing=routed)])["again"]  # cached prefix
+    assert not routed or any(o.routed is not None for o in mixed)
     assert _numbers(mixed) == _numbers(alone) == _numbers(again)
 
 

@@ -5,6 +5,8 @@ say in one line what is missing."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -151,3 +153,132 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(
     with torch.no_grad():
         theirs = torch.log_softmax(float32(torch.tensor([ids])).logits[0].double(), -1)
     np.testing.assert_allclose(theirs.numpy(), ref.numpy(), atol=1e-5)
+
+
+def _tiny_qwen3_moe(smol):
+    """A tiny random Qwen3-MoE over the embedded tokenizer (layer 1 dense, 0 and 2 sparse)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from probserve.models import LoadedModel
+
+    torch.manual_seed(11)
+    config = Qwen3MoeConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        vocab_size=smol.vocab_size, max_position_embeddings=256, eos_token_id=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if "norm" in name else 0.08))
+            if "norm" in name:
+                param.add_(1.0)
+    return LoadedModel(
+        model=hf, tokenizer=smol.tokenizer, name="tiny-moe", eos_token_ids=frozenset({2}),
+        context_length=256, vocab_size=smol.vocab_size,
+    )  # fmt: skip
+
+
+def _decoded(entries: list, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """return_routed_experts' entries (no nulls) as experts [n, layers, k] and weights."""
+    import base64
+
+    experts = [np.frombuffer(base64.b64decode(e["experts"]), "<i2") for e in entries]
+    weights = [np.frombuffer(base64.b64decode(e["weights"]), "<f4") for e in entries]
+    n = len(entries)
+    return np.stack(experts).reshape(n, -1, k), np.stack(weights).reshape(n, -1, k)
+
+
+def test_return_routed_experts_names_the_routers_picks_on_every_route(smol):
+    """Completions (echo: the prompt's too) and chat (prompt_logprobs: the prompt's too), whole
+    and streamed: one entry per token, each the experts and weights transformers' router gives
+    the row before the token in each MoE layer; /health names the layers; a request past
+    --max-routed-tokens, Responses, and a dense model's server refuse the field by name."""
+    import httpx
+    from server_util import running_server
+
+    loaded = _tiny_qwen3_moe(smol)
+    hf, k = loaded.model, 3
+    with running_server(loaded, "--deterministic", "--max-routed-tokens", "200") as url:
+        c = httpx.Client(base_url=url, timeout=120)
+        health = c.get("/health").json()
+        assert health["routed_experts"] == {"layers": [0, 2], "experts_per_token": k}
+        body = {
+            "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0,
+            "echo": True, "return_routed_experts": True, "return_token_ids": True,
+            "ignore_eos": True,
+        }  # fmt: skip
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        prompt, gen = choice["prompt_token_ids"], choice["token_ids"]
+        assert choice["prompt_routed_experts"][0] is None
+        assert len(choice["prompt_routed_experts"]) == len(prompt)
+        assert len(choice["routed_experts"]) == len(gen) == 6
+        entries = choice["prompt_routed_experts"][1:] + choice["routed_experts"]
+        experts, weights = _decoded(entries, k)
+        ids = prompt + gen
+        with torch.no_grad():
+            router = hf(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+        assert experts.shape == (len(ids) - 1, 2, k)
+        for m, logits in enumerate(router):
+            w, e = torch.topk(torch.softmax(logits[: len(ids) - 1].double(), -1), k)
+            assert np.array_equal(experts[:, m], e.numpy())
+            assert np.abs(weights[:, m] - (w / w.sum(-1, keepdim=True)).numpy()).max() < 1e-5
+        # streamed: the same entries, chunk by chunk (the prompt's in the first chunk)
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        firsts = [ch["choices"][0] for ch in chunks]
+        assert firsts[0]["prompt_routed_experts"] == choice["prompt_routed_experts"]
+        streamed = [e for ch in firsts for e in ch["routed_experts"] or []]
+        assert streamed == choice["routed_experts"]
+        # without echo: the generated tokens' alone, the same entries
+        plain = c.post("/v1/completions", json={**body, "echo": False}).json()["choices"][0]
+        assert "prompt_routed_experts" not in plain
+        assert plain["routed_experts"] == choice["routed_experts"]
+        # chat: the reply's tokens, and with prompt_logprobs the rendered prompt's
+        chat = {
+            "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5,
+            "temperature": 0, "ignore_eos": True, "return_routed_experts": True,
+            "return_token_ids": True, "prompt_logprobs": 0,
+        }  # fmt: skip
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        got = answer["choices"][0]
+        assert len(got["prompt_routed_experts"]) == len(answer["prompt_token_ids"])
+        assert len(got["routed_experts"]) == len(got["token_ids"]) == 5
+        ids = answer["prompt_token_ids"] + got["token_ids"]
+        experts, _ = _decoded(got["prompt_routed_experts"][1:] + got["routed_experts"], k)
+        with torch.no_grad():
+            router = hf(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits
+        for m, logits in enumerate(router):
+            want = torch.topk(torch.softmax(logits[: len(ids) - 1].double(), -1), k).indices
+            assert np.array_equal(experts[:, m], want.numpy())
+        with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
+            chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        parts = [ch["choices"][0] for ch in chunks if ch["choices"]]
+        assert [e for p in parts for e in p.get("routed_experts") or []] == got["routed_experts"]
+        assert next(p["prompt_routed_experts"] for p in parts if p.get("prompt_routed_experts"))
+        # bounded, and refused where it is not served
+        over = c.post("/v1/completions", json={**body, "max_tokens": 199})
+        assert over.status_code == 400, over.text
+        assert over.json()["error"]["param"] == "return_routed_experts"
+        unbounded = c.post("/v1/completions", json={**body, "max_tokens": None, "echo": False})
+        assert unbounded.status_code == 400
+        resp = c.post("/v1/responses", json={"input": "Hi", "return_routed_experts": True})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "return_routed_experts"
+        assert c.post("/v1/completions", json=body).json()["choices"][0] == choice  # canary
+
+
+def test_a_dense_model_refuses_return_routed_experts(http):
+    r = http.post(
+        "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2, "return_routed_experts": True},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "return_routed_experts"
+    assert "mixture-of-experts" in r.json()["error"]["message"]

@@ -474,6 +474,8 @@ def test_the_cluster_file_becomes_deployments(tmp_path: Path):
 def test_a_replay_gives_only_what_is_new_and_checks_the_rest():
     """Failover's bookkeeping (cluster/ray_engine.py): a replayed request's outputs, less what
     the client already has; a replay that differs is an error."""
+    import dataclasses
+
     import numpy as np
 
     from probserve.cluster.ray_engine import _Progress
@@ -507,6 +509,22 @@ def test_a_replay_gives_only_what_is_new_and_checks_the_rest():
     last = given.fresh(out([8], done=True))
     assert last.new_token_ids == (8,) and last.finished
     assert given.token_ids == [5, 6, 7, 8]
+
+    # routing (return_routed_experts) is given once too: the prompt's, and each token's row
+    from probserve.engine import RoutedExperts
+
+    def routed(n: int, first: int) -> RoutedExperts:
+        experts = np.arange(first, first + 2 * n, dtype=np.int16).reshape(n, 1, 2)
+        return RoutedExperts(experts, np.ones((n, 1, 2), np.float32))
+
+    moe = _Progress()
+    start = dataclasses.replace(out([5]), routed=routed(1, 0), prompt_routed=routed(1, 50))
+    assert moe.fresh(start).prompt_routed is not None
+    moe.replayed = 0
+    again = moe.fresh(
+        dataclasses.replace(out([5, 6]), routed=routed(2, 0), prompt_routed=routed(1, 50))
+    )
+    assert again.prompt_routed is None and again.routed.experts.tolist() == [[[2, 3]]]
 
     differs = _Progress(token_ids=[5, 6])
     bad = differs.fresh(out([5, 9]))

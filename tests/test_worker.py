@@ -23,6 +23,8 @@ from probserve.engine import (
     FinishReason,
     LogprobsMode,
     LogprobsSpec,
+    RoutedExperts,
+    RoutingSpec,
     SamplingParams,
     TokenLogprobs,
     wire,
@@ -75,6 +77,7 @@ def test_every_message_round_trips_bit_for_bit():
         SamplingParams(temperature=0.5, seed=2**64 - 1, logit_bias={7: -100.0}, max_tokens=None),
         LogprobsSpec(top_k=3, prompt_top_k=0, mode=LogprobsMode.BOTH, target_ids=(9,)),
         group="g",
+        routing=RoutingSpec(prompt=True),
     )
     for message in (
         wire.Submit(requests=[req, EngineRequest("r-2", (4,))]),
@@ -90,6 +93,13 @@ def test_every_message_round_trips_bit_for_bit():
             _logprobs(2, 0, rng),
             FinishReason.STOP,
             queue_time=0.25,
+            routed=RoutedExperts(
+                rng.integers(0, 128, (1, 3, 8)).astype(np.int16),
+                rng.random((1, 3, 8), dtype=np.float32),
+            ),
+            prompt_routed=RoutedExperts(
+                np.zeros((0, 3, 8), np.int16), np.zeros((0, 3, 8), np.float32)
+            ),
         ),
         EngineOutput.failure("r-2", "a lone \ud800 surrogate, and ✓"),
         EngineOutput("r-3"),
@@ -108,8 +118,24 @@ def test_every_message_round_trips_bit_for_bit():
         )
         _assert_same(a.logprobs, b.logprobs)
         _assert_same(a.prompt_logprobs, b.prompt_logprobs)
+        for x, y in ((a.routed, b.routed), (a.prompt_routed, b.prompt_routed)):
+            assert (x is None) == (y is None)
+            if x is not None and y is not None:
+                assert x.experts.dtype == y.experts.dtype and x.weights.dtype == y.weights.dtype
+                assert np.array_equal(x.experts, y.experts) and x.experts.shape == y.experts.shape
+                assert x.weights.tobytes() == y.weights.tobytes()
     hello = wire.Hello(
-        info=EngineInfo(49152, 8192, 8192, (0, 2), "PagedRunner", 1024, True),
+        info=EngineInfo(
+            49152,
+            8192,
+            8192,
+            (0, 2),
+            "PagedRunner",
+            1024,
+            True,
+            moe_layers=(0, 2),
+            experts_per_token=8,
+        ),
         model="/m",
         pid=1,
         startup_seconds=1.5,

@@ -285,6 +285,8 @@ class SamplingFields(_Request):
     # completion's token ids
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
+    # probserve's: a mixture of experts' routing of every token (docs/logprobs.md)
+    return_routed_experts: bool = False
 
 
 PromptType = Text | Texts | Ids | IdLists
@@ -455,6 +457,17 @@ class CompletionLogprobs(BaseModel):
     constraint_logmass: list[float | None] | None = Extension()  # a grammar's requests
 
 
+class RoutedExpertsEntry(BaseModel):
+    """One token's routing (return_routed_experts): base64 of little-endian int16 `experts`
+    and float32 `weights`, each row-major [moe_layers, experts_per_token]."""
+
+    experts: str
+    weights: str
+
+
+RoutedList = list[RoutedExpertsEntry | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -463,6 +476,10 @@ class CompletionChoice(BaseModel):
     # vLLM's, with return_token_ids (a stream: the prompt's in a choice's first chunk)
     prompt_token_ids: list[int] | None = Extension()
     token_ids: list[int] | None = Extension()
+    # probserve's, with return_routed_experts: one entry per token of token_ids (the prompt's:
+    # null for its first token, which no row scored)
+    routed_experts: RoutedList | None = Extension()
+    prompt_routed_experts: RoutedList | None = Extension()
 
 
 def _now() -> int:
@@ -552,6 +569,8 @@ class ChatChoice(BaseModel):
     prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
     continuation: ContinuationScore | None = Extension()
     token_ids: list[int] | None = Extension()  # vLLM's, with return_token_ids
+    routed_experts: RoutedList | None = Extension()  # with return_routed_experts
+    prompt_routed_experts: RoutedList | None = Extension()  # and prompt_logprobs
 
 
 class ChatCompletionResponse(BaseModel):
@@ -581,6 +600,8 @@ class ChatChunkChoice(BaseModel):
     prompt_entropy: list[float | None] | None = Extension()
     prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
     token_ids: list[int] | None = Extension()  # the delta's, with return_token_ids
+    routed_experts: RoutedList | None = Extension()  # the delta's tokens'
+    prompt_routed_experts: RoutedList | None = Extension()  # in a choice's first chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -594,6 +615,14 @@ class ChatCompletionChunk(BaseModel):
 
 
 # ---- models, tokenizer, errors ----------------------------------------------------------------
+
+
+class RoutedShape(BaseModel):
+    """A mixture of experts' routing as return_routed_experts gives it: the MoE layers (the
+    rows of each token's arrays) and the experts a token goes to (the columns)."""
+
+    layers: list[int]
+    experts_per_token: int
 
 
 class ModelCard(BaseModel):
@@ -613,6 +642,7 @@ class ModelCard(BaseModel):
     weights_in_blocks: float | None = None
     block_sums: bool | None = None
     products: str | None = None
+    routed_experts: RoutedShape | None = None  # a mixture of experts: what routing holds
 
 
 class ModelList(BaseModel):

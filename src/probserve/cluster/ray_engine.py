@@ -60,6 +60,7 @@ class _Progress:
 
     token_ids: list[int] = dataclasses.field(default_factory=list)
     prompt_sent: bool = False
+    prompt_routed_sent: bool = False
     replayed: int = 0
 
     def fresh(self, out: EngineOutput) -> EngineOutput | None:
@@ -70,6 +71,10 @@ class _Progress:
             if self.prompt_sent:
                 changes["prompt_logprobs"] = None
             self.prompt_sent = True
+        if out.prompt_routed is not None:
+            if self.prompt_routed_sent:
+                changes["prompt_routed"] = None
+            self.prompt_routed_sent = True
         ids = list(out.new_token_ids)
         given = self.token_ids[self.replayed : self.replayed + len(ids)]
         if ids[: len(given)] != given:
@@ -81,10 +86,13 @@ class _Progress:
             changes["new_token_ids"] = tuple(ids[len(given) :])
             if out.logprobs is not None:
                 changes["logprobs"] = _rows_from(out.logprobs, len(given))
+            if out.routed is not None:
+                changes["routed"] = out.routed.span(len(given), len(out.routed))
         self.token_ids += ids[len(given) :]
         self.replayed += len(ids) - len(given)
         fresh = dataclasses.replace(out, **changes) if changes else out
-        if not fresh.new_token_ids and fresh.prompt_logprobs is None and not fresh.finished:
+        news = fresh.prompt_logprobs is not None or fresh.prompt_routed is not None
+        if not fresh.new_token_ids and not news and not fresh.finished:
             return None
         return fresh
 

@@ -22,6 +22,8 @@ from probserve.engine.types import (
     LogprobsMode,
     LogprobsSpec,
     RequestError,
+    RoutedExperts,
+    RoutingSpec,
     SamplingParams,
     TokenLogprobs,
 )
@@ -62,6 +64,8 @@ __all__ = [
     "LogprobsSpec",
     "RequestError",
     "RequestStream",
+    "RoutedExperts",
+    "RoutingSpec",
     "SamplingParams",
     "TokenLogprobs",
     "WorkerEngine",

@@ -25,6 +25,10 @@ class EngineInfo:
     products: str = "float"  # the blocks' products: "limbs" where some run in integer limbs
     architecture: str = ""  # the model's own type (its config's model_type: "llama", "gemma3")
     block_size: int = 0  # tokens a KV cache block holds
+    # a mixture of experts on the paged forward: the MoE layers' indices and the experts a token
+    # is routed to in each, which RoutingSpec returns (none: routing cannot be returned)
+    moe_layers: tuple[int, ...] = ()
+    experts_per_token: int = 0
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:
@@ -67,6 +71,12 @@ def validate(req: EngineRequest, info: EngineInfo) -> int:
             raise RequestError(f"token id {tid} is outside the vocabulary", "logit_bias")
     if req.logprobs is not None:
         _validate_logprobs(req.logprobs, n, vocab)
+    if req.routing is not None and not info.moe_layers:
+        raise RequestError(
+            "return_routed_experts needs a mixture-of-experts model on the paged runner; "
+            f"this one ({info.architecture or 'its architecture'}, {info.runner}) routes nothing",
+            "return_routed_experts",
+        )
     return limit if sp.max_tokens is None else n + sp.max_tokens
 
 

@@ -101,6 +101,31 @@ class LogprobsSpec:
 
 
 @dataclass(frozen=True)
+class RoutingSpec:
+    """Return the experts each token was routed to (a mixture of experts): for every generated
+    token, and with `prompt` for every prompt token after the first, the routing of the row
+    that gave it its logprob (the position before it), in every MoE layer."""
+
+    prompt: bool = False
+
+
+@dataclass(frozen=True)
+class RoutedExperts:
+    """Routing for n tokens: `experts` int16 [n, moe_layers, k], the k experts of each MoE layer
+    (in the router's order: by weight, ties to the lower id), and their `weights` float32 (as
+    the layer summed them: renormalised where the model does)."""
+
+    experts: np.ndarray
+    weights: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.experts.shape[0])
+
+    def span(self, a: int, b: int) -> RoutedExperts:
+        return RoutedExperts(self.experts[a:b], self.weights[a:b])
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -112,6 +137,7 @@ class EngineRequest:
     # constrained decoding: an llguidance grammar (its JSON form; the client compiled and
     # checked it, the engine checks it again); the sampled tokens are those it allows
     grammar: str | None = None
+    routing: RoutingSpec | None = None  # None: no routing returned
 
 
 @dataclass(frozen=True)
@@ -195,6 +221,8 @@ class EngineOutput:
     queue_time: float | None = None  # seconds from arrival to first being scheduled
     # prompt tokens found in the prefix cache when it was first scheduled (not computed again)
     cached_tokens: int | None = None
+    routed: RoutedExperts | None = None  # RoutingSpec: the new tokens' routing
+    prompt_routed: RoutedExperts | None = None  # with its prompt: tokens 1..len-1, once
 
     def __post_init__(self) -> None:
         if self.error is not None:

@@ -65,18 +65,25 @@ def deterministic_blocker(model: Any) -> str | None:
 @dataclass
 class KVCache:
     """Paged KV storage: slot s = block * block_size + offset. `hidden` keeps each position's
-    final-norm hidden state, so prompt logprobs of cached prefixes are recomputed exactly."""
+    final-norm hidden state, so prompt logprobs of cached prefixes are recomputed exactly. A
+    mixture of experts' cache also keeps each position's routing in its MoE layers (`experts`,
+    `expert_weights`: the k experts its row was sent to and their weights), which a request
+    that asks for its routed experts reads back (prefix-cached positions included)."""
 
     k: torch.Tensor  # [layers, slots, kv_heads, head_dim]
     v: torch.Tensor
     hidden: torch.Tensor  # [slots, hidden_size]
     block_size: int
+    experts: torch.Tensor | None = None  # int16 [slots, moe_layers, top_k]
+    expert_weights: torch.Tensor | None = None  # float32 [slots, moe_layers, top_k]
 
     @staticmethod
     def bytes_per_token(config: Any) -> int:
         kvh = config.num_key_value_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return 4 * (2 * config.num_hidden_layers * kvh * d + config.hidden_size)
+        moe_layers, top_k = _routing_shape(config)
+        routing = (2 + 4) * moe_layers * top_k
+        return 4 * (2 * config.num_hidden_layers * kvh * d + config.hidden_size) + routing
 
     @staticmethod
     def allocate(config: Any, num_blocks: int, block_size: int) -> KVCache:
@@ -92,10 +99,35 @@ class KVCache:
             torch.empty(slots, config.hidden_size),
             block_size,
         )
+        moe_layers, top_k = _routing_shape(config)
+        if moe_layers:
+            cache.experts = torch.zeros((slots, moe_layers, top_k), dtype=torch.int16)
+            cache.expert_weights = torch.zeros((slots, moe_layers, top_k))
         cache.k[:, :block_size].zero_()
         cache.v[:, :block_size].zero_()
         cache.hidden[:block_size].zero_()
         return cache
+
+    def routing(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing kept at `slots`: experts int16 [n, moe_layers, k], weights float32."""
+        assert self.experts is not None and self.expert_weights is not None
+        return self.experts.index_select(0, slots), self.expert_weights.index_select(0, slots)
+
+
+def moe_layers(config: Any) -> tuple[int, ...]:
+    """The layers whose feed-forward is a mixture of experts (none for a dense model, or one
+    the paged forward does not run)."""
+    try:
+        fam = family(config)
+    except Unsupported:
+        return ()
+    return tuple(i for i, sparse in enumerate(fam.sparse) if sparse) if fam.experts else ()
+
+
+def _routing_shape(config: Any) -> tuple[int, int]:
+    """(MoE layers, experts a token) of the routing a cache keeps; (0, 0) for a dense model."""
+    layers = moe_layers(config)
+    return (len(layers), family(config).top_k) if layers else (0, 0)
 
 
 @dataclass
@@ -210,6 +242,8 @@ class _Layer:
         self.moe: MoE | None = None
         self.gate_up: Linear | Joined | None = None
         self.down: Linear | Joined | None = None
+        # this layer's place among the MoE layers (the routing a cache keeps)
+        self.moe_index = sum(fam.sparse[:index]) if fam.experts else 0
         if fam.experts and fam.sparse[index]:
             experts = tuple(expert(e) for e in range(fam.experts))
             self.moe = MoE(linear("mlp.gate"), experts, fam.top_k, fam.norm_topk)
@@ -425,11 +459,11 @@ class LlamaForward:
                 assert layer.pre_ff is not None and layer.post_ff is not None
                 h = h + self._norm(attn, layer.ln2)
                 x = self._norm(h, layer.pre_ff)
-                h = h + self._norm(self._ffn(layer, x), layer.post_ff)
+                h = h + self._norm(self._ffn(layer, x, cache, plan.slots), layer.post_ff)
             else:
                 h = h + attn
                 x = self._norm(h, layer.ln2)
-                h = h + self._ffn(layer, x)
+                h = h + self._ffn(layer, x, cache, plan.slots)
         out = self._norm(h, self.norm)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
@@ -462,10 +496,17 @@ class LlamaForward:
         k = self._norm(qkv[:, nq * d : (nq + nkv) * d].reshape(t * nkv, d), kw).view(t, nkv * d)
         return torch.cat([q, k, qkv[:, (nq + nkv) * d :]], dim=1)
 
-    def _ffn(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """The feed-forward of normed rows x: the layer's experts, or its MLP."""
+    def _ffn(
+        self, layer: _Layer, x: torch.Tensor, cache: KVCache, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """The feed-forward of normed rows x: the layer's experts (their routing kept at the
+        rows' slots), or its MLP."""
         if layer.moe is not None:
-            return moe_forward(layer.moe, x, self._act, self.kernels)
+            out, ids, weights = moe_forward(layer.moe, x, self._act, self.kernels)
+            if cache.experts is not None and cache.expert_weights is not None:
+                cache.experts[:, layer.moe_index].index_copy_(0, slots, ids.to(torch.int16))
+                cache.expert_weights[:, layer.moe_index].index_copy_(0, slots, weights.float())
+            return out
         assert layer.gate_up is not None and layer.down is not None
         return layer.down(self._act(layer.gate_up(x)))
 

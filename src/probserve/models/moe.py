@@ -53,9 +53,10 @@ def moe_forward(
     x: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
     kernels: InvariantKernels | None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output for rows x [T, H]: sum over each token's experts e of w_e *
-    down_e(act(gate_up_e(x))), each expert run once on all the tokens routed to it."""
+    down_e(act(gate_up_e(x))), each expert run once on all the tokens routed to it; with the
+    routing it followed (each row's experts [T, k] and their weights [T, k])."""
     ids, weights = route(moe.router(x), moe.top_k, moe.norm_topk, kernels)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():  # ascending
@@ -63,4 +64,4 @@ def moe_forward(
         expert = moe.experts[e]
         y = expert.down(act(expert.gate_up(x[rows])))
         out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(1))
-    return out
+    return out, ids, weights

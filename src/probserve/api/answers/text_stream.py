@@ -17,7 +17,7 @@ import codecs
 from dataclasses import dataclass
 
 from probserve.api.answers.tokens import TokenTable
-from probserve.engine import TokenLogprobs
+from probserve.engine import RoutedExperts, TokenLogprobs
 
 
 @dataclass
@@ -29,6 +29,7 @@ class Piece:
     logprobs: TokenLogprobs | None = None  # the row holding this token's logprobs
     row: int = 0
     incomplete: bool = False  # bytes of a character still missing after this token
+    routed: RoutedExperts | None = None  # return_routed_experts: the rows holding its routing
 
 
 class TextStream:
@@ -81,19 +82,23 @@ class TextStream:
         logprobs: TokenLogprobs | None = None,
         row: int = 0,
         hidden: bool = False,
+        routed: RoutedExperts | None = None,
     ) -> None:
+        """Token `token_id`, its logprobs and routing (if any) at `row` of theirs."""
         if self.stopped:
             return
         hidden = hidden or (self.skip_special and token_id in self.table.special_ids)
         offset = self.base + self._len
         if hidden:
-            self._pending.append(Piece(token_id, "", offset, True, logprobs, row))
+            self._pending.append(Piece(token_id, "", offset, True, logprobs, row, routed=routed))
             return
         start = self._len
         chars = self._decoder.decode(self.table.token_bytes(token_id), final=False)
         incomplete = bool(self._decoder.getstate()[0])
         self._append(chars)
-        self._pending.append(Piece(token_id, chars, offset, False, logprobs, row, incomplete))
+        self._pending.append(
+            Piece(token_id, chars, offset, False, logprobs, row, incomplete, routed)
+        )
         if not incomplete:  # a character completed: the pieces that held its bytes are complete
             for p in self._pending[self._open :]:
                 p.incomplete = False

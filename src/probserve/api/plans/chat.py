@@ -13,6 +13,7 @@ from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
+from probserve.api.plans.routing import routing_spec
 from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import chat_prompt, check_messages
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
@@ -174,4 +175,5 @@ async def chat_completion_plan(
         continue_final=body.continue_final_message,
         tools=tools,
     )
+    routing_spec(state, body, plan, prompt=body.prompt_logprobs is not None)
     return plan, ask

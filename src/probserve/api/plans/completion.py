@@ -10,6 +10,7 @@ from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
+from probserve.api.plans.routing import routing_spec
 from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import build_completion_prompts, check_text_size, completion_id_lists
 from probserve.api.protocol import CompletionRequest
@@ -26,6 +27,7 @@ class CompletionShape:
     ask: LogprobsAsk
     as_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens token_id:N
     token_ids: bool = False  # return_token_ids: the prompt's and the completion's ids
+    routing: bool = False  # return_routed_experts: each token's experts (with echo, the prompt's)
 
 
 def _best_of(body: CompletionRequest) -> int:
@@ -67,7 +69,9 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     )
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
+    routing_spec(state, body, plan, prompt=body.echo)
     shape = CompletionShape(
-        body.n, best_of, body.echo, ask, body.return_tokens_as_token_ids, body.return_token_ids
-    )
+        body.n, best_of, body.echo, ask, body.return_tokens_as_token_ids, body.return_token_ids,
+        body.return_routed_experts,
+    )  # fmt: skip
     return plan, shape

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from probserve.api.prompts import Prompt
 from probserve.api.tools.ask import ToolAsk
-from probserve.engine import LogprobsSpec, SamplingParams
+from probserve.engine import LogprobsSpec, RoutingSpec, SamplingParams
 
 
 @dataclass
@@ -21,6 +21,7 @@ class Plan:
     offsets_from_prompt: bool = False  # text offsets count from the prompt's start (completions)
     grammar: str | None = None  # every candidate's tokens follow it (plans/grammar.py)
     tools: ToolAsk | None = None  # replies are parsed for calls (api/tools/)
+    routing: RoutingSpec | None = None  # each token's experts returned (plans/routing.py)
 
     @property
     def per_prompt(self) -> int:

@@ -92,6 +92,11 @@ def _refuse_unserved(body: ResponsesRequest) -> None:
         )
     if body.n != 1:
         raise bad_request("n must be 1 for responses", "n")
+    if body.return_routed_experts:
+        raise bad_request(
+            "return_routed_experts is served on /v1/completions and /v1/chat/completions",
+            "return_routed_experts",
+        )
     unknown = [i for i in body.include or () if i not in INCLUDES]
     if unknown:
         raise bad_request(f"include {unknown[0]!r} is not supported", "include")

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from probserve.api.answers.json_out import dump_json
 from probserve.api.answers.logprobs_format import LogprobsFormatter
+from probserve.api.answers.routed import prompt_entries, token_entries
 from probserve.api.edge.sse import StreamUsage, sse_response
 from probserve.api.errors import ERRORS
 from probserve.api.off_loop import off_loop
@@ -116,6 +117,8 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
                     _continuation(run, body, cand.prompt_scores, k or 0) if body.echo else None
                 ),
                 token_ids=[p.token_id for p in cand.pieces] if ids else None,
+                routed_experts=token_entries(cand.pieces) if body.return_routed_experts else None,
+                prompt_routed_experts=prompt_entries(cand.prompt_routed),
                 **_prompt_extras(run, body, fmt, cand.prompt_scores),
             )
         )
@@ -176,18 +179,25 @@ def _delta_events(
 ) -> list[ChatCompletionChunk]:
     """The chunks of one delta of candidate i (the first may carry the prompt's scores). With
     tools, `reply` splits the text into content and calls; the logprobs are every token's; with
-    return_token_ids, the delta's token ids (each id in the chunk that first holds its text)."""
+    return_token_ids, the delta's token ids (each id in the chunk that first holds its text);
+    with return_routed_experts, their routing likewise."""
     events = []
     fmt = _fmt(run, body)
     lp = fmt.chat_logprobs(delta.pieces, k)
     extras = _prompt_extras(run, body, fmt, delta.prompt_scores)  # the first chunk: the prompt
     ids = [p.token_id for p in delta.pieces] if body.return_token_ids else None
+    routed = token_entries(delta.pieces) if body.return_routed_experts else None
+    prompt_routed = prompt_entries(delta.prompt_routed)
     said = _chat_delta(reply, delta)
     each = run.usage if usage.each else None
-    if said.content or said.tool_calls or (lp and lp.content) or extras or ids:
+    shown = extras or ids or routed or prompt_routed
+    if said.content or said.tool_calls or (lp and lp.content) or shown:
         if reply is not None and said.content is None and not said.tool_calls:
             said = ChatDelta(content="")  # the logprobs of tokens held back (or of calls)
-        choice = ChatChunkChoice(index=i, delta=said, logprobs=lp, token_ids=ids, **extras)
+        choice = ChatChunkChoice(
+            index=i, delta=said, logprobs=lp, token_ids=ids, routed_experts=routed,
+            prompt_routed_experts=prompt_routed, **extras,
+        )  # fmt: skip
         events.append(_chunk(run, model, [choice], each))
     if delta.finish_reason:
         finish = finish_reason(reply, delta.finish_reason)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from probserve.api.answers.json_out import dump_json
+from probserve.api.answers.routed import prompt_entries, token_entries
 from probserve.api.answers.text_stream import Piece
 from probserve.api.edge.sse import StreamUsage, event, sse_response
 from probserve.api.errors import ERRORS
@@ -85,6 +86,8 @@ def _answer(run: Run, shape: CompletionShape, model: str) -> bytes:
                     finish_reason=cand.finish_reason,
                     prompt_token_ids=list(prompt.ids) if shape.token_ids else None,
                     token_ids=[p.token_id for p in cand.pieces] if shape.token_ids else None,
+                    routed_experts=token_entries(cand.pieces) if shape.routing else None,
+                    prompt_routed_experts=prompt_entries(cand.prompt_routed),
                 )
             )
     resp = CompletionResponse(
@@ -100,7 +103,8 @@ async def _stream(
     async for i, delta in run.deltas():
         first = not started[i]
         started[i] = True
-        if first and shape.echo and delta.prompt_scores is not None:  # off the loop
+        echoed = delta.prompt_scores is not None or delta.prompt_routed is not None
+        if first and shape.echo and echoed:  # off the loop
             chunk = await off_loop(_chunk, run, shape, model, i, delta, first)
         else:
             chunk = _chunk(run, shape, model, i, delta, first)
@@ -135,6 +139,8 @@ def _chunk(
                 finish_reason=delta.finish_reason,
                 prompt_token_ids=list(prompt.ids) if shape.token_ids and first else None,
                 token_ids=[p.token_id for p in delta.pieces] if shape.token_ids else None,
+                routed_experts=token_entries(delta.pieces) if shape.routing else None,
+                prompt_routed_experts=prompt_entries(delta.prompt_routed),
             )
         ],
     )

@@ -23,6 +23,7 @@ from probserve.engine import (
     EngineRequest,
     FinishReason,
     RequestStream,
+    RoutedExperts,
     TokenLogprobs,
 )
 
@@ -34,6 +35,7 @@ class Delta:
     pieces: list[Piece]
     finish_reason: str | None = None
     prompt_scores: TokenLogprobs | None = None
+    prompt_routed: RoutedExperts | None = None  # the first delta's, with the prompt's routing
 
     @property
     def text(self) -> str:
@@ -57,6 +59,7 @@ class Candidate:
     text: TextStream
     pieces: list[Piece] = field(default_factory=list)
     prompt_scores: TokenLogprobs | None = None
+    prompt_routed: RoutedExperts | None = None  # RoutingSpec.prompt: tokens 1..len-1
     finish_reason: str | None = None
     num_tokens: int = 0  # tokens the engine generated (billed), stop strings aside
     logprob_sum: float = 0.0
@@ -89,7 +92,7 @@ class Candidate:
                     self.cached_tokens = out.cached_tokens
                 for j, tid in enumerate(out.new_token_ids):
                     hidden = out.finish_reason == FinishReason.STOP and j == n - 1
-                    self.text.add(tid, out.logprobs, j, hidden=hidden)
+                    self.text.add(tid, out.logprobs, j, hidden, out.routed)
                 self.num_tokens += n
                 if out.logprobs is not None:
                     self.token_scores.append(out.logprobs)
@@ -97,6 +100,8 @@ class Candidate:
                 if out.prompt_logprobs is not None:
                     self.prompt_scores = out.prompt_logprobs
                     self._publish(out.prompt_logprobs)
+                if out.prompt_routed is not None:
+                    self.prompt_routed = out.prompt_routed
                 if first and self.shared_prompt is not None:
                     self.prompt_scores = await asyncio.shield(self.shared_prompt)
                 finish: str | None = None
@@ -106,8 +111,12 @@ class Candidate:
                     finish = _FINISH[out.finish_reason or FinishReason.LENGTH]
                 pieces = self.text.release(final=finish is not None)
                 self.pieces += pieces
-                if pieces or finish or (first and self.prompt_scores is not None):
-                    yield Delta(pieces, finish, self.prompt_scores if first else None)
+                news = self.prompt_scores is not None or self.prompt_routed is not None
+                if pieces or finish or (first and news):
+                    if first:
+                        yield Delta(pieces, finish, self.prompt_scores, self.prompt_routed)
+                    else:
+                        yield Delta(pieces, finish)
                     first = False
                 if finish:
                     self.finish_reason = finish

@@ -63,7 +63,7 @@ class Run:
                 spec = sibling if c else plan.spec
                 ids = tuple(prompt.ids)
                 requests.append(
-                    EngineRequest(rid, ids, sampling, spec, self.id, grammar=plan.grammar)
+                    EngineRequest(rid, ids, sampling, spec, self.id, plan.grammar, plan.routing)
                 )
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)

@@ -53,6 +53,11 @@ class Limits:
     max_distribution_rows_in_flight: int = setting(
         2048, "full vocabulary rows of all /v1/distributions requests at once; past it: 429"
     )
+    max_routed_tokens: int = setting(
+        8192,
+        "tokens whose routed experts one request may return (return_routed_experts): its "
+        "sequences' max_tokens, plus their prompts where they are returned too",
+    )
     max_messages: int = setting(512, "messages per chat request")
     max_message_chars: int = setting(1_000_000, "characters in all messages of a chat request")
     max_prompt_chars: int = setting(1_000_000, "characters in a request's text prompts")

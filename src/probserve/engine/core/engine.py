@@ -30,6 +30,7 @@ from probserve.engine.types import (
     EngineRequest,
     FinishReason,
     RequestError,
+    RoutedExperts,
     SamplingParams,
     TokenLogprobs,
 )
@@ -74,6 +75,8 @@ class EngineCore:
             self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
         self.token_capacity = (num_blocks - 1) * self.config.block_size
+        runner_cls: Any = type(runner) if runner else self.choice.cls
+        moe_layers, experts_per_token = runner_cls.routing_shape(loaded.model.config)
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()
         self.info = EngineInfo(
@@ -91,6 +94,8 @@ class EngineCore:
             products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             block_size=self.config.block_size,
+            moe_layers=moe_layers,
+            experts_per_token=experts_per_token,
         )
 
     def _products(self, loaded: LoadedModel) -> str:
@@ -217,10 +222,13 @@ class EngineCore:
             prompt_lp = prompt_scoring.collect(ch)
             if seq.score_only:
                 if ch.end >= seq.num_tokens:
+                    prompt_routed = self._prompt_routed(seq)
                     self.scheduler.finish(seq)
-                    outputs.append(
-                        self._output(seq, FinishReason.LENGTH, prompt_logprobs=prompt_lp)
-                    )
+                    out = self._output(
+                        seq, FinishReason.LENGTH, prompt_logprobs=prompt_lp,
+                        prompt_routed=prompt_routed,
+                    )  # fmt: skip
+                    outputs.append(out)
             elif ch.samples:
                 to_sample.append(seq)
                 if prompt_lp is not None:
@@ -250,6 +258,11 @@ class EngineCore:
             if not consumed:
                 outputs.append(self._grammar_limit(seq, matcher))
                 continue
+            routed = prompt_routed = None
+            if seq.request.routing is not None:  # the row that sampled it: the last position
+                last = seq.num_tokens - 1
+                routed = self.runner.routing(seq, last, last + 1)
+                prompt_routed = self._prompt_routed(seq)
             finish = self.scheduler.append_token(seq, token)
             if finish is None and matcher is not None and matcher.is_stopped():
                 self.scheduler.finish(seq)  # the grammar is complete: nothing more may follow
@@ -261,9 +274,20 @@ class EngineCore:
                     new_token_ids=(token,),
                     logprobs=result.logprobs[j],
                     prompt_logprobs=prompt_scores.get(seq.request_id),
+                    routed=routed,
+                    prompt_routed=prompt_routed,
                 )
             )
         return outputs
+
+    def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
+        """The prompt's routing (the rows before tokens 1..len-1), once, for a request that
+        asks; None otherwise."""
+        spec = seq.request.routing
+        if spec is None or not spec.prompt or seq.prompt_routed_sent:
+            return None
+        seq.prompt_routed_sent = True
+        return self.runner.routing(seq, 0, seq.num_prompt_tokens - 1)
 
     # ---- for the host loop ------------------------------------------------------------------
     def apply(self, adds: list[EngineRequest], aborts: list[str]) -> list[EngineOutput]:
@@ -331,6 +355,8 @@ class EngineCore:
         logprobs: TokenLogprobs | None = None,
         prompt_logprobs: TokenLogprobs | None = None,
         error: str | None = None,
+        routed: RoutedExperts | None = None,
+        prompt_routed: RoutedExperts | None = None,
     ) -> EngineOutput:
         return EngineOutput(
             seq.request_id,
@@ -341,6 +367,8 @@ class EngineCore:
             error=error,
             queue_time=seq.queue_time,
             cached_tokens=seq.cached_tokens,
+            routed=routed,
+            prompt_routed=prompt_routed,
         )
 
     def _grammar_limit(self, seq: Sequence, matcher: Any) -> EngineOutput:

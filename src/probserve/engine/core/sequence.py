@@ -41,6 +41,7 @@ class Sequence:
     num_hashed_blocks: int = 0  # full blocks registered in the prefix cache
     last_block_hash: bytes | None = None
     prompt_scores: PromptScores = field(default_factory=PromptScores)
+    prompt_routed_sent: bool = False  # RoutingSpec.prompt: the prompt's routing went out
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     matcher: Any = None  # the grammar's llguidance matcher, at the output so far (core/grammar.py)
     generator: torch.Generator | None = None

@@ -18,7 +18,9 @@ from probserve.engine.core.row_math import RowMath
 
 if TYPE_CHECKING:
     from probserve.engine.config import EngineConfig
+    from probserve.engine.core.sequence import Sequence
     from probserve.engine.core.step import Chunk, RunOutput
+    from probserve.engine.types import RoutedExperts
     from probserve.models.loader import LoadedModel
 
 
@@ -31,6 +33,11 @@ class Runner(Protocol):
 
     def run(self, chunks: list[Chunk]) -> RunOutput: ...
 
+    def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
+        """The routing its forward kept for positions [start, end) of `seq` (a runner whose
+        `routing_shape` is empty is never asked)."""
+        ...
+
     def release_source_weights(self) -> None:
         """Drop the transformers model's weights where the runner holds its own copy, so the
         process holds the weights once."""
@@ -41,6 +48,12 @@ class RunnerClass(Protocol):
 
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int: ...
+
+    @staticmethod
+    def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
+        """(the MoE layers whose routing a request may ask for, experts a token); ((), 0):
+        this runner returns no routing for this model."""
+        ...
 
     def __call__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> Runner: ...
 

@@ -10,7 +10,9 @@ import torch
 
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.row_math import RowMath, TorchRowMath
+from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
+from probserve.engine.types import RoutedExperts
 from probserve.models.loader import LoadedModel
 
 
@@ -28,6 +30,14 @@ class HFRunner:
         kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         return 4 * 2 * int(text.num_hidden_layers) * kv_heads * head_dim
+
+    @staticmethod
+    def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
+        """None: transformers' forward keeps no routing (a request asking is refused)."""
+        return (), 0
+
+    def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
+        raise RuntimeError("the transformers runner keeps no routing")
 
     def __init__(self, loaded: LoadedModel, num_blocks: int = 0, config: object = None) -> None:
         from transformers import DynamicCache

@@ -20,9 +20,12 @@ import torch
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.row_math import InvariantRowMath, RowMath, TorchRowMath
+from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
+from probserve.engine.types import RoutedExperts
 from probserve.kernels.invariant import InvariantKernels
-from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup
+from probserve.models.family import family
+from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup, moe_layers
 from probserve.models.loader import LoadedModel
 
 
@@ -32,6 +35,17 @@ class PagedRunner:
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int:
         return KVCache.bytes_per_token(config)
+
+    @staticmethod
+    def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
+        layers = moe_layers(config)
+        return (layers, family(config).top_k) if layers else ((), 0)
+
+    def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
+        """The experts and weights the forward kept for positions [start, end) of `seq` (each
+        position's slot through its block table)."""
+        experts, weights = self.cache.routing(self._slots(seq.block_table, start, end))
+        return RoutedExperts(experts.numpy(), weights.numpy())
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
         model = loaded.model
