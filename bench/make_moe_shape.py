@@ -1,12 +1,17 @@
-"""A reduced Qwen3-30B-A3B GGUF for the mixture-of-experts race: the true model's layer (hidden
-2048, 32 query heads and 4 KV heads of 128, q/k head norms, 128 experts of width 768, 8 routed a
-token, renormalised), fewer layers (6 of 48: a ~2 GB Q4_K_M file that fits this machine beside a
-peer), random weights and the embedded model's tokenizer (vocabulary 49152, so every server
-tokenizes the same), built the way ../shared/models/make_tinyshape.py builds its 1.1B shape (its
-metadata copy and its seeded N(0, 0.02) values, one generator a tensor): an F16 file, then
-llama-quantize's Q4_K_M.
+"""Reduced mixture-of-experts GGUF files for the MoE race: a true model's layer with fewer layers,
+random weights and the embedded model's tokenizer (vocabulary 49152, so every server tokenizes the
+same), built the way ../shared/models/make_tinyshape.py builds its 1.1B shape (its metadata copy
+and its seeded N(0, 0.02) values, one generator a tensor): an F16 file, then llama-quantize.
 
-    .venv/bin/python bench/make_moe_shape.py --out /tmp/shapemoe --llama-bin BINDIR [--layers 6]
+- `--shape qwen3moe`: Qwen3-30B-A3B's layer (hidden 2048, 32 query heads and 4 KV heads of 128,
+  q/k head norms, 128 experts of width 768, 8 routed a token, renormalised), 6 of 48 layers: a
+  ~2.2 GB Q4_K_M file (shapemoe-q4_k_m.gguf).
+- `--shape gpt-oss`: gpt-oss-20b's layer (hidden 2880, 64 query heads and 8 KV heads of 64 with
+  biases and a sink each, 32 experts of width 2880 with biases, 4 routed a token, a biased
+  router, alternating 128-token windows, YaRN x32 from 4096), 4 of 24 layers: MXFP4_MOE (the
+  experts MXFP4, as gpt-oss ships them; the rest Q8_0), shapegptoss-mxfp4.gguf.
+
+    .venv/bin/python bench/make_moe_shape.py --out /tmp/shapemoe --llama-bin BINDIR [--shape S]
 
 BINDIR is the folder of the llama-server binary ../shared/peers/llama_server.sh prints
 (llama-quantize lies beside it). Run alone on the machine; the F16 file can be deleted after.
@@ -20,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -28,10 +34,37 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDER = ROOT.parent / "shared" / "models" / "make_tinyshape.py"
+VOCAB = 49152  # the embedded tokenizer's
+Tensor = tuple[str, tuple[int, ...], str]  # name, numpy shape, kind
 
-# Qwen3-30B-A3B's config.json, the embedded tokenizer's vocabulary
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
-EXPERTS, USED, EXPERT_FFN, CTX, THETA, EPS, VOCAB = 128, 8, 768, 8192, 1000000.0, 1e-6, 49152
+
+@dataclass(frozen=True)
+class Shape:
+    """One model's layer: its GGUF architecture, dimensions, the layers kept by default and
+    llama-quantize's type for it."""
+
+    arch: str
+    file: str  # the quantized file's name
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    used: int
+    expert_ffn: int
+    layers: int
+    quant: str
+    gpt_oss: bool = False
+
+
+SHAPES = {
+    "qwen3moe": Shape(
+        "qwen3moe", "shapemoe-q4_k_m.gguf", 2048, 32, 4, 128, 128, 8, 768, 6, "Q4_K_M"
+    ),
+    "gpt-oss": Shape(
+        "gpt-oss", "shapegptoss-mxfp4.gguf", 2880, 64, 8, 64, 32, 4, 2880, 4, "MXFP4_MOE", True
+    ),
+}
 
 
 def builder() -> ModuleType:
@@ -42,64 +75,98 @@ def builder() -> ModuleType:
     return module
 
 
-def overrides(layers: int) -> dict[str, tuple[object, GGUFValueType]]:
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    return {
-        "qwen3moe.context_length": (CTX, u32),
-        "qwen3moe.embedding_length": (HIDDEN, u32),
-        "qwen3moe.block_count": (layers, u32),
-        "qwen3moe.feed_forward_length": (6144, u32),
-        "qwen3moe.expert_feed_forward_length": (EXPERT_FFN, u32),
-        "qwen3moe.expert_count": (EXPERTS, u32),
-        "qwen3moe.expert_used_count": (USED, u32),
-        "qwen3moe.attention.head_count": (HEADS, u32),
-        "qwen3moe.attention.head_count_kv": (KV_HEADS, u32),
-        "qwen3moe.attention.key_length": (HEAD_DIM, u32),
-        "qwen3moe.attention.value_length": (HEAD_DIM, u32),
-        "qwen3moe.rope.freq_base": (THETA, f32),
-        "qwen3moe.attention.layer_norm_rms_epsilon": (EPS, f32),
-        "general.name": (
-            f"shape-qwen3moe-random (Qwen3-30B-A3B layer, {layers} layers, SmolLM2 tokenizer)",
-            GGUFValueType.STRING,
-        ),
+def overrides(shape: Shape, layers: int) -> dict[str, tuple[object, GGUFValueType]]:
+    u32, f32, text = GGUFValueType.UINT32, GGUFValueType.FLOAT32, GGUFValueType.STRING
+    keys: dict[str, tuple[object, GGUFValueType]] = {
+        "embedding_length": (shape.hidden, u32),
+        "block_count": (layers, u32),
+        "expert_feed_forward_length": (shape.expert_ffn, u32),
+        "expert_count": (shape.experts, u32),
+        "expert_used_count": (shape.used, u32),
+        "attention.head_count": (shape.heads, u32),
+        "attention.head_count_kv": (shape.kv_heads, u32),
+        "attention.key_length": (shape.head_dim, u32),
+        "attention.value_length": (shape.head_dim, u32),
     }
-
-
-def plan(layers: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, numpy shape, kind): kind "norm" (1.0, float32), "router" (float32) or "matrix"
-    (F16), in llama.cpp's names."""
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    out: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (VOCAB, HIDDEN), "matrix")]
-    for i in range(layers):
-        p = f"blk.{i}."
-        out += [
-            (p + "attn_norm.weight", (HIDDEN,), "norm"),
-            (p + "attn_q.weight", (q, HIDDEN), "matrix"),
-            (p + "attn_k.weight", (kv, HIDDEN), "matrix"),
-            (p + "attn_v.weight", (kv, HIDDEN), "matrix"),
-            (p + "attn_output.weight", (HIDDEN, q), "matrix"),
-            (p + "attn_q_norm.weight", (HEAD_DIM,), "norm"),
-            (p + "attn_k_norm.weight", (HEAD_DIM,), "norm"),
-            (p + "ffn_norm.weight", (HIDDEN,), "norm"),
-            (p + "ffn_gate_inp.weight", (EXPERTS, HIDDEN), "router"),
-            (p + "ffn_gate_exps.weight", (EXPERTS, EXPERT_FFN, HIDDEN), "matrix"),
-            (p + "ffn_up_exps.weight", (EXPERTS, EXPERT_FFN, HIDDEN), "matrix"),
-            (p + "ffn_down_exps.weight", (EXPERTS, HIDDEN, EXPERT_FFN), "matrix"),
-        ]
-    out += [("output_norm.weight", (HIDDEN,), "norm"), ("output.weight", (VOCAB, HIDDEN), "matrix")]
+    if shape.gpt_oss:  # gpt-oss-20b's config.json
+        keys |= {
+            "context_length": (131072, u32),
+            "feed_forward_length": (shape.expert_ffn, u32),
+            "rope.freq_base": (150000.0, f32),
+            "attention.layer_norm_rms_epsilon": (1e-5, f32),
+            "attention.sliding_window": (128, u32),
+            "rope.scaling.type": ("yarn", text),
+            "rope.scaling.factor": (32.0, f32),
+            "rope.scaling.original_context_length": (4096, u32),
+        }
+        name = "gpt-oss-20b"
+    else:  # Qwen3-30B-A3B's
+        keys |= {
+            "context_length": (8192, u32),
+            "feed_forward_length": (6144, u32),
+            "rope.freq_base": (1000000.0, f32),
+            "attention.layer_norm_rms_epsilon": (1e-6, f32),
+        }
+        name = "Qwen3-30B-A3B"
+    out = {f"{shape.arch}.{k}": v for k, v in keys.items()}
+    out["general.name"] = (
+        f"shape-{shape.arch}-random ({name} layer, {layers} layers, SmolLM2 tokenizer)",
+        text,
+    )
     return out
 
 
-def write_f16(shape: ModuleType, path: Path, layers: int) -> None:
-    fields = GGUFReader(shape.default_source()).fields
-    setattr(shape, "OVERRIDES", overrides(layers))  # noqa: B010 (its module constant)
+def plan(shape: Shape, layers: int) -> list[Tensor]:
+    """(name, numpy shape, kind): kind "norm" (1.0, float32), "vector" (a router, bias or sink:
+    float32) or "matrix" (F16), in llama.cpp's names."""
+    h, e, f = shape.hidden, shape.experts, shape.expert_ffn
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    out: list[Tensor] = [("token_embd.weight", (VOCAB, h), "matrix")]
+    for i in range(layers):
+        p = f"blk.{i}."
+        out += [
+            (p + "attn_norm.weight", (h,), "norm"),
+            (p + "attn_q.weight", (q, h), "matrix"),
+            (p + "attn_k.weight", (kv, h), "matrix"),
+            (p + "attn_v.weight", (kv, h), "matrix"),
+            (p + "attn_output.weight", (h, q), "matrix"),
+        ]
+        if shape.gpt_oss:
+            out += [
+                (p + "attn_q.bias", (q,), "vector"),
+                (p + "attn_k.bias", (kv,), "vector"),
+                (p + "attn_v.bias", (kv,), "vector"),
+                (p + "attn_output.bias", (h,), "vector"),
+                (p + "attn_sinks.weight", (shape.heads,), "vector"),
+                (p + "post_attention_norm.weight", (h,), "norm"),
+                (p + "ffn_gate_inp.weight", (e, h), "vector"),
+                (p + "ffn_gate_inp.bias", (e,), "vector"),
+            ]
+        else:
+            out += [
+                (p + "attn_q_norm.weight", (shape.head_dim,), "norm"),
+                (p + "attn_k_norm.weight", (shape.head_dim,), "norm"),
+                (p + "ffn_norm.weight", (h,), "norm"),
+                (p + "ffn_gate_inp.weight", (e, h), "vector"),
+            ]
+        for which, dims in (("gate", (f, h)), ("up", (f, h)), ("down", (h, f))):
+            out.append((p + f"ffn_{which}_exps.weight", (e, *dims), "matrix"))
+            if shape.gpt_oss:
+                out.append((p + f"ffn_{which}_exps.bias", (e, dims[0]), "vector"))
+    out += [("output_norm.weight", (h,), "norm"), ("output.weight", (VOCAB, h), "matrix")]
+    return out
+
+
+def write_f16(maker: ModuleType, shape: Shape, path: Path, layers: int) -> None:
+    fields = GGUFReader(maker.default_source()).fields
+    setattr(maker, "OVERRIDES", overrides(shape, layers))  # noqa: B010 (its module constant)
     tmp = path.with_name(f".{path.name}.tmp")
-    writer = GGUFWriter(str(tmp), arch="qwen3moe")
+    writer = GGUFWriter(str(tmp), arch=shape.arch)
     # tokenizer.* and general.* (but the source's architecture: the writer's), then the overrides
     kept = {k: v for k, v in fields.items() if k != "general.architecture"}
     source = SimpleNamespace(fields=kept)
-    shape.copy_metadata(source, writer, 1)
-    tensors = plan(layers)
+    maker.copy_metadata(source, writer, 1)
+    tensors = plan(shape, layers)
     for name, dims, kind in tensors:
         dtype = np.dtype(np.float16) if kind == "matrix" else np.dtype(np.float32)
         writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
@@ -108,7 +175,7 @@ def write_f16(shape: ModuleType, path: Path, layers: int) -> None:
     writer.write_ti_data_to_file()
     t0 = time.time()
     for i, (name, dims, kind) in enumerate(tensors):
-        values = shape.tensor_values(i, dims, kind == "norm")
+        values = maker.tensor_values(i, dims, kind == "norm")
         writer.write_tensor_data(values.astype(np.float16) if kind == "matrix" else values)
         del values
         print(f"  {name} ({time.time() - t0:.0f}s)", flush=True)
@@ -120,17 +187,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="folder of the files")
     ap.add_argument("--llama-bin", required=True, help="folder holding llama-quantize")
-    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3moe")
+    ap.add_argument("--layers", type=int, help="layers kept (default: the shape's)")
     ap.add_argument("--threads", default="2")
     args = ap.parse_args()
+    shape = SHAPES[args.shape]
+    layers = args.layers or shape.layers
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    f16 = out / "shapemoe-f16.gguf"
+    f16 = out / f"{shape.file.split('-')[0]}-f16.gguf"
     if not f16.exists():
-        write_f16(builder(), f16, args.layers)
-    target = out / "shapemoe-q4_k_m.gguf"
+        write_f16(builder(), shape, f16, layers)
+    target = out / shape.file
     env = {**os.environ, "LD_LIBRARY_PATH": args.llama_bin}
-    quantize = [str(Path(args.llama_bin) / "llama-quantize"), str(f16), str(target), "Q4_K_M"]
+    quantize = [str(Path(args.llama_bin) / "llama-quantize"), str(f16), str(target), shape.quant]
     done = subprocess.run([*quantize, args.threads], env=env, check=False)
     if done.returncode != 0:
         return done.returncode

@@ -9,11 +9,18 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 Q8_0_BYTES = 34  # a block: float16 scale, 32 int8 weights
+MXFP4_BYTES = 17  # a block: an E8M0 scale, 32 FP4 (E2M1) weights in 16 bytes
 
 
 def _q8_0_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(rows, cols // 32, Q8_0_BYTES), dtype=np.uint8)
     blocks[:, :, :2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _mxfp4_rows(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, MXFP4_BYTES), dtype=np.uint8)
+    blocks[:, :, 0] = rng.integers(118, 122, size=(rows, cols // 32))  # 2^-9 .. 2^-6
     return blocks.reshape(rows, -1)
 
 
@@ -45,15 +52,21 @@ def write_moe_gguf(
     used: int,
     expert_ffn: int,
     per_expert: bool = False,
+    fused: bool = False,
     seed: int = 0,
 ) -> Path:
-    """A mixture-of-experts GGUF file, `arch` "qwen3moe" (q/k head norms) or "llama" with
-    experts (Mixtral, as llama.cpp writes it): a router and 3-D expert tensors in every layer,
-    untied head; the experts and attention Q8_0, the router float32, norms random around 1.
-    `per_expert`: each expert's matrices as their own tensors (blk.N.ffn_gate.E.weight, as the
-    first Mixtral GGUFs hold them) instead of stacked ffn_*_exps."""
+    """A mixture-of-experts GGUF file, `arch` "qwen3moe" (q/k head norms), "llama" with
+    experts (Mixtral, as llama.cpp writes it) or "gpt-oss" (biases on the attention, the router
+    and the experts, a sink per head, alternating 8-token windows, YaRN; its experts in MXFP4,
+    as gpt-oss's files hold them): a router and 3-D expert tensors in every layer, untied head;
+    the experts and attention Q8_0, the router float32, norms random around 1. `per_expert`:
+    each expert's matrices as their own tensors (blk.N.ffn_gate.E.weight, as the first Mixtral
+    GGUFs hold them) instead of stacked ffn_*_exps; `fused`: gate and up as one stacked
+    ffn_gate_up_exps, rows [gate | up] (newer converters' option)."""
     writer, vocab = _writer(path, arch)
     heads, kv_heads, head_dim = 4, 2, hidden // 4
+    gpt_oss = arch == "gpt-oss"
+    expert_kind = "mxfp4" if gpt_oss else "q8"
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     keys: list[tuple[str, object, GGUFValueType]] = [
         ("context_length", 2048, u32),
@@ -66,7 +79,18 @@ def write_moe_gguf(
         ("rope.freq_base", 10000.0, f32),
         ("attention.layer_norm_rms_epsilon", 1e-6, f32),
     ]
-    if arch == "qwen3moe":
+    if gpt_oss:
+        keys += [
+            ("feed_forward_length", expert_ffn, u32),
+            ("expert_feed_forward_length", expert_ffn, u32),
+            ("attention.key_length", head_dim, u32),
+            ("attention.value_length", head_dim, u32),
+            ("attention.sliding_window", 8, u32),
+            ("rope.scaling.type", "yarn", GGUFValueType.STRING),
+            ("rope.scaling.factor", 4.0, f32),
+            ("rope.scaling.original_context_length", 16, u32),
+        ]
+    elif arch == "qwen3moe":
         keys += [
             ("feed_forward_length", 4 * hidden, u32),
             ("expert_feed_forward_length", expert_ffn, u32),
@@ -93,13 +117,23 @@ def write_moe_gguf(
             (p + "attn_v.weight", (kv, hidden), "q8"),
             (p + "attn_output.weight", (hidden, q), "q8"),
         ]
+        if gpt_oss:
+            plan += [
+                (p + "attn_q.bias", (q,), "f32"),
+                (p + "attn_k.bias", (kv,), "f32"),
+                (p + "attn_v.bias", (kv,), "f32"),
+                (p + "attn_output.bias", (hidden,), "f32"),
+                (p + "attn_sinks.weight", (heads,), "f32"),
+                (p + "ffn_gate_inp.bias", (experts,), "f32"),
+            ]
         if arch == "qwen3moe":
             plan += [
                 (p + "attn_q_norm.weight", (head_dim,), "norm"),
                 (p + "attn_k_norm.weight", (head_dim,), "norm"),
             ]
+        norm = "post_attention_norm" if gpt_oss else "ffn_norm"
         plan += [
-            (p + "ffn_norm.weight", (hidden,), "norm"),
+            (p + f"{norm}.weight", (hidden,), "norm"),
             (p + "ffn_gate_inp.weight", (experts, hidden), "f32"),
         ]
         shapes = {
@@ -107,19 +141,25 @@ def write_moe_gguf(
             "up": (expert_ffn, hidden),
             "down": (hidden, expert_ffn),
         }
+        if fused:
+            shapes = {"gate_up": (2 * expert_ffn, hidden), "down": shapes["down"]}
         for which, dims in shapes.items():
             if per_expert:
                 plan += [(p + f"ffn_{which}.{e}.weight", dims, "q8") for e in range(experts)]
             else:
-                plan += [(p + f"ffn_{which}_exps.weight", (experts, *dims), "q8")]
+                plan += [(p + f"ffn_{which}_exps.weight", (experts, *dims), expert_kind)]
+            if gpt_oss:
+                plan += [(p + f"ffn_{which}_exps.bias", (experts, dims[0]), "f32")]
     plan += [("output_norm.weight", (hidden,), "norm"), ("output.weight", (vocab, hidden), "q8")]
+    blocks = {"q8": (Q8_0_BYTES, GGMLQuantizationType.Q8_0)}
+    blocks["mxfp4"] = (MXFP4_BYTES, GGMLQuantizationType.MXFP4)
     for name, shape, kind in plan:
-        if kind == "q8":
-            byte_shape = (*shape[:-1], shape[-1] // 32 * Q8_0_BYTES)
+        if kind in blocks:
+            size, qtype = blocks[kind]
+            byte_shape = (*shape[:-1], shape[-1] // 32 * size)
             writer.add_tensor_info(
-                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)),
-                raw_dtype=GGMLQuantizationType.Q8_0,
-            )  # fmt: skip
+                name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qtype
+            )
         else:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
     writer.write_header_to_file()
@@ -127,8 +167,9 @@ def write_moe_gguf(
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     for _name, shape, kind in plan:
-        if kind == "q8":
-            rows = _q8_0_rows(rng, int(np.prod(shape[:-1])), shape[-1])
+        if kind in blocks:
+            make = _q8_0_rows if kind == "q8" else _mxfp4_rows
+            rows = make(rng, int(np.prod(shape[:-1])), shape[-1])
             writer.write_tensor_data(rows.reshape(*shape[:-1], -1))
         elif kind == "norm":
             writer.write_tensor_data(1.0 + 0.2 * rng.standard_normal(shape, dtype=np.float32))

@@ -3,7 +3,8 @@ forward: tiny random models built here (Qwen3's q/k norms; Gemma 2's soft-cappin
 windows; Gemma 3's (1 + w) norms, GeGLU, sandwich norms, q/k norms and local/global RoPE bases;
 Phi-3's fused projections and per-position LongRoPE; Mistral's sliding window; the mixtures of
 experts: Qwen3-MoE with a dense layer among sparse ones and renormalised top-k, OLMoE's
-whole-projection q/k norms and plain top-k, Mixtral's windowed attention), prompt and generated
+whole-projection q/k norms and plain top-k, Mixtral's windowed attention, gpt-oss's sinks, biases,
+clamped SwiGLU, alternating windows and YaRN), prompt and generated
 logprobs within 1e-4 on both paths (deterministic kernels and torch), and bitwise the same alone
 and among other requests; a mixture of experts' returned routing (every prompt and generated
 token's experts and weights in each MoE layer) is the experts transformers' router picks."""
@@ -53,6 +54,7 @@ def _config(kind: str, vocab: int) -> Any:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         MistralConfig,
         MixtralConfig,
         OlmoeConfig,
@@ -100,13 +102,26 @@ def _config(kind: str, vocab: int) -> Any:
             **common, num_hidden_layers=2, num_key_value_heads=2, num_local_experts=4,
             num_experts_per_tok=2, sliding_window=WINDOW, tie_word_embeddings=False,
         )  # fmt: skip
+    if kind == "gpt_oss":  # alternating windows, YaRN past 16 positions, sinks, clamped SwiGLU
+        return GptOssConfig(
+            **{**common, "intermediate_size": 32}, num_hidden_layers=2, num_key_value_heads=2,
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16,
+            },
+            swiglu_limit=0.3,
+        )  # fmt: skip
     return MistralConfig(
         **common, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW,
         tie_word_embeddings=False,
     )  # fmt: skip
 
 
-KINDS = ["qwen3", "gemma2", "gemma3", "phi3", "mistral", "qwen3_moe", "olmoe", "mixtral"]
+KINDS = [
+    *("qwen3", "gemma2", "gemma3", "phi3", "mistral"),
+    *("qwen3_moe", "olmoe", "mixtral", "gpt_oss"),
+]
 
 
 @pytest.fixture(scope="module", params=KINDS)

@@ -54,27 +54,31 @@ def test_a_tokens_route_is_the_same_bits_in_any_batch(kernels):
 
 
 def test_unbuilt_mixtures_are_refused_naming_what_is_missing():
-    from transformers import GptOssConfig, OlmoeConfig
+    from transformers import OlmoeConfig, Qwen2MoeConfig
 
-    with pytest.raises(Unsupported, match="attention sinks"):
-        family(GptOssConfig(num_hidden_layers=2))
+    with pytest.raises(Unsupported, match="shared expert"):
+        family(Qwen2MoeConfig(num_hidden_layers=2))
     with pytest.raises(Unsupported, match="clip_qkv"):
         family(OlmoeConfig(num_hidden_layers=2, clip_qkv=8.0))
 
 
 @pytest.mark.parametrize(
-    ("arch", "per_expert"), [("qwen3moe", False), ("llama", False), ("llama", True)]
-)
-def test_a_moe_gguf_serves_its_experts_in_blocks(
-    tmp_path, monkeypatch, arch: str, per_expert: bool
-):
-    """A Qwen3-MoE or Mixtral GGUF file (arch llama with experts, as llama.cpp writes it; 3-D
-    expert tensors in Q8_0, a float32 router): each expert's rows held as the file's blocks (no
-    float32 copy), the configuration's experts from the file, prompt logprobs within 1e-4 of
+    ("arch", "layout"),
+    [
+        ("qwen3moe", "stacked"), ("qwen3moe", "fused"), ("llama", "stacked"),
+        ("llama", "per_expert"), ("gpt-oss", "stacked"),
+    ],
+)  # fmt: skip
+def test_a_moe_gguf_serves_its_experts_in_blocks(tmp_path, monkeypatch, arch: str, layout: str):
+    """A Qwen3-MoE, Mixtral (arch llama with experts, as llama.cpp writes it) or gpt-oss GGUF
+    file (3-D expert tensors in Q8_0, gpt-oss's in MXFP4 with biases, a float32 router): each
+    expert's rows held as the file's blocks (no float32 copy), the configuration's experts from
+    the file (gpt-oss's YaRN, windows and head size too), prompt logprobs within 1e-4 of
     transformers' forward of the dequantized weights, and a request the same bits among others;
-    Mixtral's first files (each expert its own tensors) too. The float32 path: Qwen3-MoE through
-    transformers' own GGUF loader with the completed configuration, the same numbers; a Mixtral
-    file (transformers would read a dense Llama) refused in one line."""
+    Mixtral's first files (each expert its own tensors) and gate/up in one stacked tensor too.
+    The float32 path: Qwen3-MoE through transformers' own GGUF loader with the completed
+    configuration, the same numbers; a file transformers misreads (Mixtral: a dense Llama;
+    gpt-oss; fused gate/up) refused in one line."""
     from conftest import run_core
     from gguf_util import write_moe_gguf
     from transformers import AutoModelForCausalLM
@@ -96,23 +100,46 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(
     monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
     path = write_moe_gguf(
         tmp_path / "moe.gguf", arch=arch, hidden=64, layers=2, experts=8, used=3, expert_ffn=32,
-        per_expert=per_expert,
+        per_expert=layout == "per_expert", fused=layout == "fused",
     )  # fmt: skip
     loaded = load_model(str(path), "native")
     cfg = loaded.model.config
     fam = family(cfg)
     assert (fam.experts, fam.top_k, fam.expert_intermediate, fam.norm_topk) == (8, 3, 32, True)
-    assert cfg.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral")
+    kinds = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
+    assert cfg.model_type == kinds[arch]
     weights = loaded.weights
-    assert weights is not None and loaded.weights_format == "Q8_0"
+    gpt_oss = arch == "gpt-oss"
+    assert weights is not None and loaded.weights_format == ("MXFP4+Q8_0" if gpt_oss else "Q8_0")
     down = weights["model.layers.1.mlp.experts.7.down_proj.weight"]
     assert isinstance(down, QuantizedTensor) and (down.n, down.k) == (64, 32)
     twin = AutoModelForCausalLM.from_config(cfg).eval().requires_grad_(False)
     state = {}
     for name, param in twin.named_parameters():
-        if name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+        if gpt_oss and ".experts." in name:  # x @ W layouts, gate and up interleaved
+            base, what = name.rsplit(".", 1)
+            kind = "bias" if what.endswith("_bias") else "weight"
+
+            def part(e: int, p: str, kind: str = kind, base: str = base) -> torch.Tensor:
+                return as_float(weights[f"{base}.{e}.{p}.{kind}"])
+
+            if what.startswith("gate_up"):
+                pairs = [
+                    torch.stack([part(e, "gate_proj"), part(e, "up_proj")], -1)
+                    for e in range(fam.experts)
+                ]
+                state[name] = torch.stack([
+                    p.transpose(0, 1).reshape(p.shape[1], -1) if kind == "weight" else p.reshape(-1)
+                    for p in pairs
+                ])  # fmt: skip
+            else:
+                downs = [part(e, "down_proj") for e in range(fam.experts)]
+                state[name] = torch.stack([d.T if kind == "weight" else d for d in downs])
+        elif name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
             base = name.rsplit(".", 1)[0]
             parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            if layout == "fused" and len(parts) == 2:
+                parts = ("gate_up_proj",)
             state[name] = torch.stack([
                 torch.cat([as_float(weights[f"{base}.{e}.{p}.weight"]) for p in parts])
                 for e in range(fam.experts)
@@ -145,8 +172,8 @@ def test_a_moe_gguf_serves_its_experts_in_blocks(
     assert [np.asarray(o.logprobs.logprobs).tobytes() for o in mixed if o.logprobs] == [
         np.asarray(o.logprobs.logprobs).tobytes() for o in alone if o.logprobs
     ]
-    if arch == "llama":
-        with pytest.raises(ModelLoadError, match="Mixtral"):
+    if arch != "qwen3moe" or layout == "fused":
+        with pytest.raises(ModelLoadError, match="blocks only"):
             load_model(str(path), "float32")
         return
     float32 = load_model(str(path), "float32").model

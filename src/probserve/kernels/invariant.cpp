@@ -87,9 +87,10 @@ inline void rms_row(const float* xr, int64_t H, const float* w, float eps, float
                  H - i);
 }
 
-// out[m, i] = act(gu[m, i]) * gu[m, I + i], rows of 2I in, rows of I out (a gated MLP)
-template <class Act>
-inline void glu(const float* gu, int64_t M, int64_t I, float* out, Act act) {
+// out[m, i] = f(gu[m, i], gu[m, I + i]), rows of 2I in ([gate | up]), rows of I out (a gated
+// MLP: f(g, u) = act(g) * u, or gpt-oss's clamped form)
+template <class F>
+inline void glu2(const float* gu, int64_t M, int64_t I, float* out, F f) {
     on_team(M * I > (1 << 15), [&] {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {
@@ -98,10 +99,15 @@ inline void glu(const float* gu, int64_t M, int64_t I, float* out, Act act) {
             float* o = out + m * I;
             for (int64_t i = 0; i < I; i += W) {
                 const int64_t n = std::min<int64_t>(W, I - i);
-                vstore_n(o + i, vmul(act(vload_n(g + i, n, 0.0f)), vload_n(u + i, n, 0.0f)), n);
+                vstore_n(o + i, f(vload_n(g + i, n, 0.0f), vload_n(u + i, n, 0.0f)), n);
             }
         }
     });
+}
+
+template <class Act>
+inline void glu(const float* gu, int64_t M, int64_t I, float* out, Act act) {
+    glu2(gu, M, I, out, [&](vf g, vf u) { return vmul(act(g), u); });
 }
 
 }  // namespace
@@ -171,6 +177,18 @@ void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, co
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
     const vf one = vset1(1.0f);
     glu(gu, M, I, out, [&](vf x) { return vdiv(x, vadd(one, vexp(vsub(vzero(), x)))); });
+}
+
+// gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit),
+// out = (u + 1) * g * sigmoid(alpha * g), sigmoid(y) = 1 / (1 + exp(-y))
+void ps_gpt_oss_glu(const float* gu, int64_t M, int64_t I, float* out, float alpha, float limit) {
+    const vf one = vset1(1.0f), a = vset1(-alpha), hi = vset1(limit), lo = vset1(-limit);
+    glu2(gu, M, I, out, [&](vf g, vf u) {
+        g = vmin(g, hi);
+        u = vmax(vmin(u, hi), lo);
+        const vf glu = vdiv(g, vadd(one, vexp(vmul(a, g))));
+        return vmul(vadd(u, one), glu);
+    });
 }
 
 // Gemma's GeGLU: gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3),
@@ -389,7 +407,7 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
 void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
                   int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
                   int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
-                  int64_t window, float softcap) {
+                  int64_t window, float softcap, const float* sinks) {
     constexpr int64_t TQ = 4;   // tokens per tile
     constexpr int64_t R = 24;   // accumulators of the P.V pass
     const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
@@ -414,6 +432,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
         std::vector<float*> op(static_cast<size_t>(pairs_max));
         std::vector<int64_t> lp(static_cast<size_t>(pairs_max));
         std::vector<int64_t> lo(static_cast<size_t>(pairs_max));  // a pair's first key
+        std::vector<int64_t> hp(static_cast<size_t>(pairs_max));  // a pair's query head
         std::vector<float> mx(static_cast<size_t>(pairs_max * W));
         vf acc[R > W ? R : W];
 #pragma omp for schedule(dynamic, 1)
@@ -435,6 +454,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     qp[p] = q + ((t0 + i) * nq + head) * d;
                     op[p] = out + (t0 + i) * nq * d + head * d;
                     lp[p] = len[t0 + i];
+                    hp[p] = head;
                     lo[p] = window > 0 ? std::max<int64_t>(0, lp[p] - window) : 0;
                     probs[p] = s.data() + p * stride;
                     vstore(mx.data() + p * W, vset1(NEG_INF));
@@ -471,7 +491,10 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
             for (int64_t p = 0; p < np; ++p) {  // p_j = exp(s_j - max) / sum
                 float* sg = s.data() + p * stride;
                 const int64_t L = lp[p], j1 = lo[p] / W * W;
-                const vf vm = vset1(hmax(vload(mx.data() + p * W)));
+                // a sink (gpt-oss): one more logit per head in the softmax, with no value
+                const float sink = sinks ? sinks[hp[p]] : NEG_INF;
+                const float m = std::max(hmax(vload(mx.data() + p * W)), sink);
+                const vf vm = vset1(m);
                 vf sum = vzero();
                 for (int64_t j = j1; j < L; j += W) {
                     const int64_t n = std::min<int64_t>(W, L - j);
@@ -479,7 +502,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     vstore_n(sg + j, e, n);
                     sum = vadd(sum, e);
                 }
-                const vf l = vset1(hsum(sum));
+                const vf l = vset1(sinks ? hsum(sum) + std::exp(sink - m) : hsum(sum));
                 for (int64_t j = j1; j < L; j += W) {
                     const int64_t n = std::min<int64_t>(W, L - j);
                     vstore_n(sg + j, vdiv(vload_n(sg + j, n, 0.0f), l), n);

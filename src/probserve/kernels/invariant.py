@@ -179,12 +179,17 @@ class InvariantKernels:
         """gelu_tanh(gate) * up for rows [gate | up] of 2I (Gemma's GeGLU): rows of I."""
         return self._glu(self.lib.ps_gelu_tanh_mul, gate_up)
 
+    def gpt_oss_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU of rows [gate | up] of 2I: (clamp(up, -limit, limit) + 1)
+        * g * sigmoid(alpha * g), g = min(gate, limit); rows of I."""
+        return self._glu(self.lib.ps_gpt_oss_glu, gate_up, alpha, limit)
+
     @staticmethod
-    def _glu(fn: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
+    def _glu(fn: Callable[..., None], gate_up: torch.Tensor, *extra: float) -> torch.Tensor:
         gu = _f32(gate_up)
         m, two_i = gu.shape
         out = torch.empty((m, two_i // 2), dtype=torch.float32)
-        fn(gu.data_ptr(), m, two_i // 2, out.data_ptr())
+        fn(gu.data_ptr(), m, two_i // 2, out.data_ptr(), *extra)
         return out
 
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -305,11 +310,13 @@ class InvariantKernels:
         block_size: int,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, nq, d] over a paged cache [slots, nkv, d] read in place:
         token t attends to the first lengths[t] positions of the sequence whose block table is
         tables[seq[t]] (with a sliding `window`, the last `window` of them), its scores soft-capped
-        by `softcap` where given. Returns [T, nq * d]."""
+        by `softcap` where given; `sinks` [nq] (gpt-oss): each head's one more logit in the
+        softmax, attending to nothing. Returns [T, nq * d]."""
         q = _f32(q)
         t, nq, d = q.shape
         out = torch.empty((t, nq * d), dtype=torch.float32)
@@ -331,5 +338,6 @@ class InvariantKernels:
             lengths.data_ptr(),
             int(window or 0),
             float(softcap or 0.0),
+            sinks.data_ptr() if sinks is not None else None,
         )
         return out

@@ -120,7 +120,7 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
         ps_rope_cache(b.qkv, T, nq, nkv, d, s->cos[l.rope], s->sin[l.rope], s->pos, s->slots, b.q,
                       kc, vc);
         ps_attention(b.q, kc, vc, b.attn, T, nq, nkv, d, m->scale, s->tables, s->width,
-                     s->block_size, s->seq, s->len, l.window, m->softcap);
+                     s->block_size, s->seq, s->len, l.window, m->softcap, nullptr);
         project(l.o, b.attn, T, b.o, b.tmp);
         if (m->sandwich) {
             ps_rms_norm(b.o, T, H, l.ln2, m->eps, b.o);

@@ -78,6 +78,7 @@ void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, co
                    const float* kw, float eps);
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
 void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);
+void ps_gpt_oss_glu(const float* gu, int64_t M, int64_t I, float* out, float alpha, float limit);
 void ps_softcap(float* x, int64_t N, float cap);
 void ps_rope_cache(const float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d,
                    const float* cos, const float* sin, const int64_t* pos, const int64_t* slots,
@@ -90,7 +91,7 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
 void ps_attention(const float* q, const float* kc, const float* vc, float* out, int64_t T,
                   int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
                   int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
-                  int64_t window, float softcap);
+                  int64_t window, float softcap, const float* sinks);
 
 // ---- route.cpp: a mixture-of-experts router's k experts and weights per token ----------------
 void ps_route(const float* logits, int64_t M, int64_t E, int64_t k, int norm, int64_t* ids, float* weights);

@@ -12,7 +12,12 @@ Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 is read from the configuration once
 - Qwen3-MoE, OLMoE and Mixtral replace the MLP (in every layer, or Qwen3-MoE's sparse ones) by
   a mixture of experts: a router's softmax, the top k experts of each token (renormalised:
   Qwen3-MoE's norm_topk_prob, always for Mixtral), their SwiGLUs summed by weight
-  (models/moe.py); OLMoE RMS-norms the whole query and key projections, not each head.
+  (models/moe.py); OLMoE RMS-norms the whole query and key projections, not each head;
+- gpt-oss: a mixture of experts in every layer whose router has a bias and takes the softmax
+  of its k largest logits (the renormalised top k of the full softmax: the same function), its
+  experts biased with a clamped SwiGLU ((clamp(up) + 1) * g * sigmoid(1.702 g), g = min(gate,
+  7)), attention with biases and a learned sink logit per head, alternating 128-token windows
+  and YaRN RoPE.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ from typing import Any, Literal
 
 SUPPORTED_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
-    | {"qwen3_moe", "olmoe", "mixtral"}
+    | {"qwen3_moe", "olmoe", "mixtral", "gpt_oss"}
 )
 # what the paged forward lacks for a mixture-of-experts type it does not run (the refusal's line)
 MISSING = {
-    "gpt_oss": "attention sinks, the clamped SwiGLU of gpt-oss and expert biases are not built",
     "qwen2_moe": "its shared expert is not built",
     "deepseek_v3": "multi-head latent attention and its grouped routing are not built",
 }
@@ -67,6 +71,11 @@ class Family:
     expert_intermediate: int = 0  # an expert's SwiGLU width
     sparse: tuple[bool, ...] = ()  # each layer: a MoE feed-forward (else the dense MLP)
     qk_norm_full: bool = False  # q and k RMS-normed over the whole projection (OLMoE)
+    sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
+    # gpt-oss's clamped SwiGLU in its experts: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g),
+    # g = min(gate, limit); None: the family's activation
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
 
 def head_dim(config: Any) -> int:
@@ -151,21 +160,29 @@ def family(config: Any) -> Family:
 
 
 def _experts(config: Any) -> dict[str, Any]:
-    """A mixture of experts' parameters (Qwen3-MoE, OLMoE, Mixtral), else none."""
+    """A mixture of experts' parameters (Qwen3-MoE, OLMoE, Mixtral, gpt-oss), else none."""
     kind, n = config.model_type, config.num_hidden_layers
-    if kind not in ("qwen3_moe", "olmoe", "mixtral"):
+    if kind not in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss"):
         return {}
-    experts = int(config.num_local_experts if kind == "mixtral" else config.num_experts)
+    local = kind in ("mixtral", "gpt_oss")
+    experts = int(config.num_local_experts if local else config.num_experts)
     sparse = (True,) * n
     if kind == "qwen3_moe":
         step = int(getattr(config, "decoder_sparse_step", 1) or 1)
         dense = set(getattr(config, "mlp_only_layers", None) or ())
         sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
     width = config.moe_intermediate_size if kind == "qwen3_moe" else config.intermediate_size
-    return {
+    found = {
         "experts": experts,
         "top_k": int(config.num_experts_per_tok),
-        "norm_topk": kind == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
+        "norm_topk": local or bool(getattr(config, "norm_topk_prob", False)),
         "expert_intermediate": int(width),
         "sparse": sparse,
     }
+    if kind == "gpt_oss":
+        found |= {
+            "sinks": True,
+            "swiglu_limit": float(config.swiglu_limit),
+            "swiglu_alpha": float(getattr(config, "swiglu_alpha", 1.702)),
+        }
+    return found

@@ -251,6 +251,8 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     names: dict[str, str] = {}
     for hf_name, _ in skeleton.named_parameters(remove_duplicate=False):
         base, _, suffix = processor.preprocess_name(hf_name).rpartition(".")
+        if suffix == "sinks":  # a parameter of its own (gpt-oss): the file's attn_sinks.weight
+            base, suffix = hf_name, "weight"
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
             names.setdefault(f"{gguf_name}.{suffix}", hf_name)
@@ -258,9 +260,9 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     for tensor in reader.tensors:
         stacked = _EXPERTS.fullmatch(tensor.name)
         if stacked is not None:  # [experts, rows, row bytes]: each expert a view
-            layer, which = int(stacked[1]), stacked[2]
+            layer, which, kind = int(stacked[1]), stacked[2], stacked[3]
             for e in range(tensor.data.shape[0]):
-                out[_expert_name(layer, e, which)] = _expert_weight(tensor, tensor.data[e])
+                out[_expert_name(layer, e, which, kind)] = _expert_weight(tensor, tensor.data[e])
             continue
         one = _ONE_EXPERT.fullmatch(tensor.name)  # an older file: each expert its own tensor
         if one is not None:
@@ -281,32 +283,44 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     return _with_ties(out, skeleton, Path(path).name)
 
 
-# a mixture of experts' stacked tensor: [experts, rows, row bytes] (llama.cpp's ffn_*_exps);
+# a mixture of experts' stacked tensor: [experts, rows, row bytes] (llama.cpp's ffn_*_exps; newer
+# converters may write gate and up as one ffn_gate_up_exps, rows [gate | up], and its bias);
 # one expert's matrix in an older file (Mixtral's first GGUFs: blk.N.ffn_gate.E.weight)
-_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
-def _expert_name(layer: int, expert: int, which: str) -> str:
-    """Expert `expert`'s matrix under its own name (the forward's per-expert weights)."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{which}_proj.weight"
+def _expert_name(layer: int, expert: int, which: str, kind: str = "weight") -> str:
+    """Expert `expert`'s matrix (or bias: gpt-oss) under its own name (the forward's
+    per-expert weights)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{which}_proj.{kind}"
 
 
 def _expert_weight(tensor: Any, rows: np.ndarray) -> Weight:
     """One expert's rows of `tensor` as a view of the file's: blocks stay blocks, float32 is
-    read as float32 (K: the tensor's first dimension, ggml's order)."""
-    if tensor.tensor_type.name == "F32":
-        return torch.from_numpy(np.array(rows, dtype=np.float32))
+    read as float32 (K: the tensor's first dimension, ggml's order), as is a bias of any
+    precision."""
+    if tensor.tensor_type.name == "F32" or rows.ndim < 2:
+        from gguf import dequantize
+
+        return torch.from_numpy(np.array(dequantize(rows, tensor.tensor_type), dtype=np.float32))
     return QuantizedTensor(rows, int(tensor.tensor_type), int(tensor.shape[0]))
 
 
 def _held_per_expert(name: str, out: dict[str, Weight]) -> bool:
     """A skeleton's stacked expert parameter (transformers' mlp.experts.gate_up_proj or
     down_proj) the weights hold per expert instead."""
-    parts = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-    for stacked, names in parts.items():
-        if name.endswith(f"mlp.experts.{stacked}"):
-            return all(f"{name[: -len(stacked)]}0.{part}.weight" in out for part in names)
+    parts = {
+        "gate_up_proj": (("gate_proj", "up_proj"), ("gate_up_proj",)),
+        "down_proj": (("down_proj",),),
+    }
+    for stacked, layouts in parts.items():
+        for kind, tail in (("weight", ""), ("bias", "_bias")):
+            if name.endswith(f"mlp.experts.{stacked}{tail}"):
+                head = name[: -len(stacked + tail)]
+                return any(
+                    all(f"{head}0.{part}.{kind}" in out for part in names) for names in layouts
+                )
     return False
 
 

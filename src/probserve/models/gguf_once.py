@@ -63,3 +63,37 @@ def release_pages(path: str | Path) -> None:
     release = getattr(gguf.GGUFReader, "release", None)
     if release is not None:
         release(path)
+
+
+class _WithoutFields:
+    """A parsed reader less the metadata fields whose names begin with `prefix`."""
+
+    def __init__(self, reader: Any, prefix: str) -> None:
+        self._reader = reader
+        self.fields = {k: v for k, v in reader.fields.items() if not k.startswith(prefix)}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+@contextmanager
+def without_fields(prefix: str) -> Iterator[None]:
+    """Every `gguf.GGUFReader` opened within reads no metadata field whose name begins with
+    `prefix`: for transformers' GGUF loader, which fails on some fields (gpt-oss's
+    rope.scaling.*: it takes each field's first part, the key's length, for its value); the
+    caller reads those fields itself. Nests with parsed_once()."""
+    import gguf
+
+    reader_class = gguf.GGUFReader
+
+    def reader(path: str | Path, mode: str = "r") -> Any:
+        return _WithoutFields(reader_class(path, mode), prefix)  # type: ignore[arg-type]
+
+    for attr in ("parses_once", "release"):
+        if hasattr(reader_class, attr):
+            setattr(reader, attr, getattr(reader_class, attr))
+    gguf.GGUFReader = reader  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader_class  # type: ignore[misc]

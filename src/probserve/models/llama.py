@@ -221,16 +221,34 @@ class _Layer:
         self.k_norm = norm("self_attn.k_norm")
 
         def expert(e: int) -> Expert:
-            """Expert e: from transformers' [E, 2I, H] and [E, H, I] parameters (views), or a
-            GGUF file's rows of each expert (models/gguf_blocks.py names them per expert)."""
+            """Expert e: from transformers' [E, 2I, H] and [E, H, I] parameters (views; gpt-oss's
+            are [E, H, 2I] with gate and up interleaved, and biased: rows [gate | up] made of
+            them), or a GGUF file's rows of each expert (models/gguf_blocks.py names them per
+            expert)."""
             fused = weights.get(f"{prefix}mlp.experts.gate_up_proj")
             if fused is not None:
-                down = as_float(weights[f"{prefix}mlp.experts.down_proj"])[e]
+                gate_up, down = (
+                    as_float(fused)[e],
+                    as_float(weights[f"{prefix}mlp.experts.down_proj"])[e],
+                )
+                bias = {
+                    name: as_float(weights[f"{prefix}mlp.experts.{name}_bias"])[e]
+                    for name in ("gate_up_proj", "down_proj")
+                    if f"{prefix}mlp.experts.{name}_bias" in weights
+                }
+                gu_bias, down_bias = bias.get("gate_up_proj"), bias.get("down_proj")
+                if fam.swiglu_limit is not None:  # gpt-oss: x @ W, columns gate, up, gate, ...
+                    gate_up = torch.cat([gate_up.T[0::2], gate_up.T[1::2]]).contiguous()
+                    down = down.T.contiguous()
+                    if gu_bias is not None:
+                        gu_bias = torch.cat([gu_bias[0::2], gu_bias[1::2]])
                 return Expert(
-                    Linear(as_float(fused)[e], None, kernel, kernels),
-                    Linear(down, None, kernel, kernels),
+                    Linear(gate_up, gu_bias, kernel, kernels),
+                    Linear(down, down_bias, kernel, kernels),
                 )
             at = f"mlp.experts.{e}."
+            if f"{prefix}{at}gate_up_proj.weight" in weights:  # a file's fused [gate | up]
+                return Expert(linear(at + "gate_up_proj"), linear(at + "down_proj"))
             return Expert(linear(at + "gate_proj", at + "up_proj"), linear(at + "down_proj"))
 
         if fam.fused:
@@ -246,7 +264,8 @@ class _Layer:
         self.moe_index = sum(fam.sparse[:index]) if fam.experts else 0
         if fam.experts and fam.sparse[index]:
             experts = tuple(expert(e) for e in range(fam.experts))
-            self.moe = MoE(linear("mlp.gate"), experts, fam.top_k, fam.norm_topk)
+            router = "mlp.router" if f"{prefix}mlp.router.weight" in weights else "mlp.gate"
+            self.moe = MoE(linear(router), experts, fam.top_k, fam.norm_topk)
             self.intermediate = fam.expert_intermediate
         else:
             self.gate_up = (
@@ -256,6 +275,9 @@ class _Layer:
             self.intermediate = int(config.intermediate_size)
         self.window = fam.windows[index]
         self.rope_key = fam.rope_keys[index]
+        # gpt-oss: each head's sink logit (float32, contiguous: the kernel reads it)
+        sinks = weights.get(prefix + "self_attn.sinks") if fam.sinks else None
+        self.sinks = None if sinks is None else as_float(sinks).float().contiguous()
 
 
 def _parts(linear: Linear | Joined | None) -> list[PackedWeight | QuantizedWeight]:
@@ -454,7 +476,7 @@ class LlamaForward:
                 k = k * cos + _rotate_half(k) * sin
                 cache.k[li].index_copy_(0, plan.slots, k)
                 cache.v[li].index_copy_(0, plan.slots, v)
-            attn = layer.o(self._attention(q, cache, li, plan, layer.window))
+            attn = layer.o(self._attention(q, cache, li, plan, layer))
             if self.family.sandwich:
                 assert layer.pre_ff is not None and layer.post_ff is not None
                 h = h + self._norm(attn, layer.ln2)
@@ -502,13 +524,24 @@ class LlamaForward:
         """The feed-forward of normed rows x: the layer's experts (their routing kept at the
         rows' slots), or its MLP."""
         if layer.moe is not None:
-            out, ids, weights = moe_forward(layer.moe, x, self._act, self.kernels)
+            out, ids, weights = moe_forward(layer.moe, x, self._expert_act, self.kernels)
             if cache.experts is not None and cache.expert_weights is not None:
                 cache.experts[:, layer.moe_index].index_copy_(0, slots, ids.to(torch.int16))
                 cache.expert_weights[:, layer.moe_index].index_copy_(0, slots, weights.float())
             return out
         assert layer.gate_up is not None and layer.down is not None
         return layer.down(self._act(layer.gate_up(x)))
+
+    def _expert_act(self, gu: torch.Tensor) -> torch.Tensor:
+        """An expert's gated activation: gpt-oss's clamped SwiGLU, or the family's."""
+        limit, alpha = self.family.swiglu_limit, self.family.swiglu_alpha
+        if limit is None:
+            return self._act(gu)
+        if self.kernels is not None:
+            return self.kernels.gpt_oss_glu(gu, alpha, limit)
+        width = gu.shape[1] // 2
+        gate, up = gu[:, :width].clamp(max=limit), gu[:, width:].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def _act(self, gu: torch.Tensor) -> torch.Tensor:
         """SwiGLU or GeGLU of rows [gate | up]."""
@@ -538,16 +571,17 @@ class LlamaForward:
                 self._rope_sin[key] = torch.cat([self._rope_sin[key], sin[0].float()])
 
     def _attention(
-        self, q: torch.Tensor, cache: KVCache, layer: int, plan: AttentionPlan, window: int | None
+        self, q: torch.Tensor, cache: KVCache, li: int, plan: AttentionPlan, layer: _Layer
     ) -> torch.Tensor:
-        kc, vc = cache.k[layer], cache.v[layer]
+        kc, vc = cache.k[li], cache.v[li]
         scale, softcap = self.family.scale, self.family.attn_softcap
+        window, sinks = layer.window, layer.sinks
         if self.kernels is not None:
             assert plan.tables is not None and plan.token_seq is not None
             assert plan.token_len is not None
             return self.kernels.attention(
                 q, kc, vc, scale, plan.tables, plan.token_seq, plan.token_len, cache.block_size,
-                window, softcap,
+                window, softcap, sinks,
             )  # fmt: skip
         t, nq, d = q.shape
         out = q.new_empty((t, nq * d))
@@ -558,14 +592,15 @@ class LlamaForward:
             vals = vc.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, nq, 1, d]
             mask = plan.decode_mask_for(window)
-            o = _sdpa(qd, keys, vals, mask, False, scale, softcap)
+            o = _sdpa(qd, keys, vals, mask, False, scale, softcap, sinks)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, nq * d))
         for i, group in enumerate(plan.prefills):
             qp = q[group.rows].transpose(0, 1).unsqueeze(0)  # [1, nq, n, d]
             keys = kc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
             vals = vc.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
-            mask, causal = plan.prefill_mask_for(i, window, bool(window or softcap))
-            o = _sdpa(qp, keys, vals, mask, causal, scale, softcap)
+            explicit = bool(window or softcap or sinks is not None)
+            mask, causal = plan.prefill_mask_for(i, window, explicit)
+            o = _sdpa(qp, keys, vals, mask, causal, scale, softcap, sinks)
             out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)
         return out
 
@@ -587,16 +622,24 @@ def _sdpa(
     causal: bool,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention [B, nq, n, d] over keys [B, nkv, L, d] (grouped query heads): torch's fused
-    kernel, or, with soft-capped scores (Gemma 2), transformers' eager order of operations."""
-    if not softcap:
+    kernel, or, with soft-capped scores (Gemma 2) or sinks (gpt-oss: a logit per head beside the
+    keys' in the softmax, dropped after it), transformers' eager order of operations."""
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    sink = sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ v

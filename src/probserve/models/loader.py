@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from probserve.models.gguf_once import without_fields
 from probserve.models.sources import (
     ModelLoadError,
     ModelSource,
@@ -143,7 +144,8 @@ def _native(
     path = source.quantized_file
     if not path:
         return None
-    config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+    with without_fields(_UNREADABLE):
+        config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
     if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
         config = _experts_config(config, Path(path))
     generation = None
@@ -203,8 +205,9 @@ def write_metadata(source: ModelSource, out: Path) -> None:
 
     kwargs = {"gguf_file": source.gguf_file}
     try:
-        config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+        with without_fields(_UNREADABLE):
+            config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
     except _LOAD_ERRORS as exc:
         raise _load_error(source, exc) from exc
     config = _experts_config(config, Path(source.name_or_path) / str(source.gguf_file))
@@ -214,6 +217,8 @@ def write_metadata(source: ModelSource, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+# metadata transformers' GGUF loader fails on (read here instead: _experts_config)
+_UNREADABLE = "gpt-oss.rope.scaling."
 # a Llama configuration's fields a Mixtral one does not take
 _NOT_MIXTRAL = ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")
 
@@ -222,18 +227,26 @@ def _experts_config(config: Any, gguf: Path) -> Any:
     """What transformers' GGUF configuration leaves out of a mixture of experts: a Qwen3-MoE
     file's experts' width (`expert_feed_forward_length`) and the renormalised top-k llama.cpp
     always applies to it; a Mixtral file (arch `llama` with `llama.expert_count`), read as a
-    dense Llama, becomes the Mixtral configuration it is. Other configurations come back as
-    they are."""
+    dense Llama, becomes the Mixtral configuration it is; a gpt-oss file's head size, experts'
+    width and RoPE scaling (YaRN, untruncated as gpt-oss's own configuration has it). Other
+    configurations come back as they are."""
     kind = getattr(config, "model_type", None)
-    if kind not in ("qwen3_moe", "llama"):
+    if kind not in ("qwen3_moe", "llama", "gpt_oss"):
         return config
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf)).fields
 
-    def value(key: str) -> int | None:
+    def read(key: str) -> Any:
         field = fields.get(key)
-        return None if field is None else int(field.contents())
+        return None if field is None else field.contents()
+
+    def value(key: str) -> int | None:
+        found = read(key)
+        return None if found is None else int(found)
+
+    if kind == "gpt_oss":
+        return _gpt_oss_config(config, read)
 
     if kind == "qwen3_moe":
         width = value("qwen3moe.expert_feed_forward_length")
@@ -249,6 +262,45 @@ def _experts_config(config: Any, gguf: Path) -> Any:
     fields_of = {k: v for k, v in config.to_dict().items() if k not in _NOT_MIXTRAL}
     used = value("llama.expert_used_count") or 2
     return MixtralConfig(**fields_of, num_local_experts=experts, num_experts_per_tok=used)
+
+
+def _gpt_oss_config(config: Any, read: Any) -> Any:
+    """A gpt-oss file's configuration completed from its metadata (`read`: a key's value)."""
+    head = read("gpt-oss.attention.key_length")
+    if head is not None:
+        config.head_dim = int(head)
+    width = read("gpt-oss.expert_feed_forward_length")
+    if width is not None:
+        config.intermediate_size = int(width)
+    window = read("gpt-oss.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = int(window)
+    theta = float(read("gpt-oss.rope.freq_base") or config.rope_parameters.get("rope_theta"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    if read("gpt-oss.rope.scaling.type") == "yarn":
+        rope = {
+            "rope_type": "yarn", "rope_theta": theta,
+            "factor": float(read("gpt-oss.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                read("gpt-oss.rope.scaling.original_context_length")
+            ),
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        }  # fmt: skip
+    config.rope_parameters = rope
+    return config
+
+
+def _unread_by_transformers(config: Any, gguf: Path) -> str | None:
+    """What kind of mixture-of-experts file transformers' GGUF loader misreads (Mixtral: a dense
+    Llama; gpt-oss: not at all; experts' gate and up in one tensor: left random), or None."""
+    if config.model_type in ("mixtral", "gpt_oss"):
+        return str(config.model_type)
+    if config.model_type == "qwen3_moe":
+        from gguf import GGUFReader
+
+        if any(t.name.endswith("ffn_gate_up_exps.weight") for t in GGUFReader(str(gguf)).tensors):
+            return "fused gate/up experts"
+    return None
 
 
 def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -267,10 +319,11 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(source.name_or_path)  # completed (_experts_config)
-        if config.model_type == "mixtral":
+        unread = _unread_by_transformers(config, gguf)
+        if unread:
             raise ModelLoadError(
-                f"{gguf.name} is a Mixtral file transformers reads as a dense Llama: it is served "
-                "in its blocks only (--weights native with --deterministic)"
+                f"{gguf.name} is a {unread} file transformers' GGUF loader does not read: it is "
+                "served in its blocks only (--weights native with --deterministic)"
             )
         extra = {"config": config} if config.model_type == "qwen3_moe" else {}
         model = AutoModelForCausalLM.from_pretrained(

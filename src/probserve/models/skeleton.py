@@ -5,8 +5,8 @@ native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
 every engine start paid them for a model whose weights come from elsewhere. The names follow
 transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3, Phi-3), and `Rotary` computes their rotary embedding with the same
-operations in the same order (tests check the two bit for bit).
+Qwen3, Gemma 2, Gemma 3, Phi-3 and the mixtures of experts), and `Rotary` computes their rotary
+embedding with the same operations in the same order (tests check the two bit for bit).
 """
 
 from __future__ import annotations
@@ -101,6 +101,8 @@ class _Attention(nn.Module):
         if fam.qk_norm_full:  # OLMoE: over the whole projections
             self.q_norm = _Norm(heads * d, config.rms_norm_eps)
             self.k_norm = _Norm(kv * d, config.rms_norm_eps)
+        if fam.sinks:  # gpt-oss: a sink logit per head
+            self.sinks = nn.Parameter(torch.empty(heads, device="meta"))
 
 
 class _MLP(nn.Module):
@@ -117,20 +119,35 @@ class _MLP(nn.Module):
 
 
 class _Experts(nn.Module):
-    def __init__(self, experts: int, hidden: int, inner: int) -> None:
+    def __init__(self, experts: int, hidden: int, inner: int, gpt_oss: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden, device="meta"))
-        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner, device="meta"))
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, device="meta"))
+
+        if gpt_oss:  # x @ W layouts, biased
+            self.gate_up_proj = empty(experts, hidden, 2 * inner)
+            self.gate_up_proj_bias = empty(experts, 2 * inner)
+            self.down_proj = empty(experts, inner, hidden)
+            self.down_proj_bias = empty(experts, hidden)
+        else:
+            self.gate_up_proj = empty(experts, 2 * inner, hidden)
+            self.down_proj = empty(experts, hidden, inner)
 
 
 class _MoE(nn.Module):
     """A mixture of experts' parameters under transformers' names: the router `gate` [E, H], the
-    experts' stacked gate/up [E, 2I, H] and down [E, H, I]."""
+    experts' stacked gate/up [E, 2I, H] and down [E, H, I]; gpt-oss's router (biased), and its
+    experts' [E, H, 2I] and [E, I, H] with their biases."""
 
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
-        self.gate = _linear(config.hidden_size, fam.experts, False)
-        self.experts = _Experts(fam.experts, config.hidden_size, fam.expert_intermediate)
+        gpt_oss = fam.swiglu_limit is not None
+        if gpt_oss:
+            self.router = _linear(config.hidden_size, fam.experts, True)
+        else:
+            self.gate = _linear(config.hidden_size, fam.experts, False)
+        self.experts = _Experts(fam.experts, config.hidden_size, fam.expert_intermediate, gpt_oss)
 
 
 class _Layer(nn.Module):
