@@ -1,6 +1,7 @@
 """The native layers (kernels/layers.py: every layer in one call) against the op-by-op path they
 replace (the same kernels called one by one from Python): the same bits, hidden states and cache,
-over steps that mix prefill chunks, chunks after a cached prefix and decode tokens."""
+over steps that mix prefill chunks, chunks after a cached prefix and decode tokens (a mixture of
+experts: the routing kept too)."""
 
 from __future__ import annotations
 
@@ -49,10 +50,14 @@ def assert_native_equals_op_by_op(
         cache.k.zero_()
         cache.v.zero_()
         cache.hidden.zero_()
+    routed = [(c.experts, c.expert_weights) for c in caches]
     for i, chunks in enumerate(STEPS):
         ids, positions, plan = _step(chunks, model.config.vocab_size, i)
         a = native.forward(ids, positions, plan, caches[0])
         b = op.forward(ids, positions, plan, caches[1])
         assert torch.equal(a, b), f"step {i}: hidden states differ"
         assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        (ids, w), (op_ids, op_w) = routed
+        if ids is not None:  # a mixture of experts: the same routing kept
+            assert torch.equal(ids, op_ids) and torch.equal(w, op_w), f"step {i}: routing differs"
         assert torch.equal(native.logits(a), op.logits(b))

@@ -173,6 +173,20 @@ void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, co
     });
 }
 
+// OLMoE's q/k norms: each token's whole query and whole key projection RMS-normed in place (the
+// rows ps_rms_norm would norm over [T, nq d] and [T, nkv d] copies: the same bits)
+void ps_proj_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
+                   const float* kw, float eps) {
+    const int64_t row = (nq + 2 * nkv) * d;
+    on_team(T * (nq + nkv) * d > (1 << 16), [&] {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < 2 * T; ++u) {
+            float* r = qkv + (u / 2) * row + (u % 2 ? nq * d : 0);
+            rms_row(r, (u % 2 ? nkv : nq) * d, u % 2 ? kw : qw, eps, r);
+        }
+    });
+}
+
 // SwiGLU: silu(x) = x / (1 + exp(-x))
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out) {
     const vf one = vset1(1.0f);

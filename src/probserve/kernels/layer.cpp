@@ -9,7 +9,9 @@
 // every family). The per-family differences are fields of PsModel and PsLayer: q/k norms
 // (Qwen3, Gemma 3), sandwich norms (Gemma 2/3), GeGLU, sliding windows, soft-capped scores,
 // one RoPE table per layer type, biases (Qwen2), weights joined from parts in different block
-// formats (Q4_K_M's Q4_K q/k beside a Q6_K v).
+// formats (Q4_K_M's Q4_K q/k beside a Q6_K v), attention sinks (gpt-oss), and a mixture of
+// experts in place of the MLP (PsMoE: the router, ps_route's choice, each chosen expert once on
+// the tokens routed to it, the weighted sums in ascending expert id, as models/moe.py).
 //
 // One OpenMP team runs the whole step: ps_layers opens one parallel region and every thread walks
 // the layers together, each kernel's loop shared out over the team (simd.h's on_team), so a
@@ -18,6 +20,8 @@
 // Work buffers come from the caller (`scratch`, sized by ps_layers_scratch for a token count):
 // the Python side keeps one per power-of-two bucket of token counts, so nothing is allocated
 // per layer or per step.
+#include <vector>
+
 #include "probserve.h"
 #include "simd.h"
 
@@ -25,13 +29,32 @@ namespace {
 
 int64_t widest_part(const PsModel* m) {
     int64_t w = 0;
+    auto widest = [&](const PsProj& p) {
+        if (p.nparts > 1)
+            for (int64_t i = 0; i < p.nparts; ++i) w = std::max(w, p.parts[i].n);
+    };
     for (int64_t li = 0; li < m->layers; ++li) {
         const PsLayer& l = m->layer[li];
-        for (const PsProj* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
-            if (p->nparts > 1)
-                for (int64_t i = 0; i < p->nparts; ++i) w = std::max(w, p->parts[i].n);
+        for (const PsProj* p : {&l.qkv, &l.o}) widest(*p);
+        if (l.moe) {
+            widest(l.moe->router);
+            for (int64_t e = 0; e < l.moe->experts; ++e) {
+                widest(l.moe->gate_up[e]);
+                widest(l.moe->down[e]);
+            }
+        } else {
+            widest(l.gate_up);
+            widest(l.down);
+        }
     }
     return w;
+}
+
+int64_t most_experts(const PsModel* m) {
+    int64_t e = 0;
+    for (int64_t li = 0; li < m->layers; ++li)
+        if (m->layer[li].moe) e = std::max(e, m->layer[li].moe->experts);
+    return e;
 }
 
 void part_product(const PsPart& p, const float* x, int64_t T, float* out) {
@@ -69,6 +92,9 @@ void add_into(float* h, const float* x, int64_t n) {
 
 struct Buffers {
     float *x, *qkv, *q, *attn, *o, *gu, *act, *tmp;
+    // a mixture of experts: router logits, choices, the rows routed to each expert
+    float *logits, *w, *xg, *y;
+    int64_t *ids, *count, *rows, *slot;
 };
 
 // the step's buffers carved from `scratch` (64-byte steps); returns the floats they take, so
@@ -88,7 +114,88 @@ int64_t carve(const PsModel* m, int64_t T, float* scratch, Buffers& b) {
     take(b.gu, T * 2 * m->inter);
     take(b.act, T * m->inter);
     take(b.tmp, T * widest_part(m));
+    const int64_t E = most_experts(m);
+    int64_t K = 1;  // the most experts a token goes to
+    for (int64_t li = 0; li < m->layers; ++li)
+        if (m->layer[li].moe) K = std::max(K, m->layer[li].moe->top_k);
+    if (E) {
+        auto take_ids = [&](int64_t*& p, int64_t n) {  // int64s: two floats each
+            float* f = nullptr;
+            take(f, 2 * n);
+            p = reinterpret_cast<int64_t*>(f);
+        };
+        take(b.logits, T * E);
+        take(b.w, T * K);
+        take(b.xg, T * m->hidden);
+        take(b.y, T * m->hidden);
+        take_ids(b.ids, T * K);
+        take_ids(b.count, E + 1);
+        take_ids(b.rows, T * K);
+        take_ids(b.slot, T * K);
+    }
     return at;
+}
+
+// the layer's mixture of experts over x [T, H] into out [T, H] (zeroed first): the team routes
+// each token (one thread: ps_route, the routing kept at the tokens' slots, the tokens listed per
+// expert in token order), then walks the experts in ascending id, each one's [gate | up], gated
+// activation and down once on its tokens, and adds weight * output into each token's row (a
+// rounded product, then a rounded sum: models/moe.py's multiply and index_add_)
+void mixture(const PsModel* m, const PsStep* s, const PsMoE& moe, const float* x, int64_t T,
+             float* out, const Buffers& b) {
+    const int64_t H = m->hidden, E = moe.experts, k = moe.top_k, I = moe.inter;
+    project(moe.router, x, T, b.logits, b.tmp);
+#pragma omp single
+    {
+        ps_route(b.logits, T, E, k, static_cast<int>(moe.norm), b.ids, b.w);
+        if (s->routed) {
+            const int64_t row = s->moe_layers * s->top_k;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j) {
+                    const int64_t at = s->slots[t] * row + moe.index * s->top_k + j;
+                    s->routed[at] = static_cast<int16_t>(b.ids[t * k + j]);
+                    s->routed_w[at] = b.w[t * k + j];
+                }
+        }
+        for (int64_t e = 0; e <= E; ++e) b.count[e] = 0;
+        for (int64_t i = 0; i < T * k; ++i) ++b.count[b.ids[i] + 1];
+        for (int64_t e = 0; e < E; ++e) b.count[e + 1] += b.count[e];  // each expert's first row
+        std::vector<int64_t> fill(b.count, b.count + E);
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+                const int64_t at = fill[b.ids[t * k + j]]++;
+                b.rows[at] = t;
+                b.slot[at] = j;
+            }
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < T * H; ++i) out[i] = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t first = b.count[e], n = b.count[e + 1] - first;
+        if (n == 0) continue;
+        const int64_t* rows = b.rows + first;
+        const int64_t* slot = b.slot + first;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) std::copy(x + rows[r] * H, x + (rows[r] + 1) * H, b.xg + r * H);
+        project(moe.gate_up[e], b.xg, n, b.gu, b.tmp);
+        if (m->limit > 0.0f)
+            ps_gpt_oss_glu(b.gu, n, I, b.act, m->alpha, m->limit);
+        else if (m->gelu)
+            ps_gelu_tanh_mul(b.gu, n, I, b.act);
+        else
+            ps_silu_mul(b.gu, n, I, b.act);
+        project(moe.down[e], b.act, n, b.y, b.tmp);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < n; ++r) {
+            float* o = out + rows[r] * H;
+            const float* y = b.y + r * H;
+            const vf w = vset1(b.w[rows[r] * k + slot[r]]);
+            for (int64_t i = 0; i < H; i += W) {
+                const int64_t c = std::min<int64_t>(W, H - i);
+                vstore_n(o + i, vadd(vload_n(o + i, c, 0.0f), vmul(vload_n(y + i, c, 0.0f), w)), c);
+            }
+        }
+    }
 }
 
 }  // namespace
@@ -116,11 +223,16 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
         float* vc = s->vc + li * layer_stride;
         ps_rms_norm(h, T, H, l.ln1, m->eps, b.x);
         project(l.qkv, b.x, T, b.qkv, b.tmp);
-        if (l.q_norm && l.k_norm) ps_head_norms(b.qkv, T, nq, nkv, d, l.q_norm, l.k_norm, m->eps);
+        if (l.q_norm && l.k_norm) {
+            if (m->qk_full)
+                ps_proj_norms(b.qkv, T, nq, nkv, d, l.q_norm, l.k_norm, m->eps);
+            else
+                ps_head_norms(b.qkv, T, nq, nkv, d, l.q_norm, l.k_norm, m->eps);
+        }
         ps_rope_cache(b.qkv, T, nq, nkv, d, s->cos[l.rope], s->sin[l.rope], s->pos, s->slots, b.q,
                       kc, vc);
         ps_attention(b.q, kc, vc, b.attn, T, nq, nkv, d, m->scale, s->tables, s->width,
-                     s->block_size, s->seq, s->len, l.window, m->softcap, nullptr);
+                     s->block_size, s->seq, s->len, l.window, m->softcap, l.sinks);
         project(l.o, b.attn, T, b.o, b.tmp);
         if (m->sandwich) {
             ps_rms_norm(b.o, T, H, l.ln2, m->eps, b.o);
@@ -130,12 +242,17 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
             add_into(h, b.o, T * H);
             ps_rms_norm(h, T, H, l.ln2, m->eps, b.x);
         }
-        project(l.gate_up, b.x, T, b.gu, b.tmp);
-        if (m->gelu)
-            ps_gelu_tanh_mul(b.gu, T, m->inter, b.act);
-        else
-            ps_silu_mul(b.gu, T, m->inter, b.act);
-        project(l.down, b.act, T, b.o, b.tmp);
+        if (l.moe) {
+            mixture(m, s, *l.moe, b.x, T, b.o, b);
+        } else {
+            const int64_t I = l.gate_up.n / 2;
+            project(l.gate_up, b.x, T, b.gu, b.tmp);
+            if (m->gelu)
+                ps_gelu_tanh_mul(b.gu, T, I, b.act);
+            else
+                ps_silu_mul(b.gu, T, I, b.act);
+            project(l.down, b.act, T, b.o, b.tmp);
+        }
         if (m->sandwich) ps_rms_norm(b.o, T, H, l.post_ff, m->eps, b.o);
         add_into(h, b.o, T * H);
     }
@@ -147,6 +264,7 @@ void ps_struct_sizes(int64_t* out) {
     out[2] = sizeof(PsLayer);
     out[3] = sizeof(PsModel);
     out[4] = sizeof(PsStep);
+    out[5] = sizeof(PsMoE);
 }
 
 }  // extern "C"

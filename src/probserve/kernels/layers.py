@@ -32,21 +32,34 @@ class _Proj(ctypes.Structure):
     _fields_ = [("nparts", _I), ("parts", _Part * MAX_PARTS), ("n", _I)]
 
 
+class _MoE(ctypes.Structure):
+    _fields_ = [
+        ("router", _Proj),
+        *((name, _I) for name in ("experts", "top_k", "norm", "inter")),
+        ("gate_up", ctypes.POINTER(_Proj)),
+        ("down", ctypes.POINTER(_Proj)),
+        ("index", _I),
+    ]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("ln1", "ln2", "pre_ff", "post_ff", "q_norm", "k_norm")),
         *((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
         ("window", _I),
         ("rope", _I),
+        ("moe", ctypes.POINTER(_MoE)),
+        ("sinks", _P),
     ]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         *((name, _I) for name in ("layers", "hidden", "nq", "nkv", "d", "inter")),
-        *((name, _F) for name in ("eps", "scale", "softcap")),
+        *((name, _F) for name in ("eps", "scale", "softcap", "alpha", "limit")),
         ("sandwich", _I),
         ("gelu", _I),
+        ("qk_full", _I),
         ("layer", ctypes.POINTER(_Layer)),
     ]
 
@@ -66,10 +79,27 @@ class _Step(ctypes.Structure):
         ("cache_slots", _I),
         ("cos", ctypes.POINTER(_P)),
         ("sin", ctypes.POINTER(_P)),
+        ("routed", _P),
+        ("routed_w", _P),
+        ("moe_layers", _I),
+        ("top_k", _I),
     ]
 
 
 Weight = PackedWeight | QuantizedWeight
+
+
+@dataclass
+class MoEWeights:
+    """A mixture of experts as the native call reads it: the router and each expert's
+    [gate | up] and down, as parts; `index`: its place among the model's MoE layers."""
+
+    router: Sequence[Weight]
+    gate_up: Sequence[Sequence[Weight]]
+    down: Sequence[Sequence[Weight]]
+    top_k: int
+    norm: bool
+    index: int
 
 
 @dataclass
@@ -81,7 +111,7 @@ class LayerWeights:
     ln2: torch.Tensor
     qkv: Sequence[Weight]
     o: Sequence[Weight]
-    gate_up: Sequence[Weight]
+    gate_up: Sequence[Weight]  # empty for a mixture of experts
     down: Sequence[Weight]
     pre_ff: torch.Tensor | None = None
     post_ff: torch.Tensor | None = None
@@ -89,6 +119,8 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     window: int = 0
     rope: int = 0  # which RoPE table
+    moe: MoEWeights | None = None  # in place of gate_up and down
+    sinks: torch.Tensor | None = None  # each head's sink logit (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -97,12 +129,15 @@ class Shape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # the widest feed-forward: the dense MLP's, or an expert's
     eps: float
     scale: float
     softcap: float = 0.0
     sandwich: bool = False
     gelu: bool = False
+    swiglu_alpha: float = 1.0  # the experts' clamped SwiGLU (gpt-oss)
+    swiglu_limit: float = 0.0  # 0: the family's activation
+    qk_full: bool = False  # q/k norms over the whole projections (OLMoE)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -123,7 +158,7 @@ def _proj(parts: Sequence[Weight]) -> _Proj:
     return proj
 
 
-STRUCTS = (_Part, _Proj, _Layer, _Model, _Step)  # ps_struct_sizes' order
+STRUCTS = (_Part, _Proj, _Layer, _Model, _Step, _MoE)  # ps_struct_sizes' order
 
 
 def check_struct_sizes(lib: ctypes.CDLL) -> None:
@@ -153,29 +188,59 @@ class NativeLayers:
                 raise ValueError("a sandwich layer needs its pre- and post-feedforward norms")
             if (lw.q_norm is None) != (lw.k_norm is None):
                 raise ValueError("q and k norms come together")
+        self._keep: list[object] = []  # the ctypes arrays the layers point into
         self._layers = (_Layer * len(layers))(*(self._layer(lw) for lw in layers))
+        self.moe_layers = sum(lw.moe is not None for lw in layers)
+        self.top_k = max((lw.moe.top_k for lw in layers if lw.moe), default=0)
         self._model = _Model(
             len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
-            shape.intermediate, shape.eps, shape.scale, shape.softcap, int(shape.sandwich),
-            int(shape.gelu), self._layers,
+            shape.intermediate, shape.eps, shape.scale, shape.softcap, shape.swiglu_alpha,
+            shape.swiglu_limit, int(shape.sandwich), int(shape.gelu), int(shape.qk_full),
+            self._layers,
         )  # fmt: skip
         self._scratch: dict[int, torch.Tensor] = {}
 
     def _layer(self, lw: LayerWeights) -> _Layer:
         s = self.shape
-        qkv, gu = _proj(lw.qkv), _proj(lw.gate_up)
-        o, down = _proj(lw.o), _proj(lw.down)
-        if (
-            qkv.n != (s.heads + 2 * s.kv_heads) * s.head_dim
-            or gu.n != 2 * s.intermediate
-            or o.n != s.hidden
-            or down.n != s.hidden
-        ):
+        qkv, o = _proj(lw.qkv), _proj(lw.o)
+        if qkv.n != (s.heads + 2 * s.kv_heads) * s.head_dim or o.n != s.hidden:
             raise ValueError("a layer's projections do not agree with the model's shape")
+        if lw.sinks is not None and (
+            lw.sinks.dtype != torch.float32 or lw.sinks.numel() != s.heads
+        ):
+            raise ValueError("a layer's sinks are one float32 per query head")
+        moe = None
+        gu = down = _Proj()
+        if lw.moe is not None:
+            moe = ctypes.pointer(self._moe(lw.moe))
+            self._keep.append(moe)
+        else:
+            gu, down = _proj(lw.gate_up), _proj(lw.down)
+            if gu.n % 2 or gu.n > 2 * s.intermediate or down.n != s.hidden:
+                raise ValueError("a layer's projections do not agree with the model's shape")
         return _Layer(
             _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.pre_ff), _ptr(lw.post_ff), _ptr(lw.q_norm),
-            _ptr(lw.k_norm), qkv, o, gu, down, lw.window, lw.rope,
+            _ptr(lw.k_norm), qkv, o, gu, down, lw.window, lw.rope, moe, _ptr(lw.sinks),
         )  # fmt: skip
+
+    def _moe(self, mw: MoEWeights) -> _MoE:
+        s = self.shape
+        experts = len(mw.gate_up)
+        router = _proj(mw.router)
+        gate_up = (_Proj * experts)(*(_proj(p) for p in mw.gate_up))
+        down = (_Proj * experts)(*(_proj(p) for p in mw.down))
+        self._keep += [gate_up, down]
+        inter = gate_up[0].n // 2 if experts else 0
+        if (
+            router.n != experts
+            or len(mw.down) != experts
+            or not 0 < mw.top_k <= experts
+            or not 0 < inter <= s.intermediate
+            or any(p.n != 2 * inter for p in gate_up)
+            or any(p.n != s.hidden for p in down)
+        ):
+            raise ValueError("a mixture of experts does not agree with the model's shape")
+        return _MoE(router, experts, mw.top_k, int(mw.norm), inter, gate_up, down, mw.index)
 
     def _buffer(self, tokens: int) -> torch.Tensor:
         bucket = 1 << max(0, tokens - 1).bit_length()
@@ -196,11 +261,14 @@ class NativeLayers:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         rope: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        routed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """All layers over h [T, hidden] (the embedded tokens), in place; returns h. Token t is
         at positions[t], writes its K/V at cache slot slots[t] of every layer (k_cache, v_cache
         [layers, slots, nkv, d]) and attends through block table tables[seq[t]] to its first
-        lengths[t] positions. `rope`: the (cos, sin) tables [P, d] by table index."""
+        lengths[t] positions. `rope`: the (cos, sin) tables [P, d] by table index. `routed`:
+        where a mixture of experts keeps each slot's routing (experts int16 and weights
+        float32, [slots, moe_layers, top_k])."""
         s = self.shape
         if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[1:] != (s.hidden,):
             raise ValueError("layers: h must be contiguous float32 [T, hidden]")
@@ -226,10 +294,23 @@ class NativeLayers:
                 raise ValueError("layers: RoPE tables must be contiguous float32 pairs")
         cos = (_P * len(rope))(*(c.data_ptr() for c, _ in rope))
         sin = (_P * len(rope))(*(sn.data_ptr() for _, sn in rope))
+        ids = weights = None
+        if routed is not None:
+            ids, weights = routed
+            want = (k_cache.shape[1], self.moe_layers, self.top_k)
+            if (
+                ids.dtype != torch.int16 or weights.dtype != torch.float32
+                or ids.shape != want or weights.shape != want
+                or not (ids.is_contiguous() and weights.is_contiguous())
+            ):  # fmt: skip
+                raise ValueError(f"layers: routing is kept as contiguous {list(want)} arrays")
+        elif self.moe_layers:
+            raise ValueError("layers: a mixture of experts needs its routing arrays")
         step = _Step(
             t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             block_size, seq.data_ptr(), lengths.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[1], cos, sin,
+            v_cache.data_ptr(), k_cache.shape[1], cos, sin, _ptr(ids), _ptr(weights),
+            self.moe_layers, self.top_k,
         )  # fmt: skip
         if t:
             scratch = self._buffer(t)

@@ -31,6 +31,17 @@ struct PsProj {
     int64_t n;  // the sum of the parts' n
 };
 
+// A mixture of experts' feed-forward: the router, each expert's [gate | up] and down, and where
+// the routing is kept (its column among the model's MoE layers, PsStep's routed arrays).
+struct PsMoE {
+    PsProj router;
+    int64_t experts, top_k, norm;  // norm: the chosen weights renormalised to sum to 1
+    int64_t inter;                 // an expert's width
+    const PsProj* gate_up;         // [experts]: rows [gate | up] of 2 inter
+    const PsProj* down;            // [experts]
+    int64_t index;
+};
+
 struct PsLayer {
     const float* ln1;      // input norm
     const float* ln2;      // Llama: the norm before the MLP; sandwich: of the attention's output
@@ -41,12 +52,16 @@ struct PsLayer {
     PsProj qkv, o, gate_up, down;
     int64_t window;        // sliding window (0: none)
     int64_t rope;          // which RoPE table (PsStep's cos/sin arrays)
+    const PsMoE* moe;      // a mixture of experts instead of gate_up/down, or null
+    const float* sinks;    // each query head's sink logit (gpt-oss), or null
 };
 
 struct PsModel {
-    int64_t layers, hidden, nq, nkv, d, inter;
+    int64_t layers, hidden, nq, nkv, d, inter;  // inter: the widest feed-forward (dense or expert)
     float eps, scale, softcap;  // softcap 0: none
+    float alpha, limit;         // the experts' clamped SwiGLU (gpt-oss); limit 0: the activation
     int64_t sandwich, gelu;     // flags
+    int64_t qk_full;            // q/k norms over whole projections (OLMoE), not each head
     const PsLayer* layer;
 };
 
@@ -65,6 +80,9 @@ struct PsStep {
     int64_t cache_slots;
     const float* const* cos;  // per RoPE table [positions, d]
     const float* const* sin;
+    int16_t* routed;          // the routing kept per slot: experts [slots, moe_layers, top_k]
+    float* routed_w;          // and their weights; both null without MoE layers
+    int64_t moe_layers, top_k;
 };
 
 // ---- invariant.cpp: the row-invariant float32 kernels -------------------------------------
@@ -75,6 +93,8 @@ void ps_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_
 void ps_packed_rows(const float* packed, int64_t K, const int64_t* ids, int64_t T, float* out);
 void ps_rms_norm(const float* x, int64_t M, int64_t H, const float* w, float eps, float* out);
 void ps_head_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
+                   const float* kw, float eps);
+void ps_proj_norms(float* qkv, int64_t T, int64_t nq, int64_t nkv, int64_t d, const float* qw,
                    const float* kw, float eps);
 void ps_silu_mul(const float* gu, int64_t M, int64_t I, float* out);
 void ps_gelu_tanh_mul(const float* gu, int64_t M, int64_t I, float* out);

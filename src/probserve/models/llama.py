@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
-from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
+from probserve.kernels.layers import LayerWeights, MoEWeights, NativeLayers, Shape
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Kernel, Linear, choose_kernel
@@ -283,7 +283,7 @@ class _Layer:
 def _parts(linear: Linear | Joined | None) -> list[PackedWeight | QuantizedWeight]:
     """A projection's weights as the native layers read them (invariant kernels only)."""
     if linear is None:
-        raise ValueError("the native layers run dense feed-forwards only")
+        raise ValueError("a layer's projection is missing")
     found: list[PackedWeight | QuantizedWeight] = []
     for part in linear.parts if isinstance(linear, Joined) else [linear]:
         weight = part.quantized if part.quantized is not None else part.packed
@@ -386,33 +386,49 @@ class LlamaForward:
         self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self.native: NativeLayers | None = None
-        if kernels is not None and not op_by_op and not fam.experts:
-            # (a mixture of experts runs op by op: layer.cpp has no expert dispatch)
+        if kernels is not None and not op_by_op:
             self.native = self._native_layers(kernels)
 
     def _native_layers(self, kernels: InvariantKernels) -> NativeLayers:
         """The layers described for the one native call (pointers into the weights held here)."""
         fam, keys = self.family, list(self.rotary)
+        widest = max(layer.intermediate for layer in self.layers)
         shape = Shape(
             hidden=int(self.model.config.hidden_size), heads=self.num_heads,
-            kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=self.intermediate,
+            kv_heads=self.num_kv_heads, head_dim=self.head_dim, intermediate=widest,
             eps=self.eps, scale=float(fam.scale), softcap=float(fam.attn_softcap or 0.0),
             sandwich=fam.sandwich, gelu=fam.activation == "gelu_tanh",
+            swiglu_alpha=fam.swiglu_alpha, swiglu_limit=float(fam.swiglu_limit or 0.0),
+            qk_full=fam.qk_norm_full,
         )  # fmt: skip
+
+        def mixture(layer: _Layer) -> MoEWeights | None:
+            moe = layer.moe
+            if moe is None:
+                return None
+            return MoEWeights(
+                router=_parts(moe.router),
+                gate_up=[_parts(e.gate_up) for e in moe.experts],
+                down=[_parts(e.down) for e in moe.experts],
+                top_k=moe.top_k, norm=moe.norm_topk, index=layer.moe_index,
+            )  # fmt: skip
+
         layers = [
             LayerWeights(
                 ln1=layer.ln1,
                 ln2=layer.ln2,
                 qkv=_parts(layer.qkv),
                 o=_parts(layer.o),
-                gate_up=_parts(layer.gate_up),
-                down=_parts(layer.down),
+                gate_up=_parts(layer.gate_up) if layer.moe is None else (),
+                down=_parts(layer.down) if layer.moe is None else (),
                 pre_ff=layer.pre_ff,
                 post_ff=layer.post_ff,
                 q_norm=layer.q_norm,
                 k_norm=layer.k_norm,
                 window=int(layer.window or 0),
                 rope=keys.index(layer.rope_key),
+                moe=mixture(layer),
+                sinks=layer.sinks,
             )
             for layer in self.layers
         ]
@@ -448,9 +464,12 @@ class LlamaForward:
             assert plan.tables is not None and plan.token_seq is not None
             assert plan.token_len is not None
             tables = [(self._rope_cos[key], self._rope_sin[key]) for key in self.rotary]
+            routed = None
+            if cache.experts is not None and cache.expert_weights is not None:
+                routed = (cache.experts, cache.expert_weights)
             h = self.native.run(
                 h.contiguous(), positions, plan.slots, plan.tables, plan.token_seq,
-                plan.token_len, cache.block_size, cache.k, cache.v, tables,
+                plan.token_len, cache.block_size, cache.k, cache.v, tables, routed,
             )  # fmt: skip
             out = self._norm(h, self.norm)
             cache.hidden.index_copy_(0, plan.slots, out)
