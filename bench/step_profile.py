@@ -155,7 +155,7 @@ def main() -> None:
                     prompt[i:],
                     SamplingParams(
                         temperature=0,
-                        max_tokens=loaded.context_length - len(prompt),
+                        max_tokens=core.info.max_context - len(prompt),
                         ignore_eos=True,
                     ),
                 )
