@@ -34,11 +34,11 @@ def _row(
     output: tuple[int, ...] = (),
     prompt: tuple[int, ...] = (0,),
 ) -> SamplerRow:
-    gen = None if params.greedy else torch.Generator().manual_seed(params.seed or 0)
+    seed = None if params.greedy else params.seed or 0
     return SamplerRow(
         params,
         LogprobsSpec(top_k=k, mode=mode),
-        gen,
+        seed,
         torch.tensor(prompt),
         list(output),
         frozenset({3}),
@@ -115,10 +115,12 @@ def test_temperature_in_processed_logprobs(row_math: RowMath):
 
 
 def test_sampling_follows_the_distribution(row_math: RowMath):
-    gen = torch.Generator().manual_seed(0)
-    row = SamplerRow(SamplingParams(temperature=1.0), None, gen, torch.tensor([0]), [], frozenset())
     counts = np.zeros(6)
-    for _ in range(3000):
+    for position in range(3000):  # each position's draw its own
+        row = SamplerRow(
+            SamplingParams(temperature=1.0), None, 0, torch.tensor([0]), [], frozenset(), None,
+            position,
+        )  # fmt: skip
         counts[_sample(row_math, LOGITS, [row]).token_ids[0]] += 1
     probs = torch.softmax(LOGITS[0], 0).numpy()
     np.testing.assert_allclose(counts / 3000, probs, atol=0.03)

@@ -287,6 +287,9 @@ class SamplingFields(_Request):
     return_token_ids: bool = False
     # probserve's: a mixture of experts' routing of every token (docs/logprobs.md)
     return_routed_experts: bool = False
+    # probserve's: speculative decoding (prompt lookup) on or off for this request (null: the
+    # server's --speculative); the answer is the same bits either way
+    speculative: bool | None = None
 
 
 PromptType = Text | Texts | Ids | IdLists
@@ -643,6 +646,7 @@ class ModelCard(BaseModel):
     block_sums: bool | None = None
     products: str | None = None
     routed_experts: RoutedShape | None = None  # a mixture of experts: what routing holds
+    speculative: str | None = None  # requests' default speculative decoding ("off", "ngram")
 
 
 class ModelList(BaseModel):

@@ -79,6 +79,16 @@ class EngineConfig:
         "they cannot run)",
     )
 
+    speculative: Literal["off", "ngram"] = setting(
+        "off",
+        "speculative decoding: ngram proposes the tokens that followed the latest earlier "
+        "occurrence of the text's last n-gram (prompt lookup), checked in the step as extra "
+        "rows: every token and logprob the same bits as without it (paged runner)",
+    )
+    speculative_tokens: int = setting(
+        4, "the most tokens proposed a step (adapting to how many were accepted)"
+    )
+
     def weights_to_load(self) -> Literal["native", "float32"]:
         """The weights to load: native blocks run on the paged runner's deterministic kernels
         only (models/loader.py falls back to float32 where the model or machine can't)."""

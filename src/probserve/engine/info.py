@@ -29,6 +29,8 @@ class EngineInfo:
     # is routed to in each, which RoutingSpec returns (none: routing cannot be returned)
     moe_layers: tuple[int, ...] = ()
     experts_per_token: int = 0
+    speculative: str = "off"  # requests' default speculation ("ngram"); "off" where the runner
+    # cannot check proposals (the transformers runner)
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

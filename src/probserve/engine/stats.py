@@ -30,6 +30,8 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up (a total since start)
     prefix_cache_hits: int = 0  # prompt tokens found
     preemptions: int = 0  # sequences preempted (recomputed later)
+    spec_draft_tokens: int = 0  # speculative tokens proposed and checked (a total)
+    spec_accepted_tokens: int = 0  # of those, the ones kept
     # tokens each step computed: for each of ITERATION_BUCKETS, the steps with at most that many
     # (cumulative, as a Prometheus histogram), their sum and count
     iteration_tokens: tuple[int, ...] = (0,) * len(ITERATION_BUCKETS)

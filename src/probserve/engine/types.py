@@ -138,6 +138,9 @@ class EngineRequest:
     # checked it, the engine checks it again); the sampled tokens are those it allows
     grammar: str | None = None
     routing: RoutingSpec | None = None  # None: no routing returned
+    # speculative decoding (prompt lookup) for this request: None the server's default
+    # (--speculative), True on, False off; tokens and logprobs are the same bits either way
+    speculative: bool | None = None
 
 
 @dataclass(frozen=True)

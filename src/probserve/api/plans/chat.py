@@ -66,7 +66,9 @@ async def chat_plan(
         asked = asked or called
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
-    return Plan([prompt], sampling, ask.spec(), stops, skip_special, grammar=grammar, tools=tools)
+    plan = Plan([prompt], sampling, ask.spec(), stops, skip_special, grammar=grammar, tools=tools)
+    plan.speculative = body.speculative
+    return plan
 
 
 def tool_format(state: Serving) -> ToolFormat:

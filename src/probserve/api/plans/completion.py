@@ -69,6 +69,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     )
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
+    plan.speculative = body.speculative
     routing_spec(state, body, plan, prompt=body.echo)
     shape = CompletionShape(
         body.n, best_of, body.echo, ask, body.return_tokens_as_token_ids, body.return_token_ids,

@@ -22,6 +22,7 @@ class Plan:
     grammar: str | None = None  # every candidate's tokens follow it (plans/grammar.py)
     tools: ToolAsk | None = None  # replies are parsed for calls (api/tools/)
     routing: RoutingSpec | None = None  # each token's experts returned (plans/routing.py)
+    speculative: bool | None = None  # speculative decoding asked on/off (None: the server's)
 
     @property
     def per_prompt(self) -> int:

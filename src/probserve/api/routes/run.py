@@ -63,7 +63,10 @@ class Run:
                 spec = sibling if c else plan.spec
                 ids = tuple(prompt.ids)
                 requests.append(
-                    EngineRequest(rid, ids, sampling, spec, self.id, plan.grammar, plan.routing)
+                    EngineRequest(
+                        rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
+                        plan.speculative,
+                    )  # fmt: skip
                 )
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)

@@ -115,6 +115,10 @@ COUNTERS = (
      "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("vllm:num_preemptions", "Sequences preempted (recomputed later).", "preemptions"),
+    ("vllm:spec_decode_num_draft_tokens", "Speculative tokens proposed and checked.",
+     "spec_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+     "spec_accepted_tokens"),
     ("probserve:engine_cpu_seconds", "CPU time the engine's process has used.",
      "process_cpu_seconds"),
 )  # fmt: skip

@@ -13,14 +13,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
+
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
-from probserve.engine.core.sampler import SamplerResult, SamplerRow, sample
+from probserve.engine.core.sampler import SamplerRow
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.speculation import Drawn, NgramProposer, Speculation, draw
 from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.grammar import first_line
 from probserve.engine.info import EngineInfo, validate
@@ -38,6 +41,20 @@ from probserve.engine.usage import IterationTokens, ProcessUsage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+def _joined(parts: list[TokenLogprobs]) -> TokenLogprobs | None:
+    return None if not parts else parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)
+
+
+def _joined_routing(parts: list[RoutedExperts]) -> RoutedExperts | None:
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return RoutedExperts(
+        np.concatenate([p.experts for p in parts]), np.concatenate([p.weights for p in parts])
+    )
 
 
 class EngineCore:
@@ -75,6 +92,11 @@ class EngineCore:
             self.pool, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
         self.token_capacity = (num_blocks - 1) * self.config.block_size
+        # speculative decoding (core/speculation.py): on a runner that checks proposals
+        # (a request may ask for it, or not, whatever the server's default)
+        speculates = getattr(runner if runner else self.choice.cls, "speculates", False)
+        self.proposer = NgramProposer() if speculates else None
+        self.spec_drafted = self.spec_accepted = 0  # proposed tokens checked, and kept
         runner_cls: Any = type(runner) if runner else self.choice.cls
         moe_layers, experts_per_token = runner_cls.routing_shape(loaded.model.config)
         self.iteration_tokens = IterationTokens()
@@ -93,6 +115,7 @@ class EngineCore:
             block_sums=self.config.block_sums and loaded.weights_in_blocks > 0,
             products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
+            speculative=self.config.speculative if self.proposer else "off",
             block_size=self.config.block_size,
             moe_layers=moe_layers,
             experts_per_token=experts_per_token,
@@ -180,6 +203,8 @@ class EngineCore:
             prefix_cache_queries=sched.prefix_query_tokens,
             prefix_cache_hits=sched.prefix_hit_tokens,
             preemptions=sched.num_preemptions,
+            spec_draft_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
             iteration_tokens=steps.cumulative(),
             iteration_tokens_sum=steps.total,
             iteration_tokens_count=steps.steps,
@@ -201,19 +226,20 @@ class EngineCore:
         allowed = masks.result()
         if not to_sample:
             return outputs
-        rows = [self._sampler_row(seq) for seq in to_sample]
-        for row, seq in zip(rows, to_sample, strict=True):
-            row.allowed = allowed.get(seq.request_id)
-        result = sample(run.sample_logits, rows, self.runner.row_math)
-        return outputs + self._update(to_sample, result, prompt_scores)
+        rows = [self._sampler_row(ch.seq) for ch in to_sample]
+        for row, ch in zip(rows, to_sample, strict=True):
+            row.allowed = allowed.get(ch.seq.request_id)
+        proposed = [ch.proposed for ch in to_sample]
+        drawn = draw(run.sample_logits, rows, proposed, self.runner.row_math)
+        return outputs + self._update(to_sample, drawn, prompt_scores)
 
     def _scored(
         self, chunks: list[Chunk], run: RunOutput
-    ) -> tuple[list[Sequence], dict[str, TokenLogprobs], list[EngineOutput]]:
-        """Each chunk's prompt scores collected; the sequences to sample (in the runner's row
+    ) -> tuple[list[Chunk], dict[str, TokenLogprobs], list[EngineOutput]]:
+        """Each chunk's prompt scores collected; the chunks to sample (in the runner's row
         order), their prompt scores when complete, and the outputs of score-only sequences
         whose prompt is done."""
-        to_sample: list[Sequence] = []
+        to_sample: list[Chunk] = []
         prompt_scores: dict[str, TokenLogprobs] = {}
         outputs: list[EngineOutput] = []
         prompt_scoring.score_step(chunks, run.prompt_rows, self.runner.row_math)
@@ -230,55 +256,90 @@ class EngineCore:
                     )  # fmt: skip
                     outputs.append(out)
             elif ch.samples:
-                to_sample.append(seq)
+                to_sample.append(ch)
                 if prompt_lp is not None:
                     prompt_scores[seq.request_id] = prompt_lp
         return to_sample, prompt_scores, outputs
 
     def _update(
         self,
-        sampled: list[Sequence],
-        result: SamplerResult,
+        sampled: list[Chunk],
+        drawn: list[Drawn],
         prompt_scores: dict[str, TokenLogprobs],
     ) -> list[EngineOutput]:
-        """Each sampled token appended (finishing its sequence on a stop id or its length)."""
+        """Each sequence's drawn tokens appended in order (finishing it on a stop id, its length
+        or its grammar's end); the proposals accepted become its own; its next proposals."""
         outputs: list[EngineOutput] = []
-        for j, seq in enumerate(sampled):
-            error = result.errors[j]
-            if error is not None:
-                outputs.append(self._fail(seq, error))
+        for ch, got in zip(sampled, drawn, strict=True):
+            seq = ch.seq
+            if got.error is not None:
+                outputs.append(self._fail(seq, got.error))
                 continue
-            token = int(result.token_ids[j])
-            matcher = seq.matcher
-            # a limit met while the mask was computed (it then allows only the stop ids), or
-            # while the sampled token is consumed: the grammar ends here, cleanly
-            consumed = matcher is None or (
-                not matcher.is_error() and (token in seq.stop_ids or matcher.consume_token(token))
-            )
-            if not consumed:
-                outputs.append(self._grammar_limit(seq, matcher))
-                continue
-            routed = prompt_routed = None
-            if seq.request.routing is not None:  # the row that sampled it: the last position
-                last = seq.num_tokens - 1
-                routed = self.runner.routing(seq, last, last + 1)
-                prompt_routed = self._prompt_routed(seq)
-            finish = self.scheduler.append_token(seq, token)
-            if finish is None and matcher is not None and matcher.is_stopped():
-                self.scheduler.finish(seq)  # the grammar is complete: nothing more may follow
-                finish = FinishReason.GRAMMAR
+            tokens: list[int] = []
+            routed: list[RoutedExperts] = []
+            prompt_routed = None
+            finish: FinishReason | None = None
+            for token in got.tokens:
+                matcher = seq.matcher
+                # a limit met while the mask was computed (it then allows only the stop ids), or
+                # while the sampled token is consumed: the grammar ends here, cleanly
+                consumed = matcher is None or (
+                    not matcher.is_error()
+                    and (token in seq.stop_ids or matcher.consume_token(token))
+                )
+                if not consumed:
+                    outputs.append(self._grammar_limit(seq, matcher))
+                    break
+                if seq.request.routing is not None:  # the row that drew it: the last position
+                    last = seq.num_tokens - 1
+                    routed.append(self.runner.routing(seq, last, last + 1))
+                    prompt_routed = prompt_routed or self._prompt_routed(seq)
+                tokens.append(token)
+                finish = self.scheduler.append_token(seq, token)
+                if finish is None and matcher is not None and matcher.is_stopped():
+                    self.scheduler.finish(seq)  # the grammar is complete: nothing may follow
+                    finish = FinishReason.GRAMMAR
+                if finish is not None:
+                    break
+            else:
+                self.scheduler.accepted(seq, got.accepted)
+            if not tokens:
+                continue  # the grammar met a limit at once (its output is out)
+            self._speculate(seq, ch.proposed, got.accepted, finish is None)
+            scores = [lp for lp in got.logprobs[: len(tokens)] if lp is not None]
             outputs.append(
                 self._output(
                     seq,
                     finish,
-                    new_token_ids=(token,),
-                    logprobs=result.logprobs[j],
+                    new_token_ids=tuple(tokens),
+                    logprobs=_joined(scores),
                     prompt_logprobs=prompt_scores.get(seq.request_id),
-                    routed=routed,
+                    routed=_joined_routing(routed),
                     prompt_routed=prompt_routed,
                 )
             )
         return outputs
+
+    def _speculate(
+        self, seq: Sequence, checked: tuple[int, ...], accepted: int, running: bool
+    ) -> None:
+        """Settle the check of `checked` and propose the next tokens of a running sequence
+        (none with a grammar, whose masks are computed for one position a step)."""
+        spec = seq.speculation
+        if spec is None:
+            asked = seq.request.speculative
+            wanted = self.config.speculative == "ngram" if asked is None else asked
+            if self.proposer is None or seq.matcher is not None or not wanted:
+                return
+            spec = seq.speculation = Speculation(self.config.speculative_tokens)
+        if checked:
+            self.spec_drafted += len(checked)
+            self.spec_accepted += accepted
+        spec.proposed = checked
+        spec.settle(accepted, self.config.speculative_tokens)
+        if running and self.proposer is not None:
+            room = seq.max_total_tokens - seq.num_tokens - 1  # the drawn token after them
+            spec.proposed = self.proposer.propose(seq.token_ids, min(spec.limit, room))
 
     def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
         """The prompt's routing (the rows before tokens 1..len-1), once, for a request that
@@ -341,10 +402,11 @@ class EngineCore:
         return SamplerRow(
             params=seq.request.sampling,
             logprobs=seq.request.logprobs,
-            generator=seq.generator,
+            seed=seq.seed,
             prompt_ids=seq.prompt_tensor,
             output_ids=seq.output_ids,
             stop_ids=seq.stop_ids,
+            position=seq.num_tokens,
         )
 
     @staticmethod

@@ -9,8 +9,10 @@ Processors apply in this order (each only when the request asks for it):
 4. temperature (skipped when greedy: temperature 0 means argmax),
 5. top-k, 6. top-p (nucleus), 7. min-p (relative to the most likely token).
 
-Sampling draws one uniform number from a per-request `torch.Generator` and inverts the row's
-cumulative distribution, so a seeded request gives the same tokens whatever else shares the batch.
+Sampling draws one uniform number and inverts the row's cumulative distribution; the number is
+keyed by the request's seed and the token's position (`draw_seed`), not taken from a stream, so a
+seeded request gives the same tokens whatever else shares the batch, and a position's draw is
+the same whether its step verified speculative tokens before it or not (core/speculation.py).
 A grammar's mask (core/grammar.py) comes before every processor: the tokens it does not allow
 are -inf. Logprobs are raw (log_softmax of the model's logits, grammar or not) or processed
 (log_softmax of the final distribution, grammar included; masked tokens -inf), per request;
@@ -37,11 +39,12 @@ class SamplerRow:
 
     params: SamplingParams
     logprobs: LogprobsSpec | None
-    generator: torch.Generator | None
+    seed: int | None  # the sequence's draw seed (None: greedy)
     prompt_ids: torch.Tensor  # int64 [p]
     output_ids: Sequence[int]
     stop_ids: frozenset[int]  # ids min_tokens holds back (EOS unless ignored, stop_token_ids)
     allowed: torch.Tensor | None = None  # bool [V]: what a grammar allows next (None: no grammar)
+    position: int = 0  # the position of the token drawn (its draw's key)
 
     @property
     def needs_processing(self) -> bool:
@@ -122,16 +125,29 @@ def process_row(logits: torch.Tensor, row: SamplerRow) -> torch.Tensor:
     return out
 
 
+_MASK = 2**64 - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The 64-bit key of the draw at `position` of a sequence seeded `seed` (splitmix64 of the
+    two: neighbouring positions and seeds give unrelated draws)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
 def _choose(row: SamplerRow, proc: torch.Tensor) -> int:
     if row.params.greedy:
         return int(torch.argmax(proc))
-    # inverse-CDF draw with one uniform from the request's own generator
+    # inverse-CDF draw with one uniform keyed by the seed and the position
     probs = torch.softmax(proc, dim=-1)
     cdf = probs.cumsum(dim=-1)
     total = float(cdf[-1])
     if not total > 0.0 or not torch.isfinite(cdf[-1]):  # never pick an id silently
         raise FloatingPointError("the sampling distribution is not finite")
-    u = torch.rand(1, generator=row.generator) * cdf[-1]
+    generator = torch.Generator().manual_seed(draw_seed(row.seed or 0, row.position))
+    u = torch.rand(1, generator=generator) * cdf[-1]
     return min(int(torch.searchsorted(cdf, u, right=True)), proc.shape[0] - 1)
 
 

@@ -156,14 +156,18 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self._grow(seq, seq.num_computed + n):
+            proposed = self._proposed(seq, n, budget)
+            while not self._grow(seq, seq.num_computed + n + len(proposed)):
+                if proposed:  # no room for the proposals' rows: the plain step
+                    proposed = ()
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                chunks.append(Chunk(seq, seq.num_computed, n))
-                budget -= n
+                chunks.append(Chunk(seq, seq.num_computed, n + len(proposed), proposed))
+                budget -= n + len(proposed)
                 i += 1
                 continue
             break  # seq itself was preempted: nothing more fits
@@ -198,6 +202,15 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return chunks
 
+    @staticmethod
+    def _proposed(seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
+        """The speculative tokens a decoding sequence's step checks: its proposals, as many as
+        the step's budget leaves room for (they count against it like any token)."""
+        spec = seq.speculation
+        if spec is None or not spec.proposed or n != 1:
+            return ()
+        return spec.proposed[: max(0, budget - 1)]
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_blocks(seq)
@@ -211,8 +224,15 @@ class Scheduler:
         """The chunks' tokens are in the KV cache now: count them, offer full blocks to the
         prefix cache."""
         for ch in chunks:
-            ch.seq.num_computed = ch.end
+            ch.seq.num_computed = ch.real_end  # the proposals' KV counts once they are accepted
             self._register_full_blocks(ch.seq)
+
+    def accepted(self, seq: Sequence, count: int) -> None:
+        """`count` proposals of the sequence's last step were accepted (now its tokens): their
+        KV, computed in that step, is its own."""
+        if seq.status is SeqStatus.RUNNING and count:
+            seq.num_computed += count
+            self._register_full_blocks(seq)
 
     def append_token(self, seq: Sequence, token: int) -> FinishReason | None:
         """Add a sampled token; when it ends the sequence (a stop id, or the length reached),

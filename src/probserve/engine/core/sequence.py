@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from probserve.engine.core.speculation import Speculation
 from probserve.engine.types import EngineRequest, TokenLogprobs
 
 
@@ -44,7 +45,8 @@ class Sequence:
     prompt_routed_sent: bool = False  # RoutingSpec.prompt: the prompt's routing went out
     runner_state: Any = None  # a runner's private per-sequence state (HF runner: its cache)
     matcher: Any = None  # the grammar's llguidance matcher, at the output so far (core/grammar.py)
-    generator: torch.Generator | None = None
+    seed: int | None = None  # the draws' seed (None: greedy); each draw keyed by its position
+    speculation: Speculation | None = None  # speculative decoding's state (None: off)
     arrival: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first being scheduled
     cached_tokens: int | None = None  # prompt tokens the prefix cache held at that first time
@@ -55,10 +57,9 @@ class Sequence:
         self.prompt_tensor = torch.tensor(self.request.prompt_token_ids, dtype=torch.long)
         sp = self.request.sampling
         if not sp.greedy:
-            self.generator = torch.Generator()
-            # any integer seeds (a generator takes 64 bits): seeds equal modulo 2**64 agree
+            # any integer seeds (a draw's key takes 64 bits): seeds equal modulo 2**64 agree
             seed = sp.seed if sp.seed is not None else secrets.randbits(63)
-            self.generator.manual_seed(seed % 2**64)
+            self.seed = seed % 2**64
 
     @property
     def request_id(self) -> str:

@@ -15,20 +15,33 @@ from probserve.engine.core.sequence import Sequence
 
 @dataclass
 class Chunk:
-    """The tokens of one sequence computed in this step: positions [start, start + length)."""
+    """The tokens of one sequence computed in this step: positions [start, start + length), the
+    last `len(proposed)` of them speculative tokens proposed past the sequence's end
+    (core/speculation.py), whose rows are checked by the sampler."""
 
     seq: Sequence
     start: int
     length: int
+    proposed: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
     @property
+    def real_end(self) -> int:
+        """The end of the sequence's own tokens in this chunk (the proposals after it)."""
+        return self.end - len(self.proposed)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.real_end] + list(self.proposed)
+
+    @property
     def samples(self) -> bool:
-        """The chunk reaches the sequence's last token: its logits row is sampled."""
-        return self.end == self.seq.num_tokens and not self.seq.score_only
+        """The chunk reaches the sequence's last token: its logits row is sampled (and those
+        of its proposals, checked in order)."""
+        return self.real_end == self.seq.num_tokens and not self.seq.score_only
 
 
 @dataclass

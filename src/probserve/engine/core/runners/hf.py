@@ -20,6 +20,7 @@ class HFRunner:
     """Any transformers causal LM, one sequence at a time, through its own forward."""
 
     prefix_caching = False
+    speculates = False  # its per-sequence caches are never rolled back: no proposals
 
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int:

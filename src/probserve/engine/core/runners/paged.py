@@ -31,6 +31,7 @@ from probserve.models.loader import LoadedModel
 
 class PagedRunner:
     prefix_caching = True
+    speculates = True  # runs proposed tokens as extra rows (core/speculation.py)
 
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int:
@@ -68,7 +69,7 @@ class PagedRunner:
     def _plan(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionPlan]:
         ids: list[int] = []
         for ch in chunks:
-            ids += ch.seq.token_ids[ch.start : ch.end]
+            ids += ch.token_ids
         positions = torch.cat([torch.arange(ch.start, ch.end) for ch in chunks])
         plan = AttentionPlan(
             slots=torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
@@ -143,8 +144,9 @@ class PagedRunner:
                     parts.append(hidden[row + a - ch.start : row + b - ch.start])
                 rows = parts[0] if len(parts) == 1 else torch.cat(parts)
                 prompt_rows[ch.seq.request_id] = ScoreRows(rows, self.forward.logits)
-            if ch.samples:
-                sample_rows.append(row + ch.length - 1)
+            if ch.samples:  # the last token's row, then each proposal's
+                last = row + ch.length - 1
+                sample_rows += range(last - len(ch.proposed), last + 1)
             row += ch.length
         sample = (
             self.forward.logits(hidden[sample_rows]) if sample_rows else empty_logits(self.vocab)

@@ -1,0 +1,226 @@
+"""Speculative decoding that changes no bit (engine/core/speculation.py): with proposals checked
+as extra rows, every token and logprobs field is the same bits as plain decoding, greedy and
+seeded sampling alike, whatever the proposals (the true continuation, random tokens, always
+wrong ones), alone and among other requests with a small step budget; prompt lookup proposes
+what recurs."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+from conftest import run_core
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    LogprobsMode,
+    LogprobsSpec,
+    SamplingParams,
+)
+from probserve.engine.core.speculation import NgramProposer
+from probserve.models import LoadedModel
+
+SPEC = LogprobsSpec(top_k=4, mode=LogprobsMode.BOTH, target_ids=(5, 900), entropy=True)
+REPEAT = [int(t) for t in np.random.default_rng(3).integers(10, 40000, size=9)]
+PROMPT = REPEAT * 3 + REPEAT[:4]  # a text whose continuation is in its prompt
+
+
+def _requests() -> list[EngineRequest]:
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)
+    return [
+        EngineRequest("greedy", tuple(PROMPT), SamplingParams(temperature=0, max_tokens=24), SPEC),
+        EngineRequest("sampled", tuple(PROMPT[1:]), sampled, SPEC),
+        EngineRequest(
+            "penalised", tuple(PROMPT[5:]),
+            SamplingParams(temperature=0.7, seed=4, max_tokens=16, repetition_penalty=1.3,
+                           frequency_penalty=0.4, min_tokens=3),
+            SPEC,
+        ),
+    ]  # fmt: skip
+
+
+def _numbers(outs: list) -> tuple[list[int], dict[str, bytes]]:
+    """The tokens, and each logprobs array over all the outputs (rows in any grouping)."""
+    tokens = [t for o in outs for t in o.new_token_ids]
+    fields: dict[str, list[np.ndarray]] = {}
+    for o in outs:
+        for kind, lp in (("raw", o.logprobs), ("processed", o.logprobs and o.logprobs.processed)):
+            if lp is None:
+                continue
+            for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs",
+                         "target_logprobs", "entropy"):  # fmt: skip
+                arr = getattr(lp, name)
+                if arr is not None:
+                    fields.setdefault(f"{kind}.{name}", []).append(np.asarray(arr))
+    return tokens, {k: np.concatenate(v).tobytes() for k, v in fields.items()}
+
+
+def _run(model: LoadedModel, reqs: list[EngineRequest], proposer=None, **config) -> dict:
+    core = EngineCore(model, EngineConfig(kv_cache_gib=0.05, block_size=4, **config))
+    if proposer is not None:
+        core.proposer = proposer
+    outs = run_core(core, reqs)
+    return {rid: _numbers(o) for rid, o in outs.items()} | {"_core": core}
+
+
+class _Fixed:
+    """Proposes from a table of known continuations, or random tokens."""
+
+    def __init__(self, table: dict[tuple[int, ...], list[int]] | None, seed: int = 0) -> None:
+        self.table, self.rng = table, random.Random(seed)
+
+    def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
+        if self.table is None:
+            return tuple(self.rng.randrange(10, 40000) for _ in range(k))
+        for prompt, full in self.table.items():
+            if tuple(tokens[: len(prompt)]) == prompt and len(full) >= len(tokens):
+                return tuple(full[len(tokens) : len(tokens) + k])
+        return ()
+
+
+@pytest.fixture(scope="module")
+def plain(tiny: LoadedModel) -> dict:
+    return _run(tiny, _requests())
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram():
+    ngram = NgramProposer()
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3], 3) == (9, 1, 2)
+    assert ngram.propose([1, 2, 3, 9, 1, 2, 3], 1) == (9,)
+    assert ngram.propose([5, 6, 7, 8], 4) == ()  # nothing recurs
+    assert ngram.propose([7, 1, 7, 2, 7], 2) == (2, 7)  # the latest occurrence
+    assert ngram.propose([4, 4], 3) == (4,)
+    assert ngram.propose([1, 2], 0) == ()
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "oracle", "random"])
+def test_speculation_changes_no_bit(tiny: LoadedModel, plain: dict, proposer: str):
+    """Greedy, seeded sampling and penalties with min_tokens: the tokens and every logprobs
+    field (raw and processed, top-k, target ids, entropy) the same bits with each proposer;
+    the true continuation is accepted whole, random tokens almost never."""
+    table = {
+        tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
+        for r in _requests()
+    }
+    chosen = {"ngram": None, "oracle": _Fixed(table), "random": _Fixed(None, 5)}[proposer]
+    spec = _run(tiny, _requests(), chosen, speculative="ngram")
+    core = spec.pop("_core")
+    for rid in ("greedy", "sampled", "penalised"):
+        assert spec[rid] == plain[rid], rid
+    assert core.spec_drafted > 0
+    if proposer == "oracle":
+        assert core.spec_accepted == core.spec_drafted
+    if proposer == "random":
+        assert core.spec_accepted < core.spec_drafted // 4
+
+
+def test_speculation_among_other_requests_and_a_small_budget(tiny: LoadedModel, plain: dict):
+    """Proposals count against the step's token budget (a budget of 6 tokens among 5 other
+    requests): the same bits."""
+    others = [
+        EngineRequest(f"o{i}", tuple(PROMPT[i : i + 7]),
+                      SamplingParams(temperature=0, max_tokens=5 + i), SPEC)
+        for i in range(5)
+    ]  # fmt: skip
+    mixed = _run(
+        tiny, [*others[:2], *_requests(), *others[2:]], speculative="ngram",
+        max_num_batched_tokens=6, speculative_tokens=3,
+    )  # fmt: skip
+    mixed.pop("_core")
+    for rid in ("greedy", "sampled", "penalised"):
+        assert mixed[rid] == plain[rid], rid
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 6), st.floats(0.0, 1.0))
+def test_any_proposals_change_no_bit(tiny: LoadedModel, plain: dict, seed, most, right):
+    """Proposals mixing the true continuation and random tokens (a `right` share correct), up
+    to `most` a step: the same bits as plain decoding."""
+    rng = random.Random(seed)
+    truths = {tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
+              for r in _requests()}  # fmt: skip
+
+    class Mixed:
+        def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
+            for prompt, full in truths.items():
+                if tuple(tokens[: len(prompt)]) == prompt:
+                    want = full[len(tokens) : len(tokens) + k]
+                    return tuple(t if rng.random() < right else rng.randrange(40000) for t in want)
+            return ()
+
+    spec = _run(tiny, _requests(), Mixed(), speculative="ngram", speculative_tokens=most)
+    spec.pop("_core")
+    for rid in ("greedy", "sampled", "penalised"):
+        assert spec[rid] == plain[rid], rid
+
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 3 + "The quick brown"
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
+@pytest.mark.slow
+def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, http):
+    """The embedded model, a server with --speculative ngram against the session's (off):
+    completions (echo, top logprobs, entropy) and seeded sampled chat, whole and streamed, the
+    same JSON; the drafted and accepted tokens counted on /metrics, the default on /health, a
+    request's `speculative: false` honoured."""
+    import httpx
+    from server_util import running_server
+
+    completion = {
+        "prompt": TEXT, "max_tokens": 24, "temperature": 0, "logprobs": 3, "echo": True,
+        "return_entropy": True, "ignore_eos": True,
+    }  # fmt: skip
+    chat = {
+        "messages": [{"role": "user", "content": "Copy this: " + TEXT}], "max_tokens": 20,
+        "temperature": 0.8, "seed": 7, "logprobs": True, "top_logprobs": 2,
+    }  # fmt: skip
+
+    def answers(c) -> list:
+        got = [c.post("/v1/completions", json=completion).json()["choices"]]
+        got.append(c.post("/v1/chat/completions", json=chat).json()["choices"])
+        with c.stream("POST", "/v1/completions", json={**completion, "stream": True}) as s:
+            got.append([ln for ln in s.iter_lines() if ln.startswith("data: {")])
+        return got
+
+    def scrubbed(got: list) -> list:
+        """The stream as one choice: its chunks' texts and logprobs lists joined (speculation
+        delivers several tokens a chunk, so the chunks' boundaries differ, not their sum)."""
+        import json
+
+        joined: dict = {"text": "", "finish_reason": None}
+        for ln in got[2]:
+            choice = json.loads(ln[6:])["choices"][0]
+            joined["text"] += choice["text"]
+            joined["finish_reason"] = choice["finish_reason"] or joined["finish_reason"]
+            for key, values in (choice["logprobs"] or {}).items():
+                joined.setdefault(key, []).extend(values)
+        return [got[0], got[1], joined]
+
+    plain = scrubbed(answers(http))
+    with running_server(smol, "--speculative", "ngram") as url:
+        c = httpx.Client(base_url=url, timeout=120)
+        assert c.get("/health").json()["speculative"] == "ngram"
+        spec = scrubbed(answers(c))
+
+        def settled(name: str) -> float:  # the engine's figures arrive with its next step
+            time.sleep(0.5)
+            return _metric(c.get("/metrics").text, name)
+
+        drafted = settled("vllm:spec_decode_num_draft_tokens_total")
+        accepted = settled("vllm:spec_decode_num_accepted_tokens_total")
+        off = c.post("/v1/completions", json={**completion, "speculative": False}).json()
+        after = settled("vllm:spec_decode_num_draft_tokens_total")
+    assert spec[0] == plain[0] and spec[1] == plain[1]
+    assert spec[2] == plain[2] and spec[2]["text"]
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert off["choices"] == plain[0] and after == drafted
