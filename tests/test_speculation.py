@@ -224,3 +224,51 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
     assert spec[2] == plain[2] and spec[2]["text"]
     assert drafted > 0 and 0 < accepted <= drafted
     assert off["choices"] == plain[0] and after == drafted
+
+
+def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedModel):
+    """A JSON schema with fixed keys and a choice: the tokens the grammar forces are proposed
+    and accepted (fewer steps), and the tokens, raw and processed logprobs and the constraint's
+    mass are the same bits as without speculation, greedy and sampled."""
+    from probserve.api.plans.grammar import GrammarAsk, compile_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "keeper_name": {"type": "string", "maxLength": 16},
+            "mood": {"enum": ["cheerful and content", "quietly melancholic"]},
+            "year_of_automation": {"type": "integer"},
+        },
+        "required": ["keeper_name", "mood", "year_of_automation"],
+        "additionalProperties": False,
+    }
+    grammar = compile_grammar(GrammarAsk("json_schema", "test", schema), 65_536, 1024)
+    ids = tuple(smol.tokenizer("The keeper, Tom, was happy. As JSON:").input_ids)
+    spec = LogprobsSpec(top_k=3, mode=LogprobsMode.BOTH)
+
+    def requests() -> list[EngineRequest]:
+        return [
+            EngineRequest("g", ids, SamplingParams(temperature=0, max_tokens=60), spec,
+                          grammar=grammar),
+            EngineRequest("s", ids, SamplingParams(temperature=0.8, seed=3, max_tokens=60), spec,
+                          grammar=grammar),
+        ]  # fmt: skip
+
+    def numbers(core: EngineCore) -> tuple[dict, int]:
+        outs = run_core(core, requests())
+        got = {}
+        for rid, o in outs.items():
+            tokens, fields = _numbers(o)
+            masses = [np.asarray(x.logprobs.constraint_logmass) for x in o if x.logprobs]
+            got[rid] = (tokens, fields, np.concatenate(masses).tobytes(), o[-1].finish_reason)
+        steps = sum(len(o) for o in outs.values())
+        return got, steps
+
+    plain, plain_steps = numbers(EngineCore(smol, EngineConfig(kv_cache_gib=0.1)))
+    core = EngineCore(smol, EngineConfig(kv_cache_gib=0.1, speculative="ngram"))
+    spec_on, spec_steps = numbers(core)
+    assert spec_on == plain
+    assert core.spec_accepted > 10 and core.spec_accepted >= 0.8 * core.spec_drafted
+    assert spec_steps < plain_steps  # outputs: one a step
+    text = smol.tokenizer.decode(plain["g"][0], skip_special_tokens=True)
+    assert text.startswith('{"keeper_name": "'), text

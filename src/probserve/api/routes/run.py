@@ -62,12 +62,11 @@ class Run:
                 rid = EngineClient.new_request_id(self.engine_prefix)
                 spec = sibling if c else plan.spec
                 ids = tuple(prompt.ids)
-                requests.append(
-                    EngineRequest(
-                        rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
-                        plan.speculative,
-                    )  # fmt: skip
-                )
+                req = EngineRequest(
+                    rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
+                    plan.speculative,
+                )  # fmt: skip
+                requests.append(req)
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)
         self.candidates = [

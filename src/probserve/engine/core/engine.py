@@ -23,8 +23,9 @@ from probserve.engine.core.runners.choice import Runner, choose_runner
 from probserve.engine.core.sampler import SamplerRow
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
-from probserve.engine.core.speculation import Drawn, NgramProposer, Speculation, draw
+from probserve.engine.core.speculation import NgramProposer, Speculation
 from probserve.engine.core.step import Chunk, RunOutput
+from probserve.engine.core.verify import Drawn, draw
 from probserve.engine.grammar import first_line
 from probserve.engine.info import EngineInfo, validate
 from probserve.engine.stats import EngineStats
@@ -41,6 +42,7 @@ from probserve.engine.usage import IterationTokens, ProcessUsage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+FORCED_MOST = 16  # the most tokens a grammar's fast-forward proposes a step
 
 
 def _joined(parts: list[TokenLogprobs]) -> TokenLogprobs | None:
@@ -219,7 +221,9 @@ class EngineCore:
         if not chunks:
             return []
         self.iteration_tokens.observe(sum(ch.length for ch in chunks))
-        masks = self.grammars.start([ch.seq for ch in chunks if ch.samples])
+        sampled = [ch for ch in chunks if ch.samples]
+        ahead = {ch.seq.request_id: ch.proposed for ch in sampled if ch.proposed}
+        masks = self.grammars.start([ch.seq for ch in sampled], ahead)
         run = self.runner.run(chunks)
         self.scheduler.computed(chunks)
         to_sample, prompt_scores, outputs = self._scored(chunks, run)
@@ -227,10 +231,11 @@ class EngineCore:
         if not to_sample:
             return outputs
         rows = [self._sampler_row(ch.seq) for ch in to_sample]
-        for row, ch in zip(rows, to_sample, strict=True):
-            row.allowed = allowed.get(ch.seq.request_id)
+        grammar = [allowed.get(ch.seq.request_id) for ch in to_sample]
+        for row, found in zip(rows, grammar, strict=True):
+            row.allowed = found[0] if found else None
         proposed = [ch.proposed for ch in to_sample]
-        drawn = draw(run.sample_logits, rows, proposed, self.runner.row_math)
+        drawn = draw(run.sample_logits, rows, proposed, self.runner.row_math, grammar)
         return outputs + self._update(to_sample, drawn, prompt_scores)
 
     def _scored(
@@ -323,13 +328,13 @@ class EngineCore:
     def _speculate(
         self, seq: Sequence, checked: tuple[int, ...], accepted: int, running: bool
     ) -> None:
-        """Settle the check of `checked` and propose the next tokens of a running sequence
-        (none with a grammar, whose masks are computed for one position a step)."""
+        """Settle the check of `checked` and propose the next tokens of a running sequence:
+        with a grammar, the tokens it forces (up to FORCED_MOST); else prompt lookup's."""
         spec = seq.speculation
         if spec is None:
             asked = seq.request.speculative
             wanted = self.config.speculative == "ngram" if asked is None else asked
-            if self.proposer is None or seq.matcher is not None or not wanted:
+            if self.proposer is None or not wanted:
                 return
             spec = seq.speculation = Speculation(self.config.speculative_tokens)
         if checked:
@@ -339,7 +344,10 @@ class EngineCore:
         spec.settle(accepted, self.config.speculative_tokens)
         if running and self.proposer is not None:
             room = seq.max_total_tokens - seq.num_tokens - 1  # the drawn token after them
-            spec.proposed = self.proposer.propose(seq.token_ids, min(spec.limit, room))
+            if seq.matcher is not None:
+                spec.proposed = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
+            else:
+                spec.proposed = self.proposer.propose(seq.token_ids, min(spec.limit, room))
 
     def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
         """The prompt's routing (the rows before tokens 1..len-1), once, for a request that

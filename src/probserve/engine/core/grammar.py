@@ -34,24 +34,48 @@ class Grammars:
         self._pool: ThreadPoolExecutor | None = None  # the masks' thread, started on first use
         self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar -> matcher at its start
 
-    def start(self, seqs: list[Any]) -> Future[dict[str, torch.Tensor]]:
+    def start(
+        self, seqs: list[Any], proposed: dict[str, tuple[int, ...]] | None = None
+    ) -> Future[dict[str, list[torch.Tensor]]]:
         """The masks of `seqs` that have a grammar (by request id), computed on a thread of
         their own while the caller runs the model: llguidance and the kernels both run without
-        the GIL. The matchers are not touched until the result is taken."""
+        the GIL. The matchers are not touched until the result is taken. Each sequence's list
+        holds its next position's mask, then, for tokens `proposed` past its end (speculative
+        decoding), the mask after each of them (the matcher consumes them and is rolled back;
+        the list stops at one the grammar refuses)."""
         constrained = [s for s in seqs if s.matcher is not None]
         if not constrained:
-            done: Future[dict[str, torch.Tensor]] = Future()
+            done: Future[dict[str, list[torch.Tensor]]] = Future()
             done.set_result({})
             return done
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="probserve-grammar")
+        ahead = proposed or {}
 
-        def masks() -> dict[str, torch.Tensor]:
+        def masks() -> dict[str, list[torch.Tensor]]:
             rows = self.allowed_rows([s.matcher for s in constrained],
                                      [s.stop_ids for s in constrained])  # fmt: skip
-            return {s.request_id: rows[i] for i, s in enumerate(constrained)}
+            out = {s.request_id: [rows[i]] for i, s in enumerate(constrained)}
+            for s in constrained:
+                consumed = 0
+                for token in ahead.get(s.request_id, ()):
+                    if s.matcher.try_consume_tokens([token]) != 1:
+                        break
+                    consumed += 1
+                    out[s.request_id].append(self.allowed(s.matcher, s.stop_ids))
+                if consumed:
+                    s.matcher.rollback(consumed)
+            return out
 
         return self._pool.submit(masks)
+
+    @staticmethod
+    def forced(matcher: Any, most: int) -> tuple[int, ...]:
+        """Up to `most` tokens the grammar forces next (llguidance's fast-forward tokens: a
+        JSON key, its punctuation, the rest of a choice), as speculative proposals."""
+        if most <= 0 or matcher.is_stopped() or matcher.is_error():
+            return ()
+        return tuple(int(t) for t in matcher.compute_ff_tokens()[:most])
 
     def tokenizer(self) -> Any:
         if self._lltok is None:
