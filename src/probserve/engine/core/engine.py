@@ -344,10 +344,12 @@ class EngineCore:
         spec.settle(accepted, self.config.speculative_tokens)
         if running and self.proposer is not None:
             room = seq.max_total_tokens - seq.num_tokens - 1  # the drawn token after them
+            forced: tuple[int, ...] = ()
             if seq.matcher is not None:
-                spec.proposed = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
-            else:
-                spec.proposed = self.proposer.propose(seq.token_ids, min(spec.limit, room))
+                forced = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
+            # where the grammar forces nothing, prompt lookup's (a value copied from the
+            # prompt); the masks ahead stop the check at a proposal the grammar refuses
+            spec.proposed = forced or self.proposer.propose(seq.token_ids, min(spec.limit, room))
 
     def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
         """The prompt's routing (the rows before tokens 1..len-1), once, for a request that
