@@ -217,12 +217,14 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
             return _metric(c.get("/metrics").text, name)
 
         drafted = settled("vllm:spec_decode_num_draft_tokens_total")
+        first = settled('vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="'
+                        'smollm2-135m-instruct",position="0"}')  # fmt: skip
         accepted = settled("vllm:spec_decode_num_accepted_tokens_total")
         off = c.post("/v1/completions", json={**completion, "speculative": False}).json()
         after = settled("vllm:spec_decode_num_draft_tokens_total")
     assert spec[0] == plain[0] and spec[1] == plain[1]
     assert spec[2] == plain[2] and spec[2]["text"]
-    assert drafted > 0 and 0 < accepted <= drafted
+    assert drafted > 0 and 0 < accepted <= drafted and 0 < first <= accepted
     assert off["choices"] == plain[0] and after == drafted
 
 

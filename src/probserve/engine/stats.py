@@ -16,6 +16,8 @@ from dataclasses import dataclass
 # vLLM's buckets for tokens a step (vllm/v1/metrics/loggers.py: capture sizes and the budget)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
+SPEC_POSITIONS = 16  # the most proposals a sequence's step checks (engine/core: FORCED_MOST)
+
 # the fractions of a record: averaged over replicas, never added
 _FRACTIONS = ("kv_cache_usage", "kv_cache_resident")
 
@@ -32,6 +34,8 @@ class EngineStats:
     preemptions: int = 0  # sequences preempted (recomputed later)
     spec_draft_tokens: int = 0  # speculative tokens proposed and checked (a total)
     spec_accepted_tokens: int = 0  # of those, the ones kept
+    # the ones kept by their place among a step's proposals (0: the first proposed)
+    spec_accepted_per_position: tuple[int, ...] = (0,) * SPEC_POSITIONS
     # tokens each step computed: for each of ITERATION_BUCKETS, the steps with at most that many
     # (cumulative, as a Prometheus histogram), their sum and count
     iteration_tokens: tuple[int, ...] = (0,) * len(ITERATION_BUCKETS)
@@ -53,7 +57,7 @@ class EngineStats:
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
             got = [getattr(p, f.name) for p in parts]
-            if f.name == "iteration_tokens":
+            if f.name in ("iteration_tokens", "spec_accepted_per_position"):
                 values[f.name] = tuple(sum(col) for col in zip(*got, strict=True))
             elif f.name in _FRACTIONS:
                 values[f.name] = sum(got) / len(got)
@@ -67,4 +71,5 @@ class EngineStats:
         """The record as /health shows it: every figure, the Ray client's only under Ray."""
         out = dataclasses.asdict(self)
         out["iteration_tokens"] = list(self.iteration_tokens)
+        out["spec_accepted_per_position"] = list(self.spec_accepted_per_position)
         return {k: v for k, v in out.items() if v is not None}

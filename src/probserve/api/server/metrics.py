@@ -152,6 +152,15 @@ class _EngineCollector(Collector):
                 float(s.iteration_tokens_sum),
             )
         yield steps
+        by_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by their place among a step's proposals.",
+            labels=["model_name", "position"],
+        )  # fmt: skip
+        for model, s in stats:
+            for j, n in enumerate(s.spec_accepted_per_position):
+                by_position.add_metric([model, str(j)], float(n))
+        yield by_position
         config = GaugeMetricFamily(
             "vllm:cache_config_info", "The KV cache's configuration (the labels; value 1).",
             labels=["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype",

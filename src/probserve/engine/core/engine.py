@@ -28,7 +28,7 @@ from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.core.verify import Drawn, draw
 from probserve.engine.grammar import first_line
 from probserve.engine.info import EngineInfo, validate
-from probserve.engine.stats import EngineStats
+from probserve.engine.stats import SPEC_POSITIONS, EngineStats
 from probserve.engine.types import (
     EngineOutput,
     EngineRequest,
@@ -42,7 +42,7 @@ from probserve.engine.usage import IterationTokens, ProcessUsage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-FORCED_MOST = 16  # the most tokens a grammar's fast-forward proposes a step
+FORCED_MOST = SPEC_POSITIONS  # the most tokens a grammar's fast-forward proposes a step
 
 
 def _joined(parts: list[TokenLogprobs]) -> TokenLogprobs | None:
@@ -75,6 +75,11 @@ class EngineCore:
             )
         if self.config.max_model_len > 0:
             self.context_length = self.config.max_model_len
+        if not 1 <= self.config.speculative_tokens <= SPEC_POSITIONS:
+            raise ValueError(
+                f"--speculative-tokens must be 1 to {SPEC_POSITIONS} "
+                f"(got {self.config.speculative_tokens})"
+            )
         self.eos_ids = loaded.eos_token_ids
         self.grammars = Grammars(loaded.tokenizer, self.vocab_size, self.eos_ids)
         self._deferred: list[EngineRequest] = []  # waiting for their grammar's set-up (apply)
@@ -99,6 +104,7 @@ class EngineCore:
         speculates = getattr(runner if runner else self.choice.cls, "speculates", False)
         self.proposer = NgramProposer() if speculates else None
         self.spec_drafted = self.spec_accepted = 0  # proposed tokens checked, and kept
+        self.spec_per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
         runner_cls: Any = type(runner) if runner else self.choice.cls
         moe_layers, experts_per_token = runner_cls.routing_shape(loaded.model.config)
         self.iteration_tokens = IterationTokens()
@@ -207,6 +213,7 @@ class EngineCore:
             preemptions=sched.num_preemptions,
             spec_draft_tokens=self.spec_drafted,
             spec_accepted_tokens=self.spec_accepted,
+            spec_accepted_per_position=tuple(self.spec_per_position),
             iteration_tokens=steps.cumulative(),
             iteration_tokens_sum=steps.total,
             iteration_tokens_count=steps.steps,
@@ -340,10 +347,13 @@ class EngineCore:
         if checked:
             self.spec_drafted += len(checked)
             self.spec_accepted += accepted
+            for j in range(min(accepted, SPEC_POSITIONS)):
+                self.spec_per_position[j] += 1
         spec.proposed = checked
         spec.settle(accepted, self.config.speculative_tokens)
         if running and self.proposer is not None:
-            room = seq.max_total_tokens - seq.num_tokens - 1  # the drawn token after them
+            # the drawn token after them; a step checks at most SPEC_POSITIONS
+            room = min(seq.max_total_tokens - seq.num_tokens - 1, SPEC_POSITIONS)
             forced: tuple[int, ...] = ()
             if seq.matcher is not None:
                 forced = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
