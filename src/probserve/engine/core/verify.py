@@ -63,7 +63,10 @@ def draw(
             else rows[i]
             for i in active
         ]
-        result = sample(logits[[first[i] + j for i in active]], pass_rows, math)
+        at = [first[i] + j for i in active]
+        # (every row, in order: a step without proposals takes the logits as they are)
+        block = logits if at == list(range(logits.shape[0])) else logits[at]
+        result = sample(block, pass_rows, math)
         still: list[int] = []
         for a, i in enumerate(active):
             if result.errors[a] is not None:
