@@ -274,3 +274,38 @@ def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedMod
     assert spec_steps < plain_steps  # outputs: one a step
     text = smol.tokenizer.decode(plain["g"][0], skip_special_tokens=True)
     assert text.startswith('{"keeper_name": "'), text
+
+
+def test_a_draft_models_guesses_change_no_bit(tiny: LoadedModel, tiny_dir, smol, plain: dict):
+    """--speculative draft:MODEL: a draft model with the same tokenizer guesses greedily (its
+    own engine); the same model as its own draft has every greedy guess accepted, a different
+    one (the embedded model) some; the tokens and logprobs the same bits either way. A draft
+    with another tokenizer, or a malformed mode, stops the start."""
+    same = _run(tiny, _requests(), speculative=f"draft:{tiny_dir}")
+    core = same.pop("_core")
+    for rid in ("greedy", "sampled", "penalised"):
+        assert same[rid] == plain[rid], rid
+    assert core.info.speculative == f"draft:{tiny_dir}"
+    assert 0 < core.spec_accepted <= core.spec_drafted
+    greedy_only = _run(tiny, _requests()[:1], speculative=f"draft:{tiny_dir}")
+    greedy_core = greedy_only.pop("_core")
+    assert greedy_only["greedy"] == plain["greedy"]
+    assert greedy_core.spec_accepted == greedy_core.spec_drafted > 0
+    with pytest.raises(ValueError, match="must be off, ngram or draft"):
+        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft:"))
+    with pytest.raises(ValueError, match="must be off, ngram or draft"):
+        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="eagle"))
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny: LoadedModel, tmp_path, smol):
+    """A draft whose vocabulary differs from the served model's would guess other tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    smol.tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="another tokenizer"):
+        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative=f"draft:{tmp_path}"))

@@ -79,11 +79,13 @@ class EngineConfig:
         "they cannot run)",
     )
 
-    speculative: Literal["off", "ngram"] = setting(
+    speculative: str = setting(
         "off",
         "speculative decoding: ngram proposes the tokens that followed the latest earlier "
-        "occurrence of the text's last n-gram (prompt lookup), checked in the step as extra "
-        "rows: every token and logprob the same bits as without it (paged runner)",
+        "occurrence of the text's last n-gram (prompt lookup); draft:MODEL a smaller model's "
+        "greedy guesses (the same tokenizer); checked in the step as extra rows: every token "
+        "and logprob the same bits as without it (paged runner)",
+        metavar="off|ngram|draft:MODEL",
     )
     speculative_tokens: int = setting(
         4, "the most tokens proposed a step (adapting to how many were accepted)"

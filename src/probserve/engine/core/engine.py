@@ -10,6 +10,7 @@ sequences, and the engine goes on serving.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,7 +24,7 @@ from probserve.engine.core.runners.choice import Runner, choose_runner
 from probserve.engine.core.sampler import SamplerRow
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
-from probserve.engine.core.speculation import NgramProposer, Speculation
+from probserve.engine.core.speculation import DraftProposer, NgramProposer, Speculation
 from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.core.verify import Drawn, draw
 from probserve.engine.grammar import first_line
@@ -75,6 +76,9 @@ class EngineCore:
             )
         if self.config.max_model_len > 0:
             self.context_length = self.config.max_model_len
+        mode = self.config.speculative
+        if mode not in ("off", "ngram") and not (mode.startswith("draft:") and mode[6:]):
+            raise ValueError(f"--speculative must be off, ngram or draft:MODEL (got {mode!r})")
         if not 1 <= self.config.speculative_tokens <= SPEC_POSITIONS:
             raise ValueError(
                 f"--speculative-tokens must be 1 to {SPEC_POSITIONS} "
@@ -102,7 +106,7 @@ class EngineCore:
         # speculative decoding (core/speculation.py): on a runner that checks proposals
         # (a request may ask for it, or not, whatever the server's default)
         speculates = getattr(runner if runner else self.choice.cls, "speculates", False)
-        self.proposer = NgramProposer() if speculates else None
+        self.proposer = self._proposer(loaded) if speculates else None
         self.spec_drafted = self.spec_accepted = 0  # proposed tokens checked, and kept
         self.spec_per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
         runner_cls: Any = type(runner) if runner else self.choice.cls
@@ -282,6 +286,7 @@ class EngineCore:
         """Each sequence's drawn tokens appended in order (finishing it on a stop id, its length
         or its grammar's end); the proposals accepted become its own; its next proposals."""
         outputs: list[EngineOutput] = []
+        asks: list[tuple[Sequence, tuple[str, list[int], int]]] = []
         for ch, got in zip(sampled, drawn, strict=True):
             seq = ch.seq
             if got.error is not None:
@@ -317,7 +322,9 @@ class EngineCore:
                 self.scheduler.accepted(seq, got.accepted)
             if not tokens:
                 continue  # the grammar met a limit at once (its output is out)
-            self._speculate(seq, ch.proposed, got.accepted, finish is None)
+            ask = self._speculate(seq, ch.proposed, got.accepted, finish is None)
+            if ask is not None:
+                asks.append((seq, ask))
             scores = [lp for lp in got.logprobs[: len(tokens)] if lp is not None]
             outputs.append(
                 self._output(
@@ -330,19 +337,44 @@ class EngineCore:
                     prompt_routed=prompt_routed,
                 )
             )
+        self._propose(asks)
         return outputs
+
+    def _proposer(self, loaded: LoadedModel) -> NgramProposer | DraftProposer:
+        """`--speculative`'s proposer: a draft model's engine (draft:MODEL), else prompt lookup
+        (also what a request's `speculative: true` gets where the server's default is off)."""
+        mode = self.config.speculative
+        if mode in ("off", "ngram"):
+            return NgramProposer()
+        from probserve.models.loader import load_model
+
+        draft = load_model(mode[len("draft:") :], self.config.weights_to_load())
+        if draft.vocab_size != loaded.vocab_size or (
+            draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab()
+        ):
+            raise ValueError(
+                f"the draft model {draft.name} has another tokenizer than {loaded.name}: its "
+                "guesses would be other tokens"
+            )
+        cfg = self.config
+        config = dataclasses.replace(
+            cfg, speculative="off", kv_cache_gib=max(0.05, cfg.kv_cache_gib / 4), max_model_len=0
+        )
+        return DraftProposer(EngineCore(draft, config))
 
     def _speculate(
         self, seq: Sequence, checked: tuple[int, ...], accepted: int, running: bool
-    ) -> None:
-        """Settle the check of `checked` and propose the next tokens of a running sequence:
-        with a grammar, the tokens it forces (up to FORCED_MOST); else prompt lookup's."""
+    ) -> tuple[str, list[int], int] | None:
+        """Settle the check of `checked`; a running sequence's next proposals: with a grammar,
+        the tokens it forces (up to FORCED_MOST), set here; else (or where the grammar forces
+        nothing) the proposer's ask (request id, tokens, how many), answered for every
+        sequence of the step together (`_update`)."""
         spec = seq.speculation
         if spec is None:
             asked = seq.request.speculative
-            wanted = self.config.speculative == "ngram" if asked is None else asked
+            wanted = self.config.speculative != "off" if asked is None else asked
             if self.proposer is None or not wanted:
-                return
+                return None
             spec = seq.speculation = Speculation(self.config.speculative_tokens)
         if checked:
             self.spec_drafted += len(checked)
@@ -351,15 +383,25 @@ class EngineCore:
                 self.spec_per_position[j] += 1
         spec.proposed = checked
         spec.settle(accepted, self.config.speculative_tokens)
-        if running and self.proposer is not None:
-            # the drawn token after them; a step checks at most SPEC_POSITIONS
-            room = min(seq.max_total_tokens - seq.num_tokens - 1, SPEC_POSITIONS)
-            forced: tuple[int, ...] = ()
-            if seq.matcher is not None:
-                forced = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
-            # where the grammar forces nothing, prompt lookup's (a value copied from the
-            # prompt); the masks ahead stop the check at a proposal the grammar refuses
-            spec.proposed = forced or self.proposer.propose(seq.token_ids, min(spec.limit, room))
+        if not running or self.proposer is None:
+            return None
+        # the drawn token after them; a step checks at most SPEC_POSITIONS
+        room = min(seq.max_total_tokens - seq.num_tokens - 1, SPEC_POSITIONS)
+        if seq.matcher is not None:
+            spec.proposed = self.grammars.forced(seq.matcher, min(FORCED_MOST, room))
+            if spec.proposed:
+                return None
+        # (a grammar's masks ahead stop the check at a proposal it refuses)
+        return seq.request_id, seq.token_ids, min(spec.limit, room)
+
+    def _propose(self, asks: list[tuple[Sequence, tuple[str, list[int], int]]]) -> None:
+        """The step's proposals, every asking sequence's from one call of the proposer."""
+        if not asks or self.proposer is None:
+            return
+        got = self.proposer.propose_many([ask for _, ask in asks])
+        for seq, (rid, _, _) in asks:
+            if seq.speculation is not None:
+                seq.speculation.proposed = got.get(rid, ())
 
     def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
         """The prompt's routing (the rows before tokens 1..len-1), once, for a request that

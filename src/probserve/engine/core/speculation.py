@@ -9,15 +9,26 @@ therefore what plain decoding gives, bit for bit where the kernels are row-invar
 sequence's last n tokens (n from `max_n` down to `min_n`), in the prompt or the text so far; no
 second model. How many it proposes adapts per sequence (`Speculation`): one more than were
 accepted last time, up to the server's most, so a sequence whose guesses miss costs one extra
-row a step at most. A request with a grammar proposes the tokens its grammar forces instead
-(core/grammar.py: llguidance's fast-forward tokens).
+row a step at most. `DraftProposer`: a smaller model with the same tokenizer guesses greedily,
+run by an engine of its own (its own KV cache; prefix caching finds each sequence's earlier
+tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one
+batch). A request with a grammar proposes the tokens its grammar forces instead (core/grammar.py:
+llguidance's fast-forward tokens).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from probserve.engine.types import EngineRequest, RequestError, SamplingParams
+
+# (request id, the sequence's tokens, how many to propose) -> the proposals by request id
+Asks = Sequence[tuple[str, list[int], int]]
 
 
 @dataclass
@@ -45,6 +56,9 @@ class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
+    def propose_many(self, asks: Asks) -> dict[str, tuple[int, ...]]:
+        return {rid: self.propose(tokens, k) for rid, tokens, k in asks}
+
     def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
         """Up to k tokens to follow `tokens` (none where no n-gram recurs)."""
         if k <= 0 or len(tokens) < self.min_n + 1:
@@ -61,3 +75,37 @@ class NgramProposer:
                     if len(follow):
                         return tuple(int(t) for t in follow)
         return ()
+
+
+class DraftProposer:
+    """A draft model's greedy guesses: `core` is an engine (EngineCore) of a smaller model with
+    the same tokenizer, its own KV cache and prefix cache, stepped here until every ask is
+    answered (the draft's EOS ends a guess, and is proposed)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self._ids = itertools.count()
+
+    def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
+        return self.propose_many([("one", tokens, k)])["one"]
+
+    def propose_many(self, asks: Asks) -> dict[str, tuple[int, ...]]:
+        out: dict[str, list[int]] = {}
+        names: dict[str, str] = {}
+        for rid, tokens, k in asks:
+            if k <= 0:
+                continue
+            name = f"draft-{next(self._ids)}"
+            try:
+                self.core.add_request(
+                    EngineRequest(name, tuple(tokens), SamplingParams(temperature=0, max_tokens=k))
+                )
+            except RequestError:  # past the draft's context: no guess
+                continue
+            names[name] = rid
+            out[rid] = []
+        while self.core.has_work():
+            for o in self.core.step():
+                if o.request_id in names:
+                    out[names[o.request_id]] += o.new_token_ids
+        return {rid: tuple(got) for rid, got in out.items()}
