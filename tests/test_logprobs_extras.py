@@ -329,3 +329,44 @@ def test_distribution_rows_in_flight_are_bounded(smol: LoadedModel):
                 break
             time.sleep(0.05)
         assert state.distribution_rows.used == 0
+
+
+def test_rerank_scores_are_the_scoring_paths(http, smol: LoadedModel):
+    """/v1/rerank: each document's relevance_score equals /v1/score's probability of " yes"
+    (renormalised over " yes" and " no") after the relevance prompt, most relevant first, the
+    first top_n, documents as strings or {"text"}; the aliases answer the same; an empty or
+    oversized document list is a 400 naming it."""
+    docs = [
+        "Paris is the capital and largest city of France.",
+        "Bananas are a good source of potassium.",
+        {"text": "The Eiffel Tower is in Paris."},
+    ]
+    body = {"query": "What is the capital of France?", "documents": docs}
+    r = http.post("/v1/rerank", json=body)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    texts = [d if isinstance(d, str) else d["text"] for d in docs]
+    ids = [smol.tokenizer(a, add_special_tokens=False).input_ids[0] for a in (" yes", " no")]
+    score = http.post(
+        "/v1/score",
+        json={
+            "query": f"Query: {body['query']}\nDocument: ",
+            "items": [t + "\nIs the document relevant to the query? Answer:" for t in texts],
+            "label_token_ids": ids, "apply_softmax": True,
+        },
+    ).json()["scores"]  # fmt: skip
+    want = sorted(range(3), key=lambda i: (-score[i][0], i))
+    assert [res["index"] for res in answer["results"]] == want
+    for res in answer["results"]:
+        assert res["relevance_score"] == score[res["index"]][0]
+        assert res["document"] == {"text": texts[res["index"]]}
+    assert answer["usage"]["total_tokens"] > 0 and answer["object"] == "rerank"
+    top = http.post("/rerank", json={**body, "top_n": 1, "return_documents": False}).json()
+    assert [(x["index"], x["relevance_score"]) for x in top["results"]] == [
+        (want[0], score[want[0]][0])
+    ]
+    assert top["results"][0].get("document") is None
+    assert http.post("/v2/rerank", json=body).json()["results"] == answer["results"]
+    for bad in ({**body, "documents": []}, {**body, "documents": ["x"] * 100_000}):
+        err = http.post("/v1/rerank", json=bad)
+        assert err.status_code == 400 and err.json()["error"]["param"] == "documents", err.text

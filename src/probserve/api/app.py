@@ -23,6 +23,7 @@ from probserve.api.routes import (
     distributions,
     misc,
     playground,
+    rerank,
     responses,
     score,
 )
@@ -46,6 +47,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(responses.router)
     app.include_router(score.router)
+    app.include_router(rerank.router)
     app.include_router(distributions.router)
     app.include_router(playground.router)
     app.include_router(misc.router)

@@ -893,6 +893,40 @@ class ScoreResponse(BaseModel):
     usage: Usage
 
 
+# ---- /v1/rerank (Jina's and Cohere's shape, as vLLM and llama-server serve it) ---------------
+
+
+class RerankDocument(BaseModel):
+    text: Text
+
+
+class RerankRequest(_Request):
+    model: Text | None = None
+    query: Text
+    documents: Annotated[list[Text | RerankDocument], _bounded(MAX_ITEMS)]
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+    prompt_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    object: Literal["rerank"] = "rerank"
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
 # ---- /v1/distributions (probserve) -------------------------------------------------------------
 
 

@@ -9,12 +9,12 @@ the full distribution; `true` renormalises over the labels.
 
 from __future__ import annotations
 
-import math
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from probserve.api.errors import ERRORS, bad_request
+from probserve.api.answers.label_scores import label_probabilities
+from probserve.api.errors import ERRORS
 from probserve.api.plans.score import score_plan
 from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
 from probserve.api.routes.run import Run
@@ -32,18 +32,7 @@ async def score(
 ) -> ScoreResponse:
     plan = await score_plan(state, body)
     run = await Run(state, request, plan, "score").start()
-    scores: list[list[float]] = []
-    for cand in await run.collect():
-        # the one generated token's row: the distribution right after the item
-        first = cand.token_scores[0] if cand.token_scores else None
-        if first is None or first.target_logprobs is None:
-            raise bad_request("an item produced no distribution", "items")
-        values = [float(v) for v in first.target_logprobs[0]]
-        if body.apply_softmax:
-            top = max(values)
-            exps = [math.exp(v - top) for v in values]
-            scores.append([e / sum(exps) for e in exps])
-        else:
-            scores.append([math.exp(v) for v in values])
+    rows = [c.token_scores[0] if c.token_scores else None for c in await run.collect()]
+    scores = label_probabilities(rows, body.apply_softmax, "items")
     usage = Usage.of(run.usage.prompt_tokens, 0, run.cached_tokens)
     return ScoreResponse(model=state.name, scores=scores, usage=usage)
