@@ -197,6 +197,7 @@ BASE_BODIES: dict[str, dict] = {
     "/v1/responses": {"input": "Hi", "max_output_tokens": 2, "top_logprobs": 1},
     "/v1/score": {"query": "Is it?", "items": [" Yes"], "label_token_ids": [504, 30]},
     "/v1/rerank": {"query": "Is it?", "documents": ["Yes it is.", "No."], "top_n": 1},
+    "/v1/embeddings": {"input": ["Hello there", "Bye"]},
     "/v1/distributions": {"prompt": "Hello there", "positions": [0, 1]},
 }
 

@@ -370,3 +370,46 @@ def test_rerank_scores_are_the_scoring_paths(http, smol: LoadedModel):
     for bad in ({**body, "documents": []}, {**body, "documents": ["x"] * 100_000}):
         err = http.post("/v1/rerank", json=bad)
         assert err.status_code == 400 and err.json()["error"]["param"] == "documents", err.text
+
+
+def test_embeddings_are_the_models_final_hidden_states(http, smol: LoadedModel):
+    """/v1/embeddings: each input's final-norm hidden states pooled (last token by default,
+    mean, cls) and L2-normalised, within 1e-4 of transformers' float32 hidden states of the
+    same weights; texts, token ids, base64 (the same floats); dimensions other than the
+    model's refused naming the field."""
+    import base64
+
+    import numpy as np
+
+    texts = ["The capital of France is Paris.", "Bananas are yellow"]
+    r = http.post("/v1/embeddings", json={"input": texts})
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "list" and [d["index"] for d in answer["data"]] == [0, 1]
+
+    def reference(text: str, how: str) -> np.ndarray:
+        ids = smol.tokenizer(text).input_ids
+        with torch.no_grad():
+            out = smol.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        h = out.hidden_states[-1][0].double()
+        v = {"last": h[-1], "mean": h.mean(0), "cls": h[0]}[how].numpy()
+        return v / np.linalg.norm(v)
+
+    for d, text in zip(answer["data"], texts, strict=True):
+        got = np.asarray(d["embedding"])
+        assert got.shape == (smol.model.config.hidden_size,)
+        assert np.abs(got - reference(text, "last")).max() < 1e-4
+    for how in ("mean", "cls"):
+        d = http.post("/v1/embeddings", json={"input": texts[0], "pooling": how}).json()["data"]
+        assert np.abs(np.asarray(d[0]["embedding"]) - reference(texts[0], how)).max() < 1e-4
+    ids = smol.tokenizer(texts[0]).input_ids
+    by_ids = http.post("/v1/embeddings", json={"input": ids}).json()["data"][0]["embedding"]
+    assert by_ids == answer["data"][0]["embedding"]
+    b64 = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
+    floats = np.frombuffer(base64.b64decode(b64["data"][1]["embedding"]), "<f4")
+    assert floats.tolist() == answer["data"][1]["embedding"]
+    assert answer["usage"]["prompt_tokens"] == answer["usage"]["total_tokens"] > 0
+    bad = http.post("/v1/embeddings", json={"input": "x", "dimensions": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+    same = http.post("/v1/embeddings", json={"input": "x", "dimensions": 576})
+    assert same.status_code == 200

@@ -21,6 +21,7 @@ from probserve.api.routes import (
     chat,
     completions,
     distributions,
+    embeddings,
     misc,
     playground,
     rerank,
@@ -48,6 +49,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(score.router)
     app.include_router(rerank.router)
+    app.include_router(embeddings.router)
     app.include_router(distributions.router)
     app.include_router(playground.router)
     app.include_router(misc.router)

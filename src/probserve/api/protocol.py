@@ -893,6 +893,37 @@ class ScoreResponse(BaseModel):
     usage: Usage
 
 
+# ---- /v1/embeddings (OpenAI's) -------------------------------------------------------------------
+
+
+class EmbeddingRequest(_Request):
+    model: Text | None = None
+    input: PromptType
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: Text | None = None
+    # probserve's: how the prompt's final hidden states are pooled (null: --pooling)
+    pooling: Literal["mean", "last", "cls"] | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # base64: little-endian float32
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # ---- /v1/rerank (Jina's and Cohere's shape, as vLLM and llama-server serve it) ---------------
 
 

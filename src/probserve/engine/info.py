@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from probserve.engine.types import EngineRequest, LogprobsSpec, RequestError
 
+POOLINGS = ("mean", "last", "cls")  # how an embedding pools a prompt's final hidden states
+
 
 @dataclass(frozen=True)
 class EngineInfo:
@@ -31,6 +33,8 @@ class EngineInfo:
     experts_per_token: int = 0
     speculative: str = "off"  # requests' default speculation ("ngram"); "off" where the runner
     # cannot check proposals (the transformers runner)
+    embeddings: bool = False  # the runner keeps final hidden states a request may pool
+    hidden_size: int = 0  # the model's: an embedding's dimensions
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:
@@ -73,6 +77,15 @@ def validate(req: EngineRequest, info: EngineInfo) -> int:
             raise RequestError(f"token id {tid} is outside the vocabulary", "logit_bias")
     if req.logprobs is not None:
         _validate_logprobs(req.logprobs, n, vocab)
+    if req.embed is not None:
+        if not info.embeddings:
+            raise RequestError(
+                f"embeddings need the paged runner; this model runs on {info.runner}", "input"
+            )
+        if req.embed not in POOLINGS:
+            raise RequestError(f"pooling {req.embed!r} is not one of {POOLINGS}", "pooling")
+        if sp.max_tokens != 0:
+            raise RequestError("an embedding request generates nothing: max_tokens 0", "input")
     if req.routing is not None and not info.moe_layers:
         raise RequestError(
             "return_routed_experts needs a mixture-of-experts model on the paged runner; "

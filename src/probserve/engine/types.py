@@ -141,6 +141,9 @@ class EngineRequest:
     # speculative decoding (prompt lookup) for this request: None the server's default
     # (--speculative), True on, False off; tokens and logprobs are the same bits either way
     speculative: bool | None = None
+    # an embedding of the prompt (max_tokens 0): its final hidden states pooled "mean", "last"
+    # or "cls" (the first position); None: none
+    embed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class EngineOutput:
     cached_tokens: int | None = None
     routed: RoutedExperts | None = None  # RoutingSpec: the new tokens' routing
     prompt_routed: RoutedExperts | None = None  # with its prompt: tokens 1..len-1, once
+    embedding: np.ndarray | None = None  # float32 [hidden]: EngineRequest.embed's pooling
 
     def __post_init__(self) -> None:
         if self.error is not None:

@@ -23,6 +23,7 @@ class Plan:
     tools: ToolAsk | None = None  # replies are parsed for calls (api/tools/)
     routing: RoutingSpec | None = None  # each token's experts returned (plans/routing.py)
     speculative: bool | None = None  # speculative decoding asked on/off (None: the server's)
+    embed: str | None = None  # the prompts' pooled final hidden states (/v1/embeddings)
 
     @property
     def per_prompt(self) -> int:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 from starlette.requests import Request
 
 from probserve.api.answers.text_stream import Piece, TextStream
@@ -60,6 +61,7 @@ class Candidate:
     pieces: list[Piece] = field(default_factory=list)
     prompt_scores: TokenLogprobs | None = None
     prompt_routed: RoutedExperts | None = None  # RoutingSpec.prompt: tokens 1..len-1
+    embedding: np.ndarray | None = None  # EngineRequest.embed: the pooled hidden states
     finish_reason: str | None = None
     num_tokens: int = 0  # tokens the engine generated (billed), stop strings aside
     logprob_sum: float = 0.0
@@ -102,6 +104,8 @@ class Candidate:
                     self._publish(out.prompt_logprobs)
                 if out.prompt_routed is not None:
                     self.prompt_routed = out.prompt_routed
+                if out.embedding is not None:
+                    self.embedding = out.embedding
                 if first and self.shared_prompt is not None:
                     self.prompt_scores = await asyncio.shield(self.shared_prompt)
                 finish: str | None = None

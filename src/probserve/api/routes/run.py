@@ -64,7 +64,7 @@ class Run:
                 ids = tuple(prompt.ids)
                 req = EngineRequest(
                     rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
-                    plan.speculative,
+                    plan.speculative, plan.embed,
                 )  # fmt: skip
                 requests.append(req)
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))

@@ -29,6 +29,12 @@ class ServerConfig:
         "processed (the one sampled from), both",
     )
     open_metrics: bool = setting(False, "serve /metrics without an API key")
+    pooling: Literal["mean", "last", "cls"] = setting(
+        "last",
+        "how /v1/embeddings pools a prompt's final hidden states where a request names none: "
+        "last (the last token's, as a causal model's embeddings usually are), mean, or cls "
+        "(the first token's)",
+    )
     generation_config: str = setting(
         "auto",
         "sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "

@@ -128,6 +128,8 @@ class EngineCore:
             products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             speculative=self.config.speculative if self.proposer else "off",
+            embeddings=bool(getattr(runner if runner else self.choice.cls, "keeps_hidden", False)),
+            hidden_size=int(getattr(getattr(loaded.model, "config", None), "hidden_size", 0) or 0),
             block_size=self.config.block_size,
             moe_layers=moe_layers,
             experts_per_token=experts_per_token,
@@ -265,11 +267,14 @@ class EngineCore:
             if seq.score_only:
                 if ch.end >= seq.num_tokens:
                     prompt_routed = self._prompt_routed(seq)
+                    embedding = self._embedding(seq)
                     self.scheduler.finish(seq)
                     out = self._output(
                         seq, FinishReason.LENGTH, prompt_logprobs=prompt_lp,
                         prompt_routed=prompt_routed,
                     )  # fmt: skip
+                    if embedding is not None:
+                        out = dataclasses.replace(out, embedding=embedding)
                     outputs.append(out)
             elif ch.samples:
                 to_sample.append(ch)
@@ -402,6 +407,19 @@ class EngineCore:
         for seq, (rid, _, _) in asks:
             if seq.speculation is not None:
                 seq.speculation.proposed = got.get(rid, ())
+
+    def _embedding(self, seq: Sequence) -> np.ndarray | None:
+        """The prompt's final hidden states pooled as its request asks (mean: summed in float64
+        in position order; last; cls: the first), float32; None where none is asked."""
+        how = seq.request.embed
+        if how is None:
+            return None
+        n = seq.num_prompt_tokens
+        if how == "mean":
+            rows = self.runner.hidden(seq, 0, n).double()
+            return (rows.sum(dim=0) / n).float().numpy()
+        at = n - 1 if how == "last" else 0
+        return self.runner.hidden(seq, at, at + 1)[0].float().numpy().copy()
 
     def _prompt_routed(self, seq: Sequence) -> RoutedExperts | None:
         """The prompt's routing (the rows before tokens 1..len-1), once, for a request that

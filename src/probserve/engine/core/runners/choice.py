@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from probserve.engine.core.row_math import RowMath
 
 if TYPE_CHECKING:
+    import torch
+
     from probserve.engine.config import EngineConfig
     from probserve.engine.core.sequence import Sequence
     from probserve.engine.core.step import Chunk, RunOutput
@@ -32,6 +34,11 @@ class Runner(Protocol):
     row_math: RowMath  # the vocabulary reductions its logprobs go through
 
     def run(self, chunks: list[Chunk]) -> RunOutput: ...
+
+    def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """The final-norm hidden states [end - start, H] its forward kept for positions
+        [start, end) of `seq` (a runner that keeps none is never asked: `keeps_hidden`)."""
+        ...
 
     def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
         """The routing its forward kept for positions [start, end) of `seq` (a runner whose

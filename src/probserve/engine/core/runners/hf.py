@@ -37,8 +37,13 @@ class HFRunner:
         """None: transformers' forward keeps no routing (a request asking is refused)."""
         return (), 0
 
+    keeps_hidden = False  # (its caches are transformers', per sequence)
+
     def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
         raise RuntimeError("the transformers runner keeps no routing")
+
+    def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        raise RuntimeError("the transformers runner keeps no hidden states")
 
     def __init__(self, loaded: LoadedModel, num_blocks: int = 0, config: object = None) -> None:
         from transformers import DynamicCache

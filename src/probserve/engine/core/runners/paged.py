@@ -42,6 +42,11 @@ class PagedRunner:
         layers = moe_layers(config)
         return (layers, family(config).top_k) if layers else ((), 0)
 
+    keeps_hidden = True  # each position's final hidden state, beside its KV
+
+    def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        return self.cache.hidden.index_select(0, self._slots(seq.block_table, start, end))
+
     def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
         """The experts and weights the forward kept for positions [start, end) of `seq` (each
         position's slot through its block table)."""
