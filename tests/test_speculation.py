@@ -69,7 +69,14 @@ def _run(model: LoadedModel, reqs: list[EngineRequest], proposer=None, **config)
     return {rid: _numbers(o) for rid, o in outs.items()} | {"_core": core}
 
 
-class _Fixed:
+class _Each:
+    """A proposer from its subclass's `propose`: every ask answered in turn."""
+
+    def propose_many(self, asks) -> dict[str, tuple[int, ...]]:
+        return {rid: self.propose(tokens, k) for rid, tokens, k in asks}  # type: ignore[attr-defined]
+
+
+class _Fixed(_Each):
     """Proposes from a table of known continuations, or random tokens."""
 
     def __init__(self, table: dict[tuple[int, ...], list[int]] | None, seed: int = 0) -> None:
@@ -146,7 +153,7 @@ def test_any_proposals_change_no_bit(tiny: LoadedModel, plain: dict, seed, most,
     truths = {tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
               for r in _requests()}  # fmt: skip
 
-    class Mixed:
+    class Mixed(_Each):
         def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
             for prompt, full in truths.items():
                 if tuple(tokens[: len(prompt)]) == prompt:

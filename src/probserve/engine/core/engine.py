@@ -310,7 +310,10 @@ class EngineCore:
                     and (token in seq.stop_ids or matcher.consume_token(token))
                 )
                 if not consumed:
-                    outputs.append(self._grammar_limit(seq, matcher))
+                    limit = self._grammar_limit(seq, matcher)
+                    if not tokens:  # nothing drawn before it: its own output
+                        outputs.append(limit)
+                    finish = limit.finish_reason  # else the tokens' output ends with it
                     break
                 if seq.request.routing is not None:  # the row that drew it: the last position
                     last = seq.num_tokens - 1
