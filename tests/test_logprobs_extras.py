@@ -413,3 +413,5 @@ def test_embeddings_are_the_models_final_hidden_states(http, smol: LoadedModel):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
     same = http.post("/v1/embeddings", json={"input": "x", "dimensions": 576})
     assert same.status_code == 200
+    big = http.post("/v1/embeddings", json={"input": ["x" * 600_000, "y" * 600_000]})
+    assert big.status_code == 400 and big.json()["error"]["param"] == "input", big.text

@@ -12,7 +12,12 @@ from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
 from probserve.api.plans.sampling import candidate_params, check_request
-from probserve.api.prompts import build_completion_prompts, check_text_size, completion_id_lists
+from probserve.api.prompts import (
+    Prompt,
+    build_completion_prompts,
+    check_text_size,
+    completion_id_lists,
+)
 from probserve.api.protocol import CompletionRequest
 from probserve.api.server.state import Serving
 
@@ -47,6 +52,18 @@ def completion_ask(state: Serving, body: CompletionRequest, best_of: int) -> Log
     return LogprobsAsk.of(state, body, k, k if body.echo else None, ranked=best_of > body.n)
 
 
+async def built_prompts(state: Serving, prompt: object, param: str = "prompt") -> list[Prompt]:
+    """A completions-shaped prompt (a text, texts, token ids or id lists; its count already
+    checked) tokenized and checked against the context, its texts' size first: a 400 naming
+    `param` (completions' prompt, embeddings' input)."""
+    prompts = completion_id_lists(prompt)
+    if isinstance(prompts[0], str):
+        check_text_size(state.config.limits, prompts, param)
+    return await off_loop(
+        build_completion_prompts, state.record, state.table, prompts, state.max_context, param
+    )
+
+
 async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan, CompletionShape]:
     limits = state.config.limits
     best_of = _best_of(body)
@@ -61,12 +78,7 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     sampling = candidate_params(
         body, body.max_tokens, state.record.vocab_size, best_of, state.model.sampling_defaults
     )
-    prompts = completion_id_lists(body.prompt)
-    if isinstance(prompts[0], str):
-        check_text_size(limits, prompts)
-    built = await off_loop(
-        build_completion_prompts, state.record, state.table, prompts, state.max_context
-    )
+    built = await built_prompts(state, body.prompt)
     grammar = await compiled_grammar(state, asked)
     plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
     plan.speculative = body.speculative

@@ -14,9 +14,8 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from probserve.api.errors import ERRORS, bad_request
-from probserve.api.off_loop import off_loop
+from probserve.api.plans.completion import built_prompts
 from probserve.api.plans.plan import Plan
-from probserve.api.prompts import build_completion_prompts, check_text_size, completion_id_lists
 from probserve.api.protocol import (
     Embedding,
     EmbeddingRequest,
@@ -61,12 +60,7 @@ async def embeddings(
     limits = state.config.limits
     if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int):
         limits.check_sequences(len(body.input), 1, "input")
-    prompts = completion_id_lists(body.input)
-    if isinstance(prompts[0], str):
-        check_text_size(limits, prompts)
-    built = await off_loop(
-        build_completion_prompts, state.record, state.table, prompts, state.max_context, "input"
-    )
+    built = await built_prompts(state, body.input, "input")
     plan = Plan(built, [SamplingParams(temperature=0.0, max_tokens=0)], None)
     plan.embed = body.pooling or state.config.pooling
     run = await Run(state, request, plan, "embd").start()
