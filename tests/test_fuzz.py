@@ -199,6 +199,8 @@ BASE_BODIES: dict[str, dict] = {
     "/v1/rerank": {"query": "Is it?", "documents": ["Yes it is.", "No."], "top_n": 1},
     "/v1/embeddings": {"input": ["Hello there", "Bye"]},
     "/v1/distributions": {"prompt": "Hello there", "positions": [0, 1]},
+    "/v1/messages": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/messages/count_tokens": {"messages": [{"role": "user", "content": "Hi"}]},
 }
 
 
@@ -227,7 +229,7 @@ def test_hostile_values_on_every_field(http, base_url: str):  # type: ignore[no-
     seen: set[str] = set()
 
     @settings(
-        max_examples=160,
+        max_examples=260,
         deadline=None,
         derandomize=True,
         suppress_health_check=list(HealthCheck),

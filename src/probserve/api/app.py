@@ -22,6 +22,7 @@ from probserve.api.routes import (
     completions,
     distributions,
     embeddings,
+    messages,
     misc,
     playground,
     rerank,
@@ -47,6 +48,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(score.router)
     app.include_router(rerank.router)
     app.include_router(embeddings.router)

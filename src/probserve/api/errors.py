@@ -1,4 +1,6 @@
-"""Errors in OpenAI's envelope: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's envelope: {"error": {"message", "type", "param", "code"}}; on the
+Messages API's paths (ANTHROPIC_PATHS) in Anthropic's, which holds the same fields:
+{"type": "error", "error": {"type", "message", "param", "code"}}, with Anthropic's type names."""
 
 from __future__ import annotations
 
@@ -27,6 +29,27 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+
+# Anthropic's error types, by status (docs.claude.com/en/api/errors)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+ANTHROPIC_PATHS = "/v1/messages"  # and what lies under it (count_tokens)
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether `path` is the Messages API's, whose errors are in Anthropic's envelope."""
+    return path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/")
 
 
 class APIError(Exception):
@@ -64,15 +87,17 @@ def _printable(text: str | None) -> str | None:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None, code: str | None) -> dict:
-    return {
-        "error": {
-            "message": _printable(message),
-            "type": _TYPES.get(status, "invalid_request_error"),
-            "param": _printable(param),
-            "code": code,
-        }
+def error_body(
+    status: int, message: str, param: str | None, code: str | None, anthropic: bool = False
+) -> dict:
+    types = _ANTHROPIC_TYPES if anthropic else _TYPES
+    error = {
+        "message": _printable(message),
+        "type": types.get(status, "invalid_request_error"),
+        "param": _printable(param),
+        "code": code,
     }
+    return {"type": "error", "error": error} if anthropic else {"error": error}
 
 
 def error_response(
@@ -81,8 +106,10 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
+    anthropic: bool = False,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    body = error_body(status, message, param, code, anthropic)
+    return JSONResponse(body, status, headers=headers)
 
 
 def _param_from_loc(loc: tuple) -> str | None:
@@ -119,7 +146,7 @@ def _refused(
     """The error response, with what it says kept for the request's access line."""
     request.state.error = (code or _TYPES.get(status, "error"), _printable(param),
                            _printable(message))  # fmt: skip
-    return error_response(status, message, param, code, headers)
+    return error_response(status, message, param, code, headers, anthropic_path(request.url.path))
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

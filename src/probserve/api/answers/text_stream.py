@@ -52,6 +52,7 @@ class TextStream:
         self._pending: list[Piece] = []
         self._open = 0  # index in _pending of the first piece of a character still incomplete
         self.stopped = False  # a stop string was found
+        self.matched: str | None = None  # which (the earliest in the text; the first listed)
 
     @property
     def text(self) -> str:
@@ -114,10 +115,10 @@ class TextStream:
         longest = max(len(s) for s in self.stop)
         search_from = max(0, new_start - longest + 1)
         window = self._tail(self._len - search_from)
-        hits = [search_from + i for s in self.stop if (i := window.find(s)) >= 0]
+        hits = [(search_from + i, s) for s in self.stop if (i := window.find(s)) >= 0]
         if not hits:
             return
-        cut = min(hits)
+        cut, self.matched = min(hits, key=lambda hit: hit[0])
         self.stopped = True
         self._parts = [self.text[:cut]]
         self._len = cut

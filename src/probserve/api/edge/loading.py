@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from probserve.api.errors import error_body
+from probserve.api.errors import anthropic_path, error_body
 
 RETRY_AFTER = "5"  # seconds a client is told to wait while models load
 
@@ -54,7 +54,7 @@ async def _loading(scope: Scope, send: Send) -> None:
         body = {"status": "loading", "models": {}}
     else:
         message = "the server is loading its models: retry once /health says ok"
-        body = error_body(503, message, None, "loading")
+        body = error_body(503, message, None, "loading", anthropic_path(scope["path"]))
     payload = json.dumps(body).encode()
     headers = [
         (b"content-type", b"application/json"),

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from probserve.api.errors import error_body
+from probserve.api.errors import anthropic_path, error_body
 from probserve.api.server.fields import header_value
 from probserve.logs import REQUEST_ID, request_id_from
 
@@ -23,10 +23,17 @@ OPEN_PATHS = frozenset({"/health"})  # never behind a key (load balancers, probe
 
 
 async def send_error(
-    send: Send, status: int, message: str, code: str | None, headers: list[tuple[bytes, bytes]]
+    scope: Scope,
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None,
+    headers: list[tuple[bytes, bytes]],
 ) -> None:
-    """An error response in OpenAI's envelope, sent from middleware (outside FastAPI)."""
-    body = json.dumps(error_body(status, message, None, code)).encode()
+    """An error response in the path's envelope (errors.py), sent from middleware (outside
+    FastAPI)."""
+    envelope = error_body(status, message, None, code, anthropic_path(scope.get("path", "")))
+    body = json.dumps(envelope).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + headers})
     await send({"type": "http.response.body", "body": body})
@@ -47,8 +54,9 @@ class ScopeGuardMiddleware:
 
 
 class AuthMiddleware:
-    """Requires `Authorization: Bearer KEY` with one of `keys` (constant-time compare) on every
-    path but /health. No keys: open."""
+    """Requires `Authorization: Bearer KEY`, or `x-api-key: KEY` (Anthropic's SDK and Claude
+    Code send it), with one of `keys` (constant-time compare) on every path but /health. No
+    keys: open."""
 
     def __init__(
         self, app: ASGIApp, keys: tuple[str, ...], open_paths: frozenset[str] = OPEN_PATHS
@@ -58,11 +66,14 @@ class AuthMiddleware:
         self.open_paths = open_paths
 
     def _allowed(self, scope: Scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
+        headers = dict(scope.get("headers") or [])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = scheme.lower() == b"bearer"
+        other = headers.get(b"x-api-key")
         ok = False
         for key in self.keys:  # compare with every key so timing does not tell which matched
-            ok |= scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
+            ok |= bearer and hmac.compare_digest(token.strip(), key)
+            ok |= other is not None and hmac.compare_digest(other.strip(), key)
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -73,9 +84,10 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         await send_error(
+            scope,
             send,
             401,
-            "invalid or missing API key (Authorization: Bearer ...)",
+            "invalid or missing API key (Authorization: Bearer ..., or x-api-key)",
             "invalid_api_key",
             [(b"www-authenticate", b"Bearer")],
         )
@@ -91,9 +103,11 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
         self.timeout = timeout
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, send: Send) -> None:
         message = f"the request body is larger than {self.max_bytes} bytes"
-        await send_error(send, 413, message, "request_too_large", [(b"connection", b"close")])
+        await send_error(
+            scope, send, 413, message, "request_too_large", [(b"connection", b"close")]
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,7 +115,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(send)
+            await self._reject(scope, send)
             return
         # read the body up front (bounded in size and time), so a chunked body over the limit
         # is refused too
@@ -115,14 +129,16 @@ class BodyLimitMiddleware:
                     message = await receive()
             except TimeoutError:
                 text = f"the request body did not arrive within {self.timeout:g} s"
-                await send_error(send, 408, text, "body_timeout", [(b"connection", b"close")])
+                await send_error(
+                    scope, send, 408, text, "body_timeout", [(b"connection", b"close")]
+                )
                 return
             if message["type"] != "http.request":
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._reject(send)
+                await self._reject(scope, send)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -197,7 +213,7 @@ class AccessLogMiddleware:
                 self._log(scope, status or 500, started)
             if status:
                 raise  # the response had started: the server closes the connection
-            await send_error(send, 500, f"internal error: {type(exc).__name__}", None, [])
+            await send_error(scope, send, 500, f"internal error: {type(exc).__name__}", None, [])
         else:
             if not logged:  # the app ended without a last byte: the client hung up (a stream)
                 self._log(scope, CLIENT_CLOSED, started)

@@ -15,7 +15,7 @@ from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
 from probserve.api.plans.sampling import candidate_params, check_request
-from probserve.api.prompts import chat_prompt, check_messages
+from probserve.api.prompts import ChatPrompt, chat_prompt, check_messages
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from probserve.api.server.state import Serving
 from probserve.api.tools.ask import ToolAsk, tool_ask
@@ -46,19 +46,12 @@ async def chat_plan(
     sampling = candidate_params(
         body, max_tokens, state.record.vocab_size, body.n, state.model.sampling_defaults
     )
-    dicts = check_messages(limits, messages, tools_chars(tools))
+    prompt, primed, tools = await rendered_chat(
+        state, messages, tools, add_generation_prompt, template_kwargs, echo, continue_final
+    )
     fmt = tool_format(state)
-    if tools is not None and (echo or continue_final):  # the prompt's end is the client's
-        tools = dataclasses.replace(tools, prime=False)
-    shown = tool_prompt(dicts, tools, fmt)
-    kwargs = {**(template_kwargs or {}), **shown.template_kwargs}
-    prompt = await off_loop(
-        chat_prompt, state.record, state.table, shown.messages,
-        add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
-    )  # fmt: skip
-    prompt.sources = shown.request_sources(prompt.sources, dicts)
     if tools is not None and not echo:
-        called = tool_grammar(tools, _special_id(state, fmt), shown.primed)
+        called = tool_grammar(tools, _special_id(state, fmt), primed)
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param
@@ -69,6 +62,31 @@ async def chat_plan(
     plan = Plan([prompt], sampling, ask.spec(), stops, skip_special, grammar=grammar, tools=tools)
     plan.speculative = body.speculative
     return plan
+
+
+async def rendered_chat(
+    state: Serving,
+    messages: list[ChatMessage],
+    tools: ToolAsk | None,
+    add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+    echo: bool = False,
+    continue_final: bool = False,
+) -> tuple[ChatPrompt, bool, ToolAsk | None]:
+    """The messages (checked) and the tools' prompt through the model's template: the prompt,
+    whether the reply was primed to call, and the tool ask as the prompt's end left it."""
+    dicts = check_messages(state.config.limits, messages, tools_chars(tools))
+    fmt = tool_format(state)
+    if tools is not None and (echo or continue_final):  # the prompt's end is the client's
+        tools = dataclasses.replace(tools, prime=False)
+    shown = tool_prompt(dicts, tools, fmt)
+    kwargs = {**(template_kwargs or {}), **shown.template_kwargs}
+    prompt = await off_loop(
+        chat_prompt, state.record, state.table, shown.messages,
+        add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
+    )  # fmt: skip
+    prompt.sources = shown.request_sources(prompt.sources, dicts)
+    return prompt, shown.primed, tools
 
 
 def tool_format(state: Serving) -> ToolFormat:

@@ -9,22 +9,18 @@ part, and on each `response.output_text.delta` event for that delta's tokens. A 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from probserve.api.answers.json_out import dump_json
-from probserve.api.answers.text_stream import Piece
 from probserve.api.edge.sse import sse_response
 from probserve.api.errors import ERRORS, APIError, error_body
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.responses import in_responses_terms, responses_plan
 from probserve.api.protocol import (
-    ChatLogprobEntry,
     IncompleteDetails,
     ResponseFunctionCall,
     ResponseObject,
@@ -34,162 +30,30 @@ from probserve.api.protocol import (
     ResponseUsage,
 )
 from probserve.api.routes.generation import Candidate
+from probserve.api.routes.reply_items import (
+    ArgumentsSaid,
+    CallBegun,
+    CallDone,
+    MessageBegun,
+    ReplyItems,
+    Said,
+    TextSaid,
+)
 from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
-from probserve.api.tools.reply import ReplyDelta, ReplyParser
 from probserve.engine import RequestError
 
 router = APIRouter()
 
 
-class _Call:
-    """A function_call output item as it grows."""
-
-    def __init__(self, call_id: str, name: str) -> None:
-        self.id = f"fc_{uuid.uuid4().hex}"
-        self.call_id, self.name = call_id, name
-        self.arguments = ""
-        self.logprobs: list[ChatLogprobEntry] = []
-        self.complete = False  # its object closed: its arguments are whole
-        self.closed = False  # its closing events were sent (a stream)
-
-
-# what a reply with tools did in one step, each becoming its Responses events
-@dataclass(frozen=True)
-class MessageBegun:
-    """The assistant message's item begins (the reply has content)."""
-
-
-@dataclass(frozen=True)
-class TextSaid:
-    """Content the message adds, with its tokens' logprob entries."""
-
-    text: str
-    entries: list[ChatLogprobEntry]
-
-
-@dataclass(frozen=True)
-class CallBegun:
-    """Call `index` begins (its name is known)."""
-
-    index: int
-
-
-@dataclass(frozen=True)
-class ArgumentsSaid:
-    """Arguments call `index` adds."""
-
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class CallDone:
-    """Call `index`'s arguments are whole: its closing events."""
-
-    index: int
-
-
-Said = MessageBegun | TextSaid | CallBegun | ArgumentsSaid | CallDone
-
-
-class _Reply:
+class _Reply(ReplyItems):
     """The response object as it grows: an assistant message with one output_text part, and
-    (a request with tools) the calls the reply makes. Without tools the message is there from
-    the start; with tools each item appears when its text does, in the order of the output."""
+    (a request with tools) the function_call items."""
 
     def __init__(self, run: Run, body: ResponsesRequest, model: str, k: int | None) -> None:
-        self.run, self.body, self.model, self.k = run, body, model, k
-        self.id = run.id
-        self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.text = ""
-        self.logprobs: list[ChatLogprobEntry] = []
-        self.finish: str | None = None
-        tools = run.plan.tools
-        self.parser = ReplyParser.of(tools) if tools is not None else None
-        self.calls: list[_Call] = []
-        self.order: list[int | None] = [] if tools is not None else [None]  # None: the message
-        self._pending: list[Piece] = []  # pieces whose text the parser still holds
-        self._owner: int | None = None  # where the last piece went (None: the message)
-
-    def add(self, pieces: list[Piece]) -> tuple[str, list[ChatLogprobEntry]]:
-        text = "".join(p.text for p in pieces)
-        entries = self._entries(pieces)
-        self.text += text
-        self.logprobs += entries
-        return text, entries
-
-    def _entries(self, pieces: list[Piece]) -> list[ChatLogprobEntry]:
-        if self.k is None or not pieces:
-            return []
-        return self.run.state.formatter(self.body.return_tokens_as_token_ids).chat(pieces, self.k)
-
-    def add_with_tools(self, pieces: list[Piece], final: bool) -> list[Said]:
-        """Feed each piece to the reply's parser; each piece's logprobs go with the item its
-        text went into (a piece held back: with the next one's; at the end: the last item's)."""
-        assert self.parser is not None
-        said: list[Said] = []
-        for p in pieces:
-            self._pending.append(p)
-            said += self._parsed(self.parser.feed(p.text))
-        if final:
-            said += self._parsed(self.parser.close(), final=True)
-        return said
-
-    def _parsed(self, delta: ReplyDelta, final: bool = False) -> list[Said]:
-        said: list[Said] = []
-        if delta.content:
-            self._begin(None, said)
-        for c in delta.calls:
-            if c.id is not None and c.name is not None:
-                self._close_done(said)  # a call before this one: closed before it begins
-                self.calls.append(_Call(c.id, c.name))
-                self._begin(len(self.calls) - 1, said)
-            if c.arguments:
-                self.calls[c.index].arguments += c.arguments
-                said.append(ArgumentsSaid(c.index, c.arguments))
-            if c.done:
-                self.calls[c.index].complete = True
-        if delta or final:
-            owner = self._owner
-            if delta.calls:
-                owner = delta.calls[-1].index
-            elif delta.content:
-                owner = None
-            if owner is None and None not in self.order and self._pending:
-                self._begin(None, said)
-            entries = self._entries(self._pending)
-            self._pending = []
-            self._owner = owner
-            if owner is None:
-                self.text += delta.content
-                self.logprobs += entries
-                if delta.content or entries:
-                    said.append(TextSaid(delta.content, entries))
-            else:
-                self.calls[owner].logprobs += entries
-                if delta.content:  # content and a call in one piece: the text is the message's
-                    self.text += delta.content
-                    said.append(TextSaid(delta.content, []))
-        self._close_done(said, None if final else self._owner)
-        return said
-
-    def _close_done(self, said: list[Said], keep: int | None = None) -> None:
-        """Close the whole calls (but `keep`, whose last tokens' logprobs may be to come): a
-        call is closed once its arguments are whole, before a later call begins."""
-        for i, call in enumerate(self.calls):
-            if call.complete and not call.closed and i != keep:
-                call.closed = True
-                said.append(CallDone(i))
-
-    def _begin(self, item: int | None, said: list[Said]) -> None:
-        if item not in self.order:
-            self.order.append(item)
-            said.append(CallBegun(item) if item is not None else MessageBegun())
-
-    def output_index(self, item: int | None) -> int:
-        return self.order.index(item)
+        super().__init__(run, k, body.return_tokens_as_token_ids)
+        self.body, self.model = body, model
 
     @property
     def status(self) -> str:
