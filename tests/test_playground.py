@@ -224,3 +224,22 @@ def test_step_mode_adds_one_token_per_click(page, base_url: str):  # type: ignor
         timeout=60,
     ).json()["choices"][0]["text"]
     assert "".join(t for t, _ in _tokens(pg)) == api
+
+
+def test_the_api_examples_run_as_shown(page, base_url: str):  # type: ignore[no-untyped-def]
+    """Each route's example (completions, chat, messages, responses, embeddings, rerank,
+    distributions) names the selected model and answers 200 with every field implemented."""
+    pg = page
+    pg.click("#examples summary")
+    shown = pg.eval_on_selector_all(
+        "#example-list pre", "ps => ps.map(p => [p.dataset.path, p.dataset.body, p.textContent])"
+    )
+    paths = [p for p, _, _ in shown]
+    assert {"/v1/messages", "/v1/embeddings", "/v1/rerank", "/v1/chat/completions"} <= set(paths)
+    for path, body, text in shown:
+        assert text.startswith(f"curl -s {base_url}{path} ") and f'"model":"{MODEL}"' in text
+        r = httpx.post(f"{base_url}{path}", content=body.encode(), timeout=120,
+                       headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 200, (path, r.text)
+        assert "x-ignored-fields" not in r.headers, (path, r.headers["x-ignored-fields"])
+    _shot(pg, "examples")

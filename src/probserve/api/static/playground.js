@@ -441,14 +441,51 @@ async function loadModels() {
       $("model").append(o);
     }
     $("side-label").hidden = list.length < 2;
+    examples();
   } catch (e) {
     $("status").textContent = `error: ${e.message}`;
+  }
+}
+
+// ---- API examples: each route as a curl command for the selected model ------------------------
+
+function exampleBodies(model) {
+  const hi = [{ role: "user", content: "What is the capital of France?" }];
+  return [
+    ["Completion, the prompt scored too (echo)", "/v1/completions",
+      { model, prompt: "The capital of France is", max_tokens: 5, logprobs: 3, echo: true }],
+    ["Chat with logprobs and exact entropy", "/v1/chat/completions",
+      { model, messages: hi, max_tokens: 8, logprobs: true, top_logprobs: 3, return_entropy: true }],
+    ["Anthropic's Messages API (Claude Code, the anthropic SDK)", "/v1/messages",
+      { model, max_tokens: 8, messages: hi, logprobs: true, top_logprobs: 2 }],
+    ["Responses", "/v1/responses",
+      { model, input: "What is the capital of France?", max_output_tokens: 8, top_logprobs: 2 }],
+    ["Embeddings", "/v1/embeddings", { model, input: ["A cat sat on the mat.", "Paris is in France."] }],
+    ["Rerank", "/v1/rerank",
+      { model, query: "Where is Paris?", documents: ["Paris is the capital of France.", "Cats purr."], top_n: 2 }],
+    ["The full distribution at chosen positions", "/v1/distributions",
+      { model, prompt: "The capital of France is", positions: [1], encoding: "base64" }],
+  ];
+}
+
+function examples() {
+  const list = $("example-list");
+  list.innerHTML = "";
+  for (const [title, path, body] of exampleBodies($("model").value || "MODEL")) {
+    const h = document.createElement("h3"); h.textContent = title;
+    const pre = document.createElement("pre");
+    pre.dataset.path = path;
+    pre.dataset.body = JSON.stringify(body);
+    const json = JSON.stringify(body).replaceAll("'", "'\\''");
+    pre.textContent = `curl -s ${location.origin}${path} -H 'content-type: application/json' -d '${json}'`;
+    list.append(h, pre);
   }
 }
 
 document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => setMode(b.dataset.mode)));
 $("run").addEventListener("click", onRun);
 $("scale").addEventListener("change", render);
+$("model").addEventListener("change", examples);
 $("key-ok").addEventListener("click", () => {
   state.key = $("key").value || null;
   $("key-box").hidden = true;
