@@ -51,8 +51,8 @@ def test_cors_preflight_from_an_allowed_origin_before_auth(tiny: LoadedModel) ->
         )
         assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
         # Anthropic's SDK and Claude Code send the key as x-api-key; its errors are Anthropic's
-        message = {"model": "tiny-llama", "max_tokens": 1, "messages": [{"role": "user",
-                                                                          "content": "Hi"}]}  # fmt: skip
+        hi = [{"role": "user", "content": "Hi"}]
+        message = {"model": "tiny-llama", "max_tokens": 1, "messages": hi}
         for key, status in (("k1", 200), ("k2", 401), (None, 401)):
             headers = {"x-api-key": key} if key else {}
             r = httpx.post(f"{url}/v1/messages", json=message, headers=headers, timeout=60)
