@@ -17,6 +17,10 @@ from probserve.models import LoadedModel, load_model
 
 # Ray (tests/ray_util.py) reads its authentication settings once, when first imported: the test
 # clusters use token authentication with a token made for this run
+# no GPU here (CI has none): the GPU path's Triton kernels run under Triton's interpreter, on
+# CPU tensors (set before any kernel is defined: triton reads it as a kernel is decorated)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 

@@ -43,6 +43,17 @@ class EngineConfig:
         "matrix kernel of the paged runner without --deterministic: dense (MKL), onednn "
         "(packed), auto (timed at start)",
     )
+    device: Literal["cpu", "cuda", "auto"] = setting(
+        "cpu",
+        "where the forward runs: cpu; cuda (the GPU path: Triton kernels whose bits do not "
+        "depend on the batch, float32 activations); auto (the GPU where torch sees one)",
+    )
+    precision: Literal["exact", "bf16"] = setting(
+        "exact",
+        "the GPU path's weights: exact (float32 weights and products, within 1e-4 of a float32 "
+        "reference) or bf16 (bfloat16 weights and product inputs, float32 sums; faster, further "
+        "from the reference); the CPU path is always exact",
+    )
     worker: Literal["process", "inline"] = setting(
         "process",
         "process: the engine runs in a worker process of its own; inline: in a thread of the "
@@ -94,8 +105,10 @@ class EngineConfig:
     def weights_to_load(self) -> Literal["native", "float32"]:
         """The weights to load: native blocks run on the paged runner's deterministic kernels
         only (models/loader.py falls back to float32 where the model or machine can't)."""
-        if self.runner == "hf" or not self.deterministic:
-            return "float32"
+        from probserve.engine.device import gpu_path
+
+        if self.runner == "hf" or not self.deterministic or gpu_path(self.device) is not None:
+            return "float32"  # the GPU path: GGUF blocks dequantized once, at load
         return self.weights
 
 

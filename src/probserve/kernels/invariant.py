@@ -76,6 +76,8 @@ class InvariantKernels:
     closer to a float64 product than the float32 path. The weights packed by `qpack` carry the
     choice."""
 
+    keeps_blocks = True  # GGUF blocks are multiplied as the file holds them (qpack)
+
     def __init__(self, block_sums: bool = False, limbs: bool = False) -> None:
         self.lib = load()
         self.panel = int(self.lib.ps_panel_width())

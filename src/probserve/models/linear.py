@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
+from probserve.kernels.layer_ops import LayerOps
 from probserve.models.gguf_blocks import QuantizedTensor, Weight
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,10 @@ class Linear:
         weight: Weight,
         bias: torch.Tensor | None = None,
         kernel: Kernel = "dense",
-        kernels: InvariantKernels | None = None,
+        kernels: LayerOps | None = None,
     ) -> None:
-        """`kernels`: the loaded library, for the "invariant" kernel."""
+        """`kernels`: the deterministic operations, for the "invariant" kernel (the CPU's
+        library, which keeps GGUF blocks; or the GPU path's, which takes them dequantized)."""
         self.kernel: Kernel = kernel
         if kernel == "onednn" and not onednn_available():
             self.kernel = "dense"
@@ -56,7 +58,7 @@ class Linear:
         self.quantized: QuantizedWeight | None = None
         if isinstance(weight, QuantizedTensor):
             self.out_features, self.in_features = weight.n, weight.k
-            if self.kernel == "invariant" and kernels is not None:
+            if self.kernel == "invariant" and isinstance(kernels, InvariantKernels):
                 self.quantized = kernels.qpack(weight.blocks, weight.ggml_type, bias)
                 self.w = self.quantized.data
                 self.b = self.quantized.bias
@@ -80,7 +82,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return self.kernels.qlinear(x, self.quantized)  # type: ignore[union-attr]
+            assert isinstance(self.kernels, InvariantKernels)
+            return self.kernels.qlinear(x, self.quantized)
         if self.packed is not None:
             return self.kernels.linear(x, self.packed)  # type: ignore[union-attr]
         if self.kernel == "onednn":

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
+from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, NativeLayers, Shape
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float, stack_rows
@@ -86,23 +87,27 @@ class KVCache:
         return 4 * (2 * config.num_hidden_layers * kvh * d + config.hidden_size) + routing
 
     @staticmethod
-    def allocate(config: Any, num_blocks: int, block_size: int) -> KVCache:
+    def allocate(
+        config: Any, num_blocks: int, block_size: int, device: torch.device | None = None
+    ) -> KVCache:
         """Memory is taken from the OS as blocks are first written (torch.empty), except block
-        0, the null block: zeros, never handed out, where masked key positions point."""
+        0, the null block: zeros, never handed out, where masked key positions point. `device`:
+        where it lives (the GPU path's device; default the host)."""
         kvh = config.num_key_value_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         slots = num_blocks * block_size
         shape = (config.num_hidden_layers, slots, kvh, d)
         cache = KVCache(
-            torch.empty(shape),
-            torch.empty(shape),
-            torch.empty(slots, config.hidden_size),
+            torch.empty(shape, device=device),
+            torch.empty(shape, device=device),
+            torch.empty(slots, config.hidden_size, device=device),
             block_size,
         )
         moe_layers, top_k = _routing_shape(config)
         if moe_layers:
-            cache.experts = torch.zeros((slots, moe_layers, top_k), dtype=torch.int16)
-            cache.expert_weights = torch.zeros((slots, moe_layers, top_k))
+            routing = (slots, moe_layers, top_k)
+            cache.experts = torch.zeros(routing, dtype=torch.int16, device=device)
+            cache.expert_weights = torch.zeros(routing, device=device)
         cache.k[:, :block_size].zero_()
         cache.v[:, :block_size].zero_()
         cache.hidden[:block_size].zero_()
@@ -191,7 +196,7 @@ class _Layer:
         fam: Family,
         weights: Mapping[str, Weight],
         kernel: Kernel,
-        kernels: InvariantKernels | None,
+        kernels: LayerOps | None,
     ) -> None:
         """Layer `index`'s weights (`weights`: every tensor by its parameter name) and constants."""
         prefix = f"model.layers.{index}."
@@ -200,7 +205,7 @@ class _Layer:
             parts = [weights[f"{prefix}{n}.weight"] for n in names]
             found = [weights.get(f"{prefix}{n}.bias") for n in names]
             biases = [None if b is None else as_float(b) for b in found]  # vectors: float32 already
-            if kernels is not None and len({_form(w) for w in parts}) > 1:
+            if isinstance(kernels, InvariantKernels) and len({_form(w) for w in parts}) > 1:
                 # parts in different formats: each in its own blocks, never a float32 copy
                 pairs = zip(parts, biases, strict=True)
                 return Joined([Linear(w, b, kernel, kernels) for w, b in pairs])
@@ -316,7 +321,7 @@ class LlamaForward:
         self,
         model: Any,
         kernel: Kernel | Literal["auto"] = "auto",
-        kernels: InvariantKernels | None = None,
+        kernels: LayerOps | None = None,
         weights: Mapping[str, Weight] | None = None,
         op_by_op: bool = False,
     ) -> None:
@@ -386,7 +391,7 @@ class LlamaForward:
         self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
         self.native: NativeLayers | None = None
-        if kernels is not None and not op_by_op:
+        if isinstance(kernels, InvariantKernels) and not op_by_op:
             self.native = self._native_layers(kernels)
 
     def _native_layers(self, kernels: InvariantKernels) -> NativeLayers:
@@ -436,9 +441,11 @@ class LlamaForward:
 
     def _own_embedding(self, embed: Weight) -> torch.Tensor | QuantizedWeight:
         """An untied embedding: in its blocks where the kernels read them, else float32."""
-        if isinstance(embed, QuantizedTensor) and self.kernels is not None:
+        if isinstance(embed, QuantizedTensor) and isinstance(self.kernels, InvariantKernels):
             return self.kernels.qpack(embed.blocks, embed.ggml_type)
-        return as_float(embed).detach().clone()
+        own = as_float(embed).detach().clone()
+        place = getattr(self.kernels, "place", None)  # the GPU path's: on its device
+        return place(own) if place is not None else own
 
     def release_source(self) -> None:
         """Drop the transformers model: every weight the forward uses is a copy held here (the
@@ -511,11 +518,13 @@ class LlamaForward:
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, QuantizedWeight):
-            return self.kernels.qrows(self.embed, ids)  # type: ignore[union-attr]
+            assert isinstance(self.kernels, InvariantKernels)
+            return self.kernels.qrows(self.embed, ids)
         if self.embed is not None:
             return F.embedding(ids, self.embed)
         if self.lm_head.quantized is not None:
-            return self.kernels.qrows(self.lm_head.quantized, ids)  # type: ignore[union-attr]
+            assert isinstance(self.kernels, InvariantKernels)
+            return self.kernels.qrows(self.lm_head.quantized, ids)
         if self.lm_head.packed is not None:
             return self.kernels.rows(self.lm_head.packed, ids)  # type: ignore[union-attr]
         return F.embedding(ids, self.lm_head.w)
@@ -585,7 +594,8 @@ class LlamaForward:
         for key, rotary in self.rotary.items():
             while self._rope_cos[key].shape[0] < need:
                 start = self._rope_cos[key].shape[0]
-                cos, sin = rotary(h[:1], torch.arange(start, start + ROPE_BLOCK).unsqueeze(0))
+                at = torch.arange(start, start + ROPE_BLOCK).unsqueeze(0)
+                cos, sin = rotary(h[:1].cpu(), at)  # on the host (the GPU path copies them)
                 self._rope_cos[key] = torch.cat([self._rope_cos[key], cos[0].float()])
                 self._rope_sin[key] = torch.cat([self._rope_sin[key], sin[0].float()])
 

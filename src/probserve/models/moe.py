@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.layer_ops import LayerOps
 from probserve.models.linear import Joined, Linear
 
 
@@ -35,7 +35,7 @@ class MoE:
 
 
 def route(
-    logits: torch.Tensor, k: int, norm: bool, kernels: InvariantKernels | None
+    logits: torch.Tensor, k: int, norm: bool, kernels: LayerOps | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's k experts [T, k] and their weights [T, k]: softmax over the router's logits,
     the k largest (ties by id under --deterministic), renormalised with `norm`."""
@@ -52,7 +52,7 @@ def moe_forward(
     moe: MoE,
     x: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
-    kernels: InvariantKernels | None,
+    kernels: LayerOps | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layer's output for rows x [T, H]: sum over each token's experts e of w_e *
     down_e(act(gate_up_e(x))), each expert run once on all the tokens routed to it; with the

@@ -10,11 +10,14 @@ uses (`Runner.row_math`).
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 
 from probserve.kernels.invariant import SCORE_MAX_K, InvariantKernels
+
+log = logging.getLogger(__name__)
 
 Scores = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -106,3 +109,16 @@ class InvariantRowMath:
 
     def entropy(self, logprobs: torch.Tensor) -> torch.Tensor:
         return self.kernels.entropy(logprobs)
+
+
+def host_row_math() -> RowMath:
+    """The GPU path's reductions over rows of logits brought to the host: the CPU's
+    row-invariant kernels where they build on this machine (a row's numbers do not depend on
+    the rows beside it), else torch's (the build's failure logged)."""
+    from probserve.kernels.build import KernelBuildError
+
+    try:
+        return InvariantRowMath(InvariantKernels())
+    except KernelBuildError as exc:
+        log.warning("the logprobs' reductions run on torch: the kernels do not build (%s)", exc)
+        return TorchRowMath()

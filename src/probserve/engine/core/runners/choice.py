@@ -89,12 +89,21 @@ def _effective(loaded: LoadedModel, config: EngineConfig, cls: RunnerClass) -> E
     """`config`, with `deterministic` kept only where it can run: the paged runner, a model
     with a static RoPE, and kernels that build on this machine (a warning says why not)."""
     from probserve.engine.core.runners.paged import PagedRunner
+    from probserve.engine.device import gpu_path
     from probserve.kernels.build import KernelBuildError, build
-    from probserve.models import llama
+    from probserve.models import ModelLoadError, llama
 
     paged = cls is PagedRunner
     if loaded.weights is not None and not paged:
         raise ValueError("native (quantized) weights run on the paged runner only")
+    if gpu_path(config.device) is not None:  # always batch-invariant, on its own kernels
+        blocker = llama.deterministic_blocker(loaded.model) if paged else "not its family"
+        if blocker:
+            raise ModelLoadError(
+                f"--device {config.device}: the GPU path runs the paged forward, and "
+                f"{loaded.name} cannot run there ({blocker}); serve it with --device cpu"
+            )
+        return dataclasses.replace(config, deterministic=True)
     if not config.deterministic:
         return config
     why = None

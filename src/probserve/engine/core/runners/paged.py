@@ -9,6 +9,10 @@ logits a slice at a time, so scoring a long cached prompt never holds all its lo
 With `deterministic` the forward runs on the row-invariant kernels, attention reads each token's
 keys through its sequence's block table, and the logprobs' reductions go through
 `InvariantRowMath`: a token's numbers do not depend on the rest of the step.
+
+On the GPU path (`--device cuda`, engine/device.py) the same forward runs op by op on the
+Triton kernels (kernels/gpu/), the KV cache and the step's tensors on the device; the rows of
+logits a step needs come back to the host, where the logprobs' reductions run as on the CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import torch
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
-from probserve.engine.core.row_math import InvariantRowMath, RowMath, TorchRowMath
+from probserve.engine.core.row_math import InvariantRowMath, RowMath, TorchRowMath, host_row_math
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
+from probserve.engine.device import gpu_path
 from probserve.engine.types import RoutedExperts
 from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.layer_ops import LayerOps
 from probserve.models.family import family
 from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup, moe_layers
 from probserve.models.loader import LoadedModel
@@ -45,23 +51,39 @@ class PagedRunner:
     keeps_hidden = True  # each position's final hidden state, beside its KV
 
     def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        return self.cache.hidden.index_select(0, self._slots(seq.block_table, start, end))
+        slots = self._slots(seq.block_table, start, end).to(self.device)
+        return self.cache.hidden.index_select(0, slots).cpu()
 
     def routing(self, seq: Sequence, start: int, end: int) -> RoutedExperts:
         """The experts and weights the forward kept for positions [start, end) of `seq` (each
         position's slot through its block table)."""
-        experts, weights = self.cache.routing(self._slots(seq.block_table, start, end))
-        return RoutedExperts(experts.numpy(), weights.numpy())
+        slots = self._slots(seq.block_table, start, end).to(self.device)
+        experts, weights = self.cache.routing(slots)
+        return RoutedExperts(experts.cpu().numpy(), weights.cpu().numpy())
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
         model = loaded.model
-        limbs = config.products == "limbs"
-        kernels = InvariantKernels(config.block_sums, limbs) if config.deterministic else None
-        self.forward = LlamaForward(model, config.linear, kernels, loaded.weights)
-        self.row_math: RowMath = InvariantRowMath(kernels) if kernels else TorchRowMath()
+        gpu = gpu_path(config.device)
+        self.device = gpu or torch.device("cpu")
+        kernels: LayerOps | None = None
+        if gpu is not None:
+            from probserve.kernels.gpu.ops import TritonKernels
+
+            kernels = TritonKernels(gpu, config.precision)
+            self.forward = LlamaForward(model, config.linear, kernels, op_by_op=True)
+            self.row_math: RowMath = host_row_math()
+        else:
+            limbs = config.products == "limbs"
+            cpu = InvariantKernels(config.block_sums, limbs) if config.deterministic else None
+            self.forward = LlamaForward(model, config.linear, cpu, loaded.weights)
+            self.row_math = InvariantRowMath(cpu) if cpu else TorchRowMath()
         self.block_size = block_size = config.block_size
-        self.cache = KVCache.allocate(model.config, num_blocks, block_size)
+        self.cache = KVCache.allocate(model.config, num_blocks, block_size, gpu)
         self.vocab = self.forward.vocab_size
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of logits, on the host (where the logprobs' reductions run)."""
+        return self.forward.logits(hidden).cpu()
 
     def release_source_weights(self) -> None:
         self.forward.release_source()
@@ -79,6 +101,7 @@ class PagedRunner:
         plan = AttentionPlan(
             slots=torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
         )
+        input_ids = torch.tensor(ids, dtype=torch.long)
         if self.forward.kernels is not None:  # every token through its sequence's block table
             plan.tables = self._tables(chunks)
             lengths = torch.tensor([c.length for c in chunks])
@@ -86,7 +109,11 @@ class PagedRunner:
             plan.token_len = positions + 1
         else:
             self._sdpa_groups(chunks, plan)
-        return torch.tensor(ids, dtype=torch.long), positions, plan
+        if self.device.type != "cpu":  # the GPU path: the step's tensors moved once
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            for name in ("slots", "tables", "token_seq", "token_len"):
+                setattr(plan, name, getattr(plan, name).to(self.device))
+        return input_ids, positions, plan
 
     def _sdpa_groups(self, chunks: list[Chunk], plan: AttentionPlan) -> None:
         """The SDPA path's groups: every decode token in one padded batch, each prefill chunk
@@ -142,18 +169,16 @@ class PagedRunner:
             if b > a:
                 parts = []
                 if a < ch.start:  # cached prefix positions: from the cached hidden states
-                    cached = self._slots(ch.seq.block_table, a, ch.start)
+                    cached = self._slots(ch.seq.block_table, a, ch.start).to(self.device)
                     parts.append(self.cache.hidden.index_select(0, cached))
                     a = ch.start
                 if b > a:
                     parts.append(hidden[row + a - ch.start : row + b - ch.start])
                 rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-                prompt_rows[ch.seq.request_id] = ScoreRows(rows, self.forward.logits)
+                prompt_rows[ch.seq.request_id] = ScoreRows(rows, self._logits)
             if ch.samples:  # the last token's row, then each proposal's
                 last = row + ch.length - 1
                 sample_rows += range(last - len(ch.proposed), last + 1)
             row += ch.length
-        sample = (
-            self.forward.logits(hidden[sample_rows]) if sample_rows else empty_logits(self.vocab)
-        )
+        sample = self._logits(hidden[sample_rows]) if sample_rows else empty_logits(self.vocab)
         return RunOutput(sample, prompt_rows)

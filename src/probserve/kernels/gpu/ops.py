@@ -1,0 +1,138 @@
+"""TritonKernels: the deterministic forward's operations (the ones models/llama.py calls one by
+one: products, row lookups, norms, RoPE with the cache write, attention, gated activations,
+soft-capping, a router's choice) on a torch device, with the Triton kernels of this package.
+Weights are held on the device once, as the precision asks: float32 (the exact path) or
+bfloat16 (products with bf16 inputs and float32 sums); activations, norms, attention and the
+KV cache stay float32. Tensors the forward keeps on the host (norm weights, RoPE tables) are
+copied to the device once and reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from probserve.kernels.gpu import attention as attention_kernel
+from probserve.kernels.gpu import rows
+from probserve.kernels.gpu.matmul import matmul
+from probserve.kernels.invariant import PackedWeight
+
+Precision = Literal["exact", "bf16"]
+
+
+@dataclass(frozen=True)
+class DeviceWeight(PackedWeight):
+    """A [N, K] weight on the device (`panels` is the matrix itself, not in panels), in the
+    precision's dtype, and its float32 bias."""
+
+
+class TritonKernels:
+    keeps_blocks = False  # GGUF blocks are dequantized before `pack` (the weights' one form)
+
+    def __init__(self, device: torch.device, precision: Precision = "exact") -> None:
+        self.device = device
+        self.precision: Precision = precision
+        self.weight_dtype = torch.float32 if precision == "exact" else torch.bfloat16
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the device (a host tensor the forward keeps: copied once, then reused)."""
+        if t.device == self.device:
+            return t
+        kept = self._copies.get(id(t))
+        if kept is not None and kept[0] is t:
+            return kept[1]
+        copy = t.detach().to(self.device)
+        self._copies[id(t)] = (t, copy)
+        return copy
+
+    def _on(self, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An activation or index tensor on the device, contiguous, in `dtype`."""
+        return t.to(device=self.device, dtype=dtype).contiguous()
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DeviceWeight:
+        n, k = weight.shape
+        w = weight.detach().to(device=self.device, dtype=self.weight_dtype).contiguous()
+        b = None if bias is None else bias.detach().to(self.device, torch.float32).contiguous()
+        return DeviceWeight(w, b, int(n), int(k))
+
+    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = matmul(self._on(x).reshape(-1, w.k), w.panels, w.bias)
+        return y.view(*lead, w.n)
+
+    def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight [len(ids), K] (an embedding lookup)."""
+        return w.panels.index_select(0, self._on(ids, torch.int64)).float()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rows.rms_norm(self._on(x), self.place(weight), eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return rows.gated(self._on(gate_up), gelu=False)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return rows.gated(self._on(gate_up), gelu=True)
+
+    def gpt_oss_glu(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU, (clamp(up, ±limit) + 1) · g · σ(alpha g) with g = gate
+        clamped above at limit, per element (no reduction: the same bits in any batch)."""
+        x = self._on(gate_up)
+        width = x.shape[1] // 2
+        gate, up = x[:, :width].clamp(max=limit), x[:, width:].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        return rows.softcap(self._on(x), cap)
+
+    def route(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A router's choice per row: the k experts of highest softmax probability (float64,
+        ties to the lower id: a stable sort), their weights (renormalised with `norm`), from the
+        row alone."""
+        x = self._on(logits).double()
+        if not 0 < k <= x.shape[1]:
+            raise ValueError(f"cannot route to {k} of {x.shape[1]} experts")
+        probs = torch.softmax(x, dim=1)
+        order = torch.sort(-probs, dim=1, stable=True).indices[:, :k]
+        weights = probs.gather(1, order)
+        if norm:
+            weights = weights / weights.sum(dim=1, keepdim=True)
+        return order, weights.float()
+
+    def rope_cache(
+        self,
+        qkv: torch.Tensor,
+        heads: tuple[int, int, int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        return rows.rope_cache(
+            self._on(qkv), heads, self.place(cos), self.place(sin),
+            self._on(positions, torch.int64), self._on(slots, torch.int64), k_cache, v_cache,
+        )  # fmt: skip
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        tables: torch.Tensor,
+        seq: torch.Tensor,
+        lengths: torch.Tensor,
+        block_size: int,
+        window: int | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        i64 = torch.int64
+        return attention_kernel.attention(
+            self._on(q), k_cache, v_cache, scale, self._on(tables, i64), self._on(seq, i64),
+            self._on(lengths, i64), block_size, window, softcap,
+            None if sinks is None else self.place(sinks).float().contiguous(),
+        )  # fmt: skip

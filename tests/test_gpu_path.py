@@ -1,0 +1,123 @@
+"""The GPU path (`--device cuda`: the paged forward op by op on the Triton kernels, the KV cache
+on the device) run whole, through the engine, for tiny random models of the families it serves:
+under Triton's interpreter on CPU tensors here (CI has no GPU), on the GPU where there is one
+(scripts/gpu_check.sh). Its logprobs are within 1e-4 of transformers' float32 forward, and a
+request's numbers are the same bits alone, among others with a 7-token step budget (its prompt
+in chunks) and from the prefix cache, on the exact path and on the bf16 path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_core
+from reference import full_logprobs
+from test_families import _config
+
+from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.engine.device import DeviceError, gpu_path
+from probserve.models import LoadedModel
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+
+VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python
+KINDS = ["qwen3", "gemma2", "mistral", "gpt_oss"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    config = _config(request.param, VOCAB)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.requires_grad_(False)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                centre = 0.0 if "gemma" in request.param else 1.0
+                param.copy_(torch.randn_like(param) * 0.3 + centre)
+            else:
+                param.normal_(0.0, 0.08)
+    return LoadedModel(
+        model=hf, tokenizer=smol.tokenizer, name=f"tiny-{request.param}",
+        eos_token_ids=frozenset({2}), context_length=256, vocab_size=VOCAB,
+    )  # fmt: skip
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, VOCAB, size=n)]
+
+
+def _request(ids: list[int], rid: str, max_tokens: int = 6) -> EngineRequest:
+    return EngineRequest(
+        rid, tuple(ids), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
+    )  # fmt: skip
+
+
+def _numbers(outs: list[Any]) -> list[bytes]:
+    out = []
+    for o in outs:
+        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        for lp in (o.logprobs, o.prompt_logprobs):
+            if lp is not None:
+                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
+                    out.append(np.ascontiguousarray(arr).tobytes())
+    return out
+
+
+def _gpu(**config: Any) -> EngineConfig:
+    return EngineConfig(device="cuda", kv_cache_gib=0.01, block_size=4, **config)
+
+
+def test_the_gpu_path_equals_transformers(model: LoadedModel) -> None:
+    core = EngineCore(model, _gpu())
+    assert core.info.runner == "PagedRunner" and core.info.deterministic
+    ids = _prompt(1, 23)
+    outs = run_core(core, [_request(ids, "r")])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    ref = full_logprobs(model.model, ids + gen).double()
+    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    want = ref[np.arange(len(ids) - 1), ids[1:]].numpy()
+    assert np.abs(np.asarray(prompt.logprobs, np.float64) - want).max() < 1e-4
+    got = np.concatenate([np.asarray(o.logprobs.logprobs, np.float64) for o in outs
+                          if o.logprobs is not None])  # fmt: skip
+    rows = np.arange(len(ids) - 1, len(ids) - 1 + len(gen))
+    assert np.abs(got - ref[rows, gen].numpy()).max() < 1e-4
+    assert gen == [int(ref[r].argmax()) for r in rows]  # greedy: transformers' choice
+
+
+@pytest.mark.parametrize("precision", ["exact", "bf16"])
+def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(
+    model: LoadedModel, precision: str
+) -> None:
+    if precision == "bf16" and model.name != "tiny-qwen3":
+        pytest.skip("the bf16 path's invariance: one family is enough under the interpreter")
+    canary = _prompt(2, 19)
+    fresh = _gpu(precision=precision, prefix_caching=False)
+    alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
+    core = EngineCore(model, _gpu(precision=precision, max_num_batched_tokens=7))
+    others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(4)]
+    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
+    again = run_core(core, [_request(canary, "again")])["again"]  # from the prefix cache
+    assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+    if precision == "bf16":  # a measured distance, not the exact path's
+        cpu = run_core(EngineCore(model, EngineConfig(kv_cache_gib=0.01)), [_request(canary, "c")])
+        a = np.asarray(next(o.prompt_logprobs for o in alone if o.prompt_logprobs).logprobs)
+        b = np.asarray(next(o.prompt_logprobs for o in cpu["c"] if o.prompt_logprobs).logprobs)
+        assert 0 < np.abs(a - b).max() < 0.05
+
+
+def test_the_device_flag_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert gpu_path("cpu") is None
+    if torch.cuda.is_available():
+        return
+    assert gpu_path("auto") is None  # no GPU: the CPU path
+    assert gpu_path("cuda") == torch.device("cpu")  # interpreted: the GPU code path on the host
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(DeviceError, match="torch sees no GPU"):
+        gpu_path("cuda")
