@@ -77,6 +77,7 @@ def _gpu(**config: Any) -> EngineConfig:
 def test_the_gpu_path_equals_transformers(model: LoadedModel) -> None:
     core = EngineCore(model, _gpu())
     assert core.info.runner == "PagedRunner" and core.info.deterministic
+    assert core.info.device == ("cuda" if torch.cuda.is_available() else "interpreted")
     ids = _prompt(1, 23)
     outs = run_core(core, [_request(ids, "r")])["r"]
     gen = [t for o in outs for t in o.new_token_ids]

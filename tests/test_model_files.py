@@ -115,6 +115,7 @@ def test_health_and_model_cards_say_what_runs_how(http):
     for facts in (health, cards[0]):
         assert facts["architecture"] == "llama"
         assert facts["runner"] == "PagedRunner" and facts["deterministic"] is True
+        assert facts["device"] == "cpu" and facts["precision"] == "exact"
         assert facts["weights"] == "Q4_1+Q8_0"
         assert 0.99 < facts["weights_in_blocks"] <= 1.0  # only the norms are float32
 

@@ -640,6 +640,8 @@ class ModelCard(BaseModel):
     # what runs how (see /health): absent before the engine has said
     architecture: str | None = None
     runner: str | None = None
+    device: str | None = None  # cpu, cuda (the GPU path), interpreted
+    precision: str | None = None  # the GPU path's weights: exact or bf16
     deterministic: bool | None = None
     weights: str | None = None
     weights_in_blocks: float | None = None

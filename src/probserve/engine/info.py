@@ -35,6 +35,9 @@ class EngineInfo:
     # cannot check proposals (the transformers runner)
     embeddings: bool = False  # the runner keeps final hidden states a request may pool
     hidden_size: int = 0  # the model's: an embedding's dimensions
+    device: str = "cpu"  # where the forward runs: "cpu", "cuda" (the GPU path), "interpreted"
+    # (the GPU path's kernels under Triton's interpreter, on the host)
+    precision: str = "exact"  # the GPU path's weights: "exact" (float32) or "bf16"
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

@@ -77,6 +77,8 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
     return {
         "architecture": info.architecture,
         "runner": info.runner,
+        "device": info.device,
+        "precision": info.precision,
         "deterministic": info.deterministic,
         "weights": info.weights,
         "weights_in_blocks": info.weights_in_blocks,

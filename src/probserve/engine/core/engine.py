@@ -133,7 +133,18 @@ class EngineCore:
             block_size=self.config.block_size,
             moe_layers=moe_layers,
             experts_per_token=experts_per_token,
+            **self._device(),
         )
+
+    def _device(self) -> dict[str, str]:
+        """Where the forward runs, and the GPU path's precision (engine/device.py)."""
+        from probserve.engine.device import gpu_path, interpreted
+
+        gpu = gpu_path(self.config.device) if self.choice.name == "PagedRunner" else None
+        if gpu is None:
+            return {"device": "cpu", "precision": "exact"}
+        where = "interpreted" if gpu.type == "cpu" and interpreted() else gpu.type
+        return {"device": where, "precision": self.config.precision}
 
     def _products(self, loaded: LoadedModel) -> str:
         """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a
