@@ -178,6 +178,22 @@ def test_the_tool_use_round_trip(claude, http) -> None:  # type: ignore[no-untyp
     ).json()["count"]  # fmt: skip
 
 
+def test_a_final_assistant_message_is_continued(claude, http) -> None:  # type: ignore[no-untyped-def]
+    """A prefill: the reply continues the assistant's text, as chat's continue_final_message."""
+    prefill = "The capital of France is"
+    message = claude.messages.create(
+        model=MODEL, max_tokens=6, extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Tell me about France."},
+                  {"role": "assistant", "content": prefill}],
+    )  # fmt: skip
+    chat = _chat(
+        http, max_tokens=6, add_generation_prompt=False, continue_final_message=True,
+        messages=[{"role": "user", "content": "Tell me about France."},
+                  {"role": "assistant", "content": prefill}],
+    )  # fmt: skip
+    assert message.content[0].text == chat["choices"][0]["message"]["content"]
+
+
 def test_structured_output_follows_the_schema(claude) -> None:  # type: ignore[no-untyped-def]
     schema = {
         "type": "object",
@@ -293,4 +309,15 @@ def test_errors_are_in_anthropics_envelope_and_harm_nothing(http) -> None:  # ty
         {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                            "input": deep}]}]})  # fmt: skip
     assert r.status_code == 400 and r.json()["type"] == "error"
+    # what chat's own messages bound, named on the message that broke it
+    many = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(65)]
+    nested = "[" * 40 + "]" * 40
+    for content in (many, [{"type": "tool_result", "tool_use_id": "t0", "content": nested}]):
+        history = [{"role": "assistant", "content": many[:1]}, {"role": "user", "content": content}]
+        if content is many:
+            history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": many}]
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = http.post(path, json={"model": MODEL, "max_tokens": 4, "messages": history})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "messages[1]"
     check_after(http, before)

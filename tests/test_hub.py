@@ -56,6 +56,18 @@ def test_names_and_quantizations() -> None:
     only = gguf_groups([RepoFile("m-Q8_0.gguf", 1), RepoFile("m-F16.gguf", 1)])
     with pytest.raises(ModelLoadError, match="name one of its quantizations"):
         _choose(HubName("o/m"), only)
+    # unsloth's dynamic quantizations beside the plain ones; a tag matched in a file's name
+    ud = gguf_groups([RepoFile(p, 1) for p in (
+        "Qwen3-8B-UD-Q4_K_XL.gguf", "Qwen3-8B-Q4_K_XL.gguf", "Qwen3-8B-IQ4_XS.gguf",
+        "qwen3-8b.Q5_K_M.gguf",
+    )])  # fmt: skip
+    assert sorted(ud) == ["IQ4_XS", "Q4_K_XL", "Q5_K_M", "UD-Q4_K_XL"]
+    assert _choose(HubName("o/m", "UD-Q4_K_XL"), ud)[1][0].path == "Qwen3-8B-UD-Q4_K_XL.gguf"
+    assert _choose(HubName("o/m", "q4_k_xl"), ud)[1][0].path == "Qwen3-8B-Q4_K_XL.gguf"
+    # a split model with a part missing is not a model
+    partial = gguf_groups([RepoFile(f"m-Q8_0-0000{i}-of-00003.gguf", 1) for i in (1, 2)])
+    with pytest.raises(ModelLoadError, match="split into 3 parts and 2 are there"):
+        _choose(HubName("o/m", "Q8_0"), partial)
 
 
 def split_gguf(source: Path, parts: list[Path]) -> None:

@@ -27,6 +27,7 @@ from probserve.cluster.replica import EngineReplica
 from probserve.cluster.router import PrefixAffinityRouter
 from probserve.engine import EngineConfig
 from probserve.models import load_tokenizer, resolve_model
+from probserve.models.hub import HubName
 from probserve.serving import served_names, served_record
 from probserve.settings import ServeSettings
 
@@ -78,8 +79,11 @@ def deployment_name(index: int, name: str) -> str:
 
 
 def _names(m: ModelDeployment) -> tuple[str, ...]:
-    """The model's served name (if given), then its own: serving.served_names."""
-    return served_names(m.served_model_name, resolve_model(m.model).served_name or m.model)
+    """The model's served name (if given), then its own: serving.served_names. A model on the
+    hub by name is named so, without pulling it here (each replica pulls it)."""
+    hub = HubName.parse(m.model) if m.model else None
+    own = str(hub) if hub is not None else resolve_model(m.model).served_name or m.model
+    return served_names(m.served_model_name, own)
 
 
 def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig) -> Any:

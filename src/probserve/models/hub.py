@@ -37,7 +37,7 @@ _QUANT = re.compile(
 )
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # what a safetensors snapshot needs: weights, configuration, tokenizer, template
-_SNAPSHOT = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+_SNAPSHOT = ["*.json", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class HubName:
 class RepoFile:
     path: str  # in the repository
     size: int
+    cached: Path | None = None  # where the cache holds it (a listing read from the cache)
 
 
 @dataclass(frozen=True)
@@ -74,35 +75,68 @@ class Pulled:
 
 
 def quant_of(filename: str) -> str | None:
-    """The quantization a GGUF file's name (or folder) says, upper case."""
-    found = _QUANT.findall(_SPLIT.sub(".gguf", filename))
-    return found[-1].upper() if found else None
+    """The quantization a GGUF file's name (or folder) says, upper case; with the short
+    capital prefix some publishers put before it (unsloth's dynamic "UD-Q4_K_XL")."""
+    name = _SPLIT.sub(".gguf", filename)
+    found = list(_QUANT.finditer(name))
+    if not found:
+        return None
+    last = found[-1]
+    prefix = re.search(r"(?<![A-Za-z0-9])([A-Z]{1,3})[-_]$", name[: last.start()])
+    tag = last[1].upper()
+    return f"{prefix[1]}-{tag}" if prefix and not _QUANT.fullmatch(prefix[1]) else tag
 
 
 def gguf_groups(files: list[RepoFile]) -> dict[str, list[RepoFile]]:
-    """The repository's GGUF models by quantization, a split one's parts in order (projector
-    files of vision models left out)."""
-    groups: dict[str, list[RepoFile]] = {}
+    """The repository's GGUF models by quantization: one file, or a split model's parts in
+    order (projector files of vision models left out). Two models of one quantization (two
+    base names) are told apart by their file names."""
+    by_base: dict[str, list[RepoFile]] = {}
     for f in files:
-        name = f.path.rsplit("/", 1)[-1].lower()
-        if not name.endswith(".gguf") or "mmproj" in name:
+        name = f.path.rsplit("/", 1)[-1]
+        if not name.lower().endswith(".gguf") or "mmproj" in name.lower():
             continue
-        quant = quant_of(f.path) or name.removesuffix(".gguf").upper()
-        groups.setdefault(quant, []).append(f)
-    return {q: sorted(fs, key=lambda f: f.path) for q, fs in groups.items()}
+        by_base.setdefault(_SPLIT.sub("", f.path), []).append(f)
+    groups: dict[str, list[RepoFile]] = {}
+    for base, parts in sorted(by_base.items()):
+        label = quant_of(parts[0].path) or base.rsplit("/", 1)[-1].removesuffix(".gguf").upper()
+        if label in groups:
+            label = base.rsplit("/", 1)[-1].removesuffix(".gguf")
+        groups[label] = sorted(parts, key=lambda f: f.path)
+    return groups
+
+
+def _whole(label: str, parts: list[RepoFile]) -> list[RepoFile]:
+    """A split model's parts: all of them (00001..N of N), or a one-line error."""
+    if len(parts) == 1 and not _SPLIT.search(parts[0].path):
+        return parts
+    found = [_SPLIT.search(p.path) for p in parts]
+    total = int(found[0][2]) if found[0] else 0
+    numbers = [int(m[1]) for m in found if m]
+    if total == 0 or numbers != list(range(1, total + 1)):
+        raise ModelLoadError(
+            f"the {label} model is split into {total or '?'} parts and {len(numbers)} are there"
+        )
+    return parts
 
 
 def _choose(name: HubName, groups: dict[str, list[RepoFile]]) -> tuple[str, list[RepoFile]]:
     there = ", ".join(sorted(groups))
     if name.quant is not None:
         asked = name.quant.upper()
-        if asked in groups:
-            return asked, groups[asked]
+        if asked in {g.upper() for g in groups}:
+            label = next(g for g in groups if g.upper() == asked)
+            return label, _whole(label, groups[label])
+        tag = re.compile(rf"(?<![A-Za-z0-9]){re.escape(asked)}(?![A-Za-z0-9])", re.IGNORECASE)
+        named = [g for g, fs in groups.items() if tag.search(fs[0].path)]
+        if len(named) == 1:
+            return named[0], _whole(named[0], groups[named[0]])
         raise ModelLoadError(f"{name.repo} has no {name.quant} GGUF file (it has: {there})")
     if DEFAULT_QUANT in groups:
-        return DEFAULT_QUANT, groups[DEFAULT_QUANT]
+        return DEFAULT_QUANT, _whole(DEFAULT_QUANT, groups[DEFAULT_QUANT])
     if len(groups) == 1:
-        return next(iter(groups.items()))
+        label, parts = next(iter(groups.items()))
+        return label, _whole(label, parts)
     raise ModelLoadError(
         f"{name.repo} has no {DEFAULT_QUANT} file: name one of its quantizations, "
         f"{name.repo}:QUANT (it has: {there})"
@@ -124,30 +158,44 @@ def _hub_files(repo: str) -> list[RepoFile]:
     return [RepoFile(s.rfilename, int(s.size or 0)) for s in info.siblings or ()]
 
 
-def _cached_snapshot(repo: str) -> tuple[Path, list[RepoFile]] | None:
-    """The cache's newest snapshot of `repo`, and its files."""
+def _repo_files(r: Any) -> list[RepoFile]:
+    """Every file of every cached revision of repository `r` (scan_cache_dir's), each with
+    where it lies (a path in several revisions: the newest's)."""
+    files: dict[str, RepoFile] = {}
+    for rev in sorted(r.revisions, key=lambda v: v.last_modified, reverse=True):
+        for f in rev.files:
+            path = str(f.file_path.relative_to(rev.snapshot_path))
+            files.setdefault(path, RepoFile(path, f.size_on_disk, f.file_path))
+    return list(files.values())
+
+
+def _cached_repos() -> list[Any]:
     from huggingface_hub import scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
     try:
         cache = scan_cache_dir()
     except CacheNotFound:
-        return None
-    for r in cache.repos:
-        if r.repo_id == repo and r.repo_type == "model" and r.revisions:
-            rev = max(r.revisions, key=lambda v: v.last_modified)
-            files = [
-                RepoFile(str(f.file_path.relative_to(rev.snapshot_path)), f.size_on_disk)
-                for f in rev.files
-            ]
-            return rev.snapshot_path, files
-    return None
+        return []
+    return [r for r in cache.repos if r.repo_type == "model" and r.revisions]
+
+
+def _cached_files(repo: str) -> list[RepoFile] | None:
+    """What the cache holds of `repo` (None: nothing)."""
+    found = [r for r in _cached_repos() if r.repo_id == repo]
+    return _repo_files(found[0]) if found else None
 
 
 def _unreachable(exc: BaseException) -> bool:
     """Whether `exc` says the hub could not be reached (or may not be: offline mode)."""
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+    )
 
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return False  # the hub answered (a 429, a 5xx): it was reached
     if isinstance(exc, OfflineModeIsEnabled | LocalEntryNotFoundError | OSError):
         return True  # OSError: a refused connection, an unknown host, a socket's timeout
     # the HTTP client's transport errors (huggingface_hub's httpx, whichever build it uses)
@@ -176,24 +224,24 @@ def _refusal(name: HubName, exc: Exception) -> ModelLoadError:
     return ModelLoadError(f"the hub refused {name}: {first}")
 
 
-def _listing(name: HubName) -> tuple[list[RepoFile], Path | None]:
-    """The repository's files: the hub's, or (offline, unreachable) the cached snapshot's with
-    its directory."""
+def _listing(name: HubName) -> list[RepoFile]:
+    """The repository's files: the hub's, or (offline, or the hub unreachable) the cache's,
+    each with where the cache holds it."""
     if not _offline():
         try:
-            return _hub_files(name.repo), None
+            return _hub_files(name.repo)
         except Exception as exc:
-            cached = _cached_snapshot(name.repo) if _unreachable(exc) else None
+            cached = _cached_files(name.repo) if _unreachable(exc) else None
             if cached is None:
                 raise _refusal(name, exc) from None
-            return cached[1], cached[0]
-    cached = _cached_snapshot(name.repo)
+            return cached
+    cached = _cached_files(name.repo)
     if cached is None:
         raise ModelLoadError(
             f"offline mode (HF_HUB_OFFLINE): {name.repo} is not in the Hugging Face cache; "
             f"pull it with network first (probserve pull {name})"
         )
-    return cached[1], cached[0]
+    return cached
 
 
 class LoggedProgress(tqdm):
@@ -228,15 +276,26 @@ def _bars() -> type[LoggedProgress] | None:
     return None if sys.stderr.isatty() else LoggedProgress
 
 
-def _download(repo: str, path: str, local: Path | None) -> Path:
+def _download(repo: str, f: RepoFile) -> Path:
     """One file into the cache (with progress; an interrupted download resumes), or the
     cached one where the listing came from the cache."""
-    if local is not None:
-        return local / path
+    if f.cached is not None:
+        return f.cached
     from huggingface_hub import hf_hub_download
 
     bars: Any = _bars()
-    return Path(hf_hub_download(repo, path, endpoint=_endpoint(), tqdm_class=bars))
+    return Path(hf_hub_download(repo, f.path, endpoint=_endpoint(), tqdm_class=bars))
+
+
+def _weights(files: list[RepoFile]) -> str | None:
+    """A transformers repository's weight files: "*.safetensors", else "*.bin" (None: none).
+    Mistral's consolidated copies are not transformers' (left out)."""
+    names = [f.path for f in files if not f.path.rsplit("/", 1)[-1].startswith("consolidated")]
+    if any(n.endswith(".safetensors") for n in names):
+        return "*.safetensors"
+    if any(n.endswith(".bin") and "pytorch_model" in n for n in names):
+        return "*.bin"
+    return None
 
 
 def _cached(repo: str, files: list[RepoFile]) -> bool:
@@ -256,29 +315,34 @@ def pull(name: HubName) -> Pulled:
 
 
 def _pull(name: HubName) -> Pulled:
-    files, local = _listing(name)
+    files = _listing(name)
     groups = gguf_groups(files)
     if groups:
         quant, chosen = _choose(name, groups)
-        if local is None and not _cached(name.repo, chosen):
+        if any(f.cached is None for f in chosen) and not _cached(name.repo, chosen):
             size = sum(f.size for f in chosen) / 2**30
             log.warning("pulling %s: %s (%s, %.2f GiB)", name, chosen[0].path, quant, size)
-        parts = [_download(name.repo, f.path, local) for f in chosen]
+        parts = [_download(name.repo, f) for f in chosen]
         path = parts[0] if len(parts) == 1 else join_split(parts, name.repo, quant)
         return Pulled(path, f"GGUF {quant}")
-    if any(f.path.endswith(".safetensors") for f in files):
-        if name.quant is not None:
-            raise ModelLoadError(
-                f"{name.repo} holds safetensors weights, not GGUF files: leave out :{name.quant}"
-            )
-        log.warning("pulling %s: safetensors weights, served through the float32 path", name.repo)
-        if local is not None:
-            return Pulled(local, "safetensors")
-        from huggingface_hub import snapshot_download
+    weights = _weights(files)
+    if weights is None:
+        raise ModelLoadError(f"{name.repo} holds neither GGUF files nor transformers weights")
+    kind = weights.removeprefix("*.")
+    if name.quant is not None:
+        raise ModelLoadError(f"{name.repo} holds {kind} weights, not GGUF files: leave out "
+                             f":{name.quant}")  # fmt: skip
+    log.warning("pulling %s: %s weights, served through the float32 path", name.repo, kind)
+    config = next((f for f in files if f.path == "config.json"), None)
+    if config is not None and config.cached is not None:  # the cache's snapshot
+        return Pulled(config.cached.parent, kind)
+    from huggingface_hub import snapshot_download
 
-        snap = snapshot_download(name.repo, allow_patterns=_SNAPSHOT, endpoint=_endpoint())
-        return Pulled(Path(snap), "safetensors")
-    raise ModelLoadError(f"{name.repo} holds neither GGUF files nor safetensors weights")
+    snap = snapshot_download(
+        name.repo, allow_patterns=[*_SNAPSHOT, weights], ignore_patterns=["consolidated*"],
+        endpoint=_endpoint(),
+    )  # fmt: skip
+    return Pulled(Path(snap), kind)
 
 
 def join_split(parts: list[Path], repo: str, quant: str) -> Path:
@@ -299,6 +363,9 @@ def join_split(parts: list[Path], repo: str, quant: str) -> Path:
         raise ModelLoadError(f"{parts[0]} has no general.architecture: not a model's first part")
     tmp = out.with_suffix(".partial")
     writer = gguf.GGUFWriter(str(tmp), arch=str(arch.contents()))
+    align = first.get_field(gguf.Keys.General.ALIGNMENT)
+    if align is not None:  # its tensors' offsets are aligned as the file says (the key copied)
+        writer.data_alignment = int(align.contents())
     for field in first.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith(
             ("GGUF.", "split.")
@@ -337,27 +404,24 @@ class CachedModel:
 
 def cached_models() -> list[CachedModel]:
     """What the Hugging Face cache holds that probserve can serve: each GGUF quantization of
-    each repository, and each repository of safetensors weights (its newest snapshot)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        return []
+    each repository (whole: a split model with every part), and each repository of
+    transformers weights."""
     out: list[CachedModel] = []
-    for r in sorted(cache.repos, key=lambda r: r.repo_id):
-        if r.repo_type != "model" or not r.revisions:
-            continue
-        rev = max(r.revisions, key=lambda v: v.last_modified)
-        files = {str(f.file_path.relative_to(rev.snapshot_path)): f for f in rev.files}
-        listing = [RepoFile(p, f.size_on_disk) for p, f in files.items()]
+    for r in sorted(_cached_repos(), key=lambda r: r.repo_id):
+        listing = _repo_files(r)
         for quant, group in sorted(gguf_groups(listing).items()):
+            try:
+                _whole(quant, group)
+            except ModelLoadError:
+                continue  # parts missing: not a model yet
             size = sum(g.size for g in group)
-            path = rev.snapshot_path / group[0].path
+            path = group[0].cached
+            assert path is not None
             out.append(CachedModel(f"{r.repo_id}:{quant}", f"GGUF {quant}", size, path))
-        weights = [f for f in listing if f.path.endswith(".safetensors")]
-        if weights:
-            size = sum(f.size for f in weights)
-            out.append(CachedModel(r.repo_id, "safetensors", size, rev.snapshot_path))
+        weights = _weights(listing)
+        config = next((f for f in listing if f.path == "config.json"), None)
+        if weights is not None and config is not None and config.cached is not None:
+            kind = weights.removeprefix("*.")
+            size = sum(f.size for f in listing if f.path.endswith(kind))
+            out.append(CachedModel(r.repo_id, kind, size, config.cached.parent))
     return out

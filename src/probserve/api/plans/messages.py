@@ -14,6 +14,7 @@ server does not serve refused naming the field.
 - `thinking` sets the template's `enable_thinking` variable and `output_config.effort` its
   `reasoning_effort` (a template without them ignores them); the reply is the model's text as
   it writes it. `output_config.format` is structured outputs (chat's `response_format`).
+- A conversation that ends with an assistant message is a prefill: the reply continues it.
 - Images and documents are refused: the served models read text.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from pydantic import ValidationError
 
 from probserve.api.errors import APIError, bad_request
 from probserve.api.messages_protocol import (
@@ -144,13 +147,22 @@ def chat_messages(body: CountTokensRequest | MessagesRequest) -> list[ChatMessag
         out.append(system)
     calls: set[str] = set()  # the tool_use ids made so far: a tool_result answers one of them
     for i, m in enumerate(body.messages):
-        if isinstance(m.content, str):
-            out.append(ChatMessage(role=m.role, content=m.content))
-        elif m.role == "assistant":
-            out.append(_assistant(m, i, calls))
-        else:
-            out += _user(m, i, calls)
+        try:
+            if isinstance(m.content, str):
+                out.append(ChatMessage(role=m.role, content=m.content))
+            elif m.role == "assistant":
+                out.append(_assistant(m, i, calls))
+            else:
+                out += _user(m, i, calls)
+        except ValidationError as exc:  # chat's own bounds on what the message became
+            first = exc.errors()[0]
+            raise bad_request(f"{first['msg']} (messages[{i}])", f"messages[{i}]") from None
     return out
+
+
+def _prefilled(body: CountTokensRequest | MessagesRequest) -> bool:
+    """The conversation ends with an assistant message: the reply continues it (a prefill)."""
+    return body.messages[-1].role == "assistant"
 
 
 def _tools(state: Serving, body: CountTokensRequest | MessagesRequest) -> ToolAsk | None:
@@ -249,9 +261,11 @@ async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, Lo
     _output_format(body)
     try:
         ask = messages_ask(state, body)
+        prefill = _prefilled(body)
         plan = await chat_plan(
             state, body, chat_messages(body), body.max_tokens, ask,
-            template_kwargs=_template_kwargs(body), tools=_tools(state, body),
+            add_generation_prompt=not prefill, template_kwargs=_template_kwargs(body),
+            continue_final=prefill, tools=_tools(state, body),
         )  # fmt: skip
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc, body) from None
@@ -261,9 +275,10 @@ async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, Lo
 async def counted_tokens(state: Serving, body: CountTokensRequest) -> int:
     """The prompt's tokens: the conversation, system and tools through the template."""
     try:
+        prefill = _prefilled(body)
         prompt, _, _ = await rendered_chat(
-            state, chat_messages(body), _tools(state, body),
-            template_kwargs=_template_kwargs(body),
+            state, chat_messages(body), _tools(state, body), add_generation_prompt=not prefill,
+            template_kwargs=_template_kwargs(body), continue_final=prefill,
         )  # fmt: skip
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc) from None

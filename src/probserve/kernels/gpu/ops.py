@@ -8,6 +8,7 @@ copied to the device once and reused."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,20 +32,26 @@ class TritonKernels:
     keeps_blocks = False  # GGUF blocks are dequantized before `pack` (the weights' one form)
 
     def __init__(self, device: torch.device, precision: Precision = "exact") -> None:
+        if device.type == "cuda" and device.index is None:  # "cuda" is "cuda:N", the current
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.precision: Precision = precision
         self.weight_dtype = torch.float32 if precision == "exact" else torch.bfloat16
-        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # host tensor id -> (a weak reference to it, its device copy): a copy lives while its
+        # host tensor does (a RoPE table the forward replaces as it grows frees its copy)
+        self._copies: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the device (a host tensor the forward keeps: copied once, then reused)."""
         if t.device == self.device:
             return t
         kept = self._copies.get(id(t))
-        if kept is not None and kept[0] is t:
+        if kept is not None and kept[0]() is t:
             return kept[1]
+        for key in [k for k, (ref, _) in self._copies.items() if ref() is None]:
+            del self._copies[key]
         copy = t.detach().to(self.device)
-        self._copies[id(t)] = (t, copy)
+        self._copies[id(t)] = (weakref.ref(t), copy)
         return copy
 
     def _on(self, t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -98,12 +98,15 @@ def _effective(loaded: LoadedModel, config: EngineConfig, cls: RunnerClass) -> E
         raise ValueError("native (quantized) weights run on the paged runner only")
     if gpu_path(config.device) is not None:  # always batch-invariant, on its own kernels
         blocker = llama.deterministic_blocker(loaded.model) if paged else "not its family"
-        if blocker:
+        if not blocker:
+            return dataclasses.replace(config, deterministic=True)
+        if config.device == "cuda":
             raise ModelLoadError(
-                f"--device {config.device}: the GPU path runs the paged forward, and "
-                f"{loaded.name} cannot run there ({blocker}); serve it with --device cpu"
+                f"--device cuda: the GPU path runs the paged forward, and {loaded.name} cannot "
+                f"run there ({blocker}); serve it with --device cpu"
             )
-        return dataclasses.replace(config, deterministic=True)
+        log.warning("--device auto: %s runs on the CPU (the GPU path: %s)", loaded.name, blocker)
+        config = dataclasses.replace(config, device="cpu")
     if not config.deterministic:
         return config
     why = None
