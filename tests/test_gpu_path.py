@@ -26,26 +26,30 @@ VOCAB = 256  # a small head: the interpreter runs every program of every kernel 
 KINDS = ["qwen3", "gemma2", "mistral", "gpt_oss"]
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+def _model(kind: str, smol: LoadedModel) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)
-    config = _config(request.param, VOCAB)
+    config = _config(kind, VOCAB)
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if "norm" in name:
-                centre = 0.0 if "gemma" in request.param else 1.0
+                centre = 0.0 if "gemma" in kind else 1.0
                 param.copy_(torch.randn_like(param) * 0.3 + centre)
             else:
                 param.normal_(0.0, 0.08)
     return LoadedModel(
-        model=hf, tokenizer=smol.tokenizer, name=f"tiny-{request.param}",
+        model=hf, tokenizer=smol.tokenizer, name=f"tiny-{kind}",
         eos_token_ids=frozenset({2}), context_length=256, vocab_size=VOCAB,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    return _model(request.param, smol)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -92,12 +96,17 @@ def test_the_gpu_path_equals_transformers(model: LoadedModel) -> None:
     assert gen == [int(ref[r].argmax()) for r in rows]  # greedy: transformers' choice
 
 
-@pytest.mark.parametrize("precision", ["exact", "bf16"])
-def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(
-    model: LoadedModel, precision: str
-) -> None:
-    if precision == "bf16" and model.name != "tiny-qwen3":
-        pytest.skip("the bf16 path's invariance: one family is enough under the interpreter")
+def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel) -> None:
+    _check_invariance(model, "exact")
+
+
+def test_the_bf16_path_is_as_invariant_and_measured_from_the_cpu(smol: LoadedModel) -> None:
+    """One family (Qwen3) on the bf16 path: its interpreted kernels cost as much as the exact
+    path's, and its invariance rests on the same code."""
+    _check_invariance(_model("qwen3", smol), "bf16")
+
+
+def _check_invariance(model: LoadedModel, precision: str) -> None:
     canary = _prompt(2, 19)
     fresh = _gpu(precision=precision, prefix_caching=False)
     alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
