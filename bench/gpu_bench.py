@@ -39,7 +39,9 @@ def random_model(layers: int, dtype: torch.dtype, device: str) -> Any:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=g)
-        model.model.rotary_emb.to(device)
+    # to_empty left the rotary module's inverse frequencies unset: a new one, on the device
+    rotary = type(model.model.rotary_emb)
+    model.model.rotary_emb = rotary(config).to(device)
     return model
 
 
@@ -59,10 +61,11 @@ def bandwidth(device: str) -> float:
 def hf_generate(model: Any, batch: int, prompt: int, new: int) -> float:
     """transformers' generate: tokens a second, greedy, `batch` sequences."""
     ids = torch.randint(3, 256, (batch, prompt), device=model.device)
-    model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm
+    fixed = {"attention_mask": torch.ones_like(ids), "pad_token_id": 0, "do_sample": False}
+    model.generate(ids, max_new_tokens=4, min_new_tokens=4, **fixed)  # warm
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, **fixed)
     torch.cuda.synchronize()
     return batch * new / (time.perf_counter() - start)
 
