@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_core
 from reference import full_logprobs
-from test_families import _config
+from test_families import _config, _numbers
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
 from probserve.engine.device import DeviceError, gpu_path
@@ -61,17 +61,6 @@ def _request(ids: list[int], rid: str, max_tokens: int = 6) -> EngineRequest:
         rid, tuple(ids), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
     )  # fmt: skip
-
-
-def _numbers(outs: list[Any]) -> list[bytes]:
-    out = []
-    for o in outs:
-        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
-        for lp in (o.logprobs, o.prompt_logprobs):
-            if lp is not None:
-                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
-                    out.append(np.ascontiguousarray(arr).tobytes())
-    return out
 
 
 def _gpu(**config: Any) -> EngineConfig:

@@ -53,7 +53,7 @@ from probserve.api.protocol import (
     ToolChoice,
 )
 from probserve.api.server.state import Serving
-from probserve.api.tools.ask import ToolAsk, tool_ask
+from probserve.api.tools.ask import ToolAsk, check_answers, tool_ask
 from probserve.engine import RequestError
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -93,12 +93,8 @@ def _user(m: MessageParam, i: int, calls: set[str]) -> list[ChatMessage]:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolResultBlock):
-            if block.tool_use_id not in calls:
-                raise bad_request(
-                    f"tool_result answers tool_use_id {block.tool_use_id!r}, which no earlier "
-                    "tool_use block made",
-                    f"{where}.tool_use_id",
-                )
+            check_answers(calls, block.tool_use_id, "tool_result", "tool_use block",
+                          f"{where}.tool_use_id")  # fmt: skip
             flush()
             out.append(
                 ChatMessage(

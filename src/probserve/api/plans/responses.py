@@ -23,7 +23,7 @@ from probserve.api.protocol import (
     ToolChoice,
 )
 from probserve.api.server.state import Serving
-from probserve.api.tools.ask import ToolAsk, tool_ask
+from probserve.api.tools.ask import ToolAsk, check_answers, tool_ask
 from probserve.engine import RequestError
 
 
@@ -49,12 +49,8 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputInput):
-            if item.call_id not in calls:
-                raise bad_request(
-                    f"function_call_output answers call_id {item.call_id!r}, which no earlier "
-                    "function_call item made",
-                    f"input[{i}].call_id",
-                )
+            check_answers(calls, item.call_id, "function_call_output", "function_call item",
+                          f"input[{i}].call_id")  # fmt: skip
             out.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
         else:
             content = item.content

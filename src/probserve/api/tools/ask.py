@@ -118,3 +118,10 @@ def tool_ask(
             )
         return ToolAsk(tuple(functions), "named", parallel is not False, fmt, name, closed=closed)
     return ToolAsk(tuple(functions), choice or "auto", parallel is not False, fmt, closed=closed)
+
+
+def check_answers(made: set[str], call_id: str, result: str, call: str, param: str) -> None:
+    """A tool's result sent back answers a call an earlier message made: `result` and `call`
+    are the request's names for the two ("tool_result answers tool_use_id ...")."""
+    if call_id not in made:
+        raise bad_request(f"{result} answers {call_id!r}, which no earlier {call} made", param)
