@@ -7,7 +7,9 @@ of Llama-3-8B (random weights built here: nothing to download), and the HBM roof
 Prints one line per measurement, `name value unit`, then the ratios the GPU issue asks for:
 one stream's tokens/s against the roofline (the weights' bytes read once a token at the
 measured copy bandwidth), 64 streams against transformers' generate at batch 64, the exact
-path's cost against the bf16 path's. Run by scripts/gpu_check.sh; needs a CUDA GPU.
+path's cost against the bf16 path's, and one stream's decode replayed from CUDA graphs against
+the same steps run eagerly (--no-cuda-graphs). Every request asks for each token's logprob and
+top 5 (the reductions on the GPU). Run by scripts/gpu_check.sh; needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -70,19 +72,29 @@ def hf_generate(model: Any, batch: int, prompt: int, new: int) -> float:
     return batch * new / (time.perf_counter() - start)
 
 
-def engine_tokens(loaded: Any, precision: str, batch: int, prompt: int, new: int) -> float:
-    """The engine on the GPU path: tokens a second of `batch` greedy requests decoding together
-    (prefill excluded: timed from the step where every request has its first token)."""
-    from probserve.engine import EngineConfig, EngineCore, EngineRequest, SamplingParams
+def engine_tokens(
+    loaded: Any, precision: str, batch: int, prompt: int, new: int, graphs: bool = True
+) -> tuple[float, dict[int, int]]:
+    """The engine on the GPU path: tokens a second of `batch` greedy requests decoding together,
+    each token's logprob and top 5 asked for (prefill excluded: timed from the step where every
+    request has its first token), and the decode steps each CUDA graph bucket replayed."""
+    from probserve.engine import (
+        EngineConfig,
+        EngineCore,
+        EngineRequest,
+        LogprobsSpec,
+        SamplingParams,
+    )
 
     config = EngineConfig(device="cuda", precision=precision, kv_cache_gib=8.0,  # type: ignore[arg-type]
-                          max_num_seqs=max(batch, 1), max_num_batched_tokens=4096)  # fmt: skip
+                          max_num_seqs=max(batch, 1), max_num_batched_tokens=4096,
+                          cuda_graphs=graphs)  # fmt: skip
     core = EngineCore(loaded, config)
     g = torch.Generator().manual_seed(1)
     for i in range(batch):
         ids = tuple(int(t) for t in torch.randint(3, 256, (prompt,), generator=g))
         sampling = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        core.add_request(EngineRequest(f"r{i}", ids, sampling))
+        core.add_request(EngineRequest(f"r{i}", ids, sampling, LogprobsSpec(top_k=5)))
     made = 0
     start = None
     while core.has_work():
@@ -94,7 +106,9 @@ def engine_tokens(loaded: Any, precision: str, batch: int, prompt: int, new: int
         made += sum(len(o.new_token_ids) for o in outs)
     torch.cuda.synchronize()
     assert start is not None
-    return made / (time.perf_counter() - start)
+    rate = made / (time.perf_counter() - start)
+    replayed = getattr(core.runner, "graphs", None)
+    return rate, dict(replayed.steps) if replayed is not None else {}
 
 
 def main() -> None:
@@ -127,13 +141,17 @@ def main() -> None:
     ours = {}
     for precision in ("bf16", "exact"):
         for b in (1, 64):
-            ours[precision, b] = engine_tokens(loaded, precision, b, args.prompt, args.new)
+            ours[precision, b], steps = engine_tokens(loaded, precision, b, args.prompt, args.new)
             print(f"probserve_{precision}_streams{b} {ours[precision, b]:.1f} tokens/s")
+            print(f"decode_graph_steps_{precision}_streams{b} {steps} bucket:steps")
             torch.cuda.empty_cache()
+    eager, _ = engine_tokens(loaded, "bf16", 1, args.prompt, args.new, graphs=False)
+    print(f"probserve_bf16_streams1_eager {eager:.1f} tokens/s")
     print(f"ratio_one_stream_bf16_to_roofline {ours['bf16', 1] / roofline:.2f}")
     print(f"ratio_64_streams_bf16_to_transformers {ours['bf16', 64] / peer[64]:.2f}")
     print(f"ratio_exact_to_bf16_one_stream {ours['exact', 1] / ours['bf16', 1]:.2f}")
     print(f"ratio_exact_to_bf16_64_streams {ours['exact', 64] / ours['bf16', 64]:.2f}")
+    print(f"ratio_graphs_to_eager_one_stream_bf16 {ours['bf16', 1] / eager:.2f}")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,70 @@ def test_the_ops_hold_weights_once_on_the_device_in_the_precision() -> None:
     ids, weights = ops.route(torch.tensor([[1.0, 3.0, 3.0, 0.0]]), 2, True)
     assert ids.tolist() == [[1, 2]]  # a tie goes to the lower id
     torch.testing.assert_close(weights.sum(), torch.tensor(1.0, device=weights.device))
+
+
+def _vocab_rows() -> torch.Tensor:
+    """Rows of logits with the cases a vocabulary row meets: ties at the top and at the k-th
+    place, a row all alike, masked (-inf) entries, a near-certain row (an entropy of ~2e-18
+    nats), rows past one block."""
+    x = _randn(8, 2500, seed=11, scale=4.0)
+    x[1, 300:340] = 20.0  # 40 tied best entries: top-20 takes the lowest ids
+    x[2] = 0.5
+    x[3, 7:] = float("-inf")  # 7 allowed tokens: the rest come in id order at -inf
+    x[4, 1234] = 60.0  # near-certain: its tiny entropy keeps its digits
+    return x
+
+
+def test_vocabulary_reductions_are_exact_ordered_and_row_invariant() -> None:
+    from probserve.engine.core.row_math import entropy_float64
+    from probserve.kernels.gpu import vocab
+
+    x = _vocab_rows()
+    targets = torch.tensor([0, 301, 5, 6, 1234, 2499, 17, 1000], device=DEVICE)
+    lp = vocab.log_softmax(x)
+    ref = torch.log_softmax(x.double(), dim=1)
+    finite = torch.isfinite(ref)
+    assert torch.equal(torch.isfinite(lp), finite)
+    # (to float32's rounding of each value: ~4e-6 at the near-certain row's -60)
+    torch.testing.assert_close(lp.double()[finite], ref[finite], rtol=2e-7, atol=2e-6)
+    chosen, rank, vals, ids = vocab.score(x, targets, 20)
+    # the same bits as gather, count and a (value, id) ordered top-k on log_softmax's output
+    assert torch.equal(chosen, lp.gather(1, targets.view(-1, 1)).view(-1))
+    assert torch.equal(rank, (lp > chosen.view(-1, 1)).sum(dim=1) + 1)
+    order = torch.sort(lp, dim=1, descending=True, stable=True).indices[:, :20]
+    assert torch.equal(ids, order) and torch.equal(vals, lp.gather(1, order))
+    assert ids[1].tolist() == list(range(300, 320)) and ids[3, 7:].tolist() == list(range(7, 20))
+    raw_vals, raw_ids = vocab.topk(x, 64)  # the logits' own top-k: the same order
+    assert torch.equal(raw_ids, torch.sort(x, dim=1, descending=True, stable=True).indices[:, :64])
+    assert torch.equal(raw_vals, x.gather(1, raw_ids))
+    h = vocab.entropy(lp)
+    # the host's float64 entropy of the same rows (-sum p log p written out loses the
+    # near-certain row: its best entry's lp, -2.5e-18, is 0 in a float64 log-softmax)
+    exact = entropy_float64(lp.cpu()).to(DEVICE)
+    torch.testing.assert_close(h, exact, rtol=1e-6, atol=0.0)
+    assert 0 < float(h[4]) < 1e-15
+    for rows_at in ([4], [1, 2], [0, 3, 5, 7], list(range(1, 8))):
+        part = vocab.score(x[rows_at], targets[rows_at], 20)
+        for got, whole in zip(part, (chosen, rank, vals, ids), strict=True):
+            assert torch.equal(got, whole[rows_at]), rows_at
+        assert torch.equal(vocab.log_softmax(x[rows_at]), lp[rows_at])
+        assert torch.equal(vocab.entropy(lp[rows_at]), h[rows_at])
+    with pytest.raises(IndexError):
+        vocab.score(x[:1], torch.tensor([2500], device=DEVICE), 3)
+
+
+def test_device_row_math_goes_past_the_kernels_top_k_in_the_same_order() -> None:
+    from probserve.engine.core.row_math import DeviceRowMath
+    from probserve.kernels.gpu import vocab
+
+    math = DeviceRowMath(DEVICE)
+    x = _vocab_rows()
+    k = vocab.MAX_K + 36
+    lp = math.log_softmax(x)
+    vals, ids = math.topk(lp, k)
+    order = torch.sort(lp, dim=1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(ids, order) and torch.equal(vals, lp.gather(1, order))
+    targets = torch.arange(8)  # on the host: the rows' device is where the work runs
+    chosen, _, _, wide_ids = math.score(x.cpu(), targets, k)
+    assert chosen.device == DEVICE and torch.equal(wide_ids, ids)
+    assert torch.equal(math.score(x, targets, 20)[0], chosen)

@@ -3,10 +3,13 @@ on the device) run whole, through the engine, for tiny random models of the fami
 under Triton's interpreter on CPU tensors here (CI has no GPU), on the GPU where there is one
 (scripts/gpu_check.sh). Its logprobs are within 1e-4 of transformers' float32 forward, and a
 request's numbers are the same bits alone, among others with a 7-token step budget (its prompt
-in chunks) and from the prefix cache, on the exact path and on the bf16 path."""
+in chunks) and from the prefix cache, on the exact path and on the bf16 path, and the same
+with decode steps replayed in their batch-size buckets (runners/decode_graphs.py: under the
+interpreter the padded buckets run again eagerly; a GPU captures them) as run eagerly."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -98,12 +101,27 @@ def test_the_bf16_path_is_as_invariant_and_measured_from_the_cpu(smol: LoadedMod
 def _check_invariance(model: LoadedModel, precision: str) -> None:
     canary = _prompt(2, 19)
     fresh = _gpu(precision=precision, prefix_caching=False)
-    alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
+    alone_core = EngineCore(model, fresh)
+    alone = run_core(alone_core, [_request(canary, "c")])["c"]
     core = EngineCore(model, _gpu(precision=precision, max_num_batched_tokens=7))
     others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(4)]
     mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
     again = run_core(core, [_request(canary, "again")])["again"]  # from the prefix cache
     assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+    # the five decoded together, every step eager: the decode graphs' padded buckets change no
+    # bit of any of them
+    batch = [*others, _request(canary, "c")]
+    replayed_core = EngineCore(model, fresh)
+    replayed = run_core(replayed_core, batch)
+    eager = run_core(EngineCore(model, dataclasses.replace(fresh, cuda_graphs=False)), batch)
+    assert all(_numbers(replayed[r]) == _numbers(eager[r]) for r in eager)
+    assert _numbers(eager["c"]) == _numbers(alone)
+    graphs = getattr(replayed_core.runner, "graphs", None)
+    if model.model.config.model_type != "gpt_oss":  # a mixture of experts decodes eagerly
+        assert getattr(alone_core.runner, "graphs", None).steps == {1: 5}
+        assert graphs is not None and 8 in graphs.steps and len(graphs.steps) >= 2, graphs.steps
+    else:
+        assert graphs is None
     if precision == "bf16":  # a measured distance, not the exact path's
         cpu = run_core(EngineCore(model, EngineConfig(kv_cache_gib=0.01)), [_request(canary, "c")])
         a = np.asarray(next(o.prompt_logprobs for o in alone if o.prompt_logprobs).logprobs)

@@ -54,6 +54,11 @@ class EngineConfig:
         "reference) or bf16 (bfloat16 weights and product inputs, float32 sums; faster, further "
         "from the reference); the CPU path is always exact",
     )
+    cuda_graphs: bool = setting(
+        True,
+        "the GPU path's decode steps replayed from a CUDA graph per batch-size bucket (the same "
+        "numbers, a fraction of the launch cost); --no-cuda-graphs runs every step eagerly",
+    )
     worker: Literal["process", "inline"] = setting(
         "process",
         "process: the engine runs in a worker process of its own; inline: in a thread of the "

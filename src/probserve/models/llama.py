@@ -155,6 +155,9 @@ class AttentionPlan:
     tables: torch.Tensor | None = None  # [S, width] block ids
     token_seq: torch.Tensor | None = None  # [T] row of `tables`
     token_len: torch.Tensor | None = None  # [T] keys it attends to (its position + 1)
+    # the largest position in the step, where the planner knows it on the host (the GPU path:
+    # no wait on the device to read it back)
+    max_position: int | None = None
     # the SDPA path's masks of windowed or soft-capped layers, built once per step and window
     _masks: dict[tuple[int, int | None], torch.Tensor] = field(default_factory=dict)
 
@@ -464,7 +467,11 @@ class LlamaForward:
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.kernels is not None:
-            self._rope_table(h, int(positions.max()) + 1 if positions.numel() else 0)
+            if plan.max_position is not None:
+                need = plan.max_position + 1
+            else:
+                need = int(positions.max()) + 1 if positions.numel() else 0
+            self._rope_table(h, need)
         else:
             rope = {key: self._rope(key, h, positions) for key in self.rotary}  # [T, 1, d]
         if self.native is not None:
@@ -592,12 +599,17 @@ class LlamaForward:
         of ROPE_BLOCK positions (each block one call of one shape, so a position's row never
         depends on what else is in the step); the kernels read their rows."""
         for key, rotary in self.rotary.items():
-            while self._rope_cos[key].shape[0] < need:
-                start = self._rope_cos[key].shape[0]
+            have = self._rope_cos[key].shape[0]
+            if have >= need:
+                continue
+            cos_parts, sin_parts = [self._rope_cos[key]], [self._rope_sin[key]]
+            for start in range(have, need, ROPE_BLOCK):
                 at = torch.arange(start, start + ROPE_BLOCK).unsqueeze(0)
                 cos, sin = rotary(h[:1].cpu(), at)  # on the host (the GPU path copies them)
-                self._rope_cos[key] = torch.cat([self._rope_cos[key], cos[0].float()])
-                self._rope_sin[key] = torch.cat([self._rope_sin[key], sin[0].float()])
+                cos_parts.append(cos[0].float())
+                sin_parts.append(sin[0].float())
+            self._rope_cos[key] = torch.cat(cos_parts)  # one copy however far it grows
+            self._rope_sin[key] = torch.cat(sin_parts)
 
     def _attention(
         self, q: torch.Tensor, cache: KVCache, li: int, plan: AttentionPlan, layer: _Layer

@@ -2,7 +2,8 @@
 
 `RowMath.score` gives them for all rows at once (never a full sort, ranks by counting; the
 row-invariant kernels in one fused pass per row without writing the log-softmax), and the
-results leave torch as compact numpy arrays.
+results leave torch as compact numpy arrays (brought to the host where the rows were on the
+GPU path's device).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
 SCORE_CHUNK_ROWS = 256
 
 
+def _host(t: torch.Tensor, dtype: type) -> np.ndarray:
+    return t.cpu().numpy().astype(dtype, copy=True)
+
+
 def token_logprobs(
     math: RowMath,
     logits: torch.Tensor,
@@ -38,18 +43,18 @@ def token_logprobs(
     if targets or entropy:
         lp = math.log_softmax(logits)
         if targets:
-            ids = torch.tensor(targets, dtype=torch.long)
-            target_lp = lp.index_select(1, ids).numpy().astype(np.float32, copy=True)
+            ids = torch.tensor(targets, dtype=torch.long, device=lp.device)
+            target_lp = _host(lp.index_select(1, ids), np.float32)
         if entropy:
             # H = -sum p log p over the whole vocabulary; masked tokens (p = 0) add nothing
-            ent = math.entropy(lp).numpy().astype(np.float32, copy=True)
+            ent = _host(math.entropy(lp), np.float32)
     chosen, ranks, top_vals, top_ids = math.score(logits, token_ids, k)
     return TokenLogprobs(
-        token_ids=token_ids.numpy().astype(np.int64, copy=True),
-        logprobs=chosen.numpy().astype(np.float32, copy=True),
-        ranks=ranks.numpy().astype(np.int64, copy=True),
-        top_ids=top_ids.numpy().astype(np.int64, copy=True),
-        top_logprobs=top_vals.numpy().astype(np.float32, copy=True),
+        token_ids=_host(token_ids, np.int64),
+        logprobs=_host(chosen, np.float32),
+        ranks=_host(ranks, np.int64),
+        top_ids=_host(top_ids, np.int64),
+        top_logprobs=_host(top_vals, np.float32),
         target_logprobs=target_lp,
         target_ids=tuple(targets),
         entropy=ent,
@@ -84,10 +89,9 @@ def score_positions(
             lo = first_position + start
             local = [p - lo for p in full if lo <= p < lo + logits.shape[0]]
             # a row's log-softmax does not depend on the rows beside it
-            picked = math.log_softmax(
-                logits[torch.tensor(local, dtype=torch.long)] if local else logits[:0]
-            )
-            part = dataclasses.replace(part, full=picked.numpy().astype(np.float32, copy=True))
+            at = torch.tensor(local, dtype=torch.long, device=logits.device)
+            picked = math.log_softmax(logits[at] if local else logits[:0])
+            part = dataclasses.replace(part, full=_host(picked, np.float32))
         parts.append(part)
     if not parts:
         empty_i = np.zeros((0,), dtype=np.int64)

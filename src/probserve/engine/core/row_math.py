@@ -1,23 +1,21 @@
 """RowMath: the reductions over a vocabulary row behind every logprob (log_softmax, top-k,
-entropy), in torch's kernels or in the row-invariant ones.
+entropy), in torch's kernels, in the row-invariant ones, or in the GPU path's Triton kernels.
 
 torch splits a reduction over 49,152 entries across threads differently for one row than for
 many, so its results for a row can move in the last bits with the batch; `InvariantRowMath`
 computes each row alone in one fixed order (kernels/invariant.cpp) and orders top-k by value
 then id, so ties come out the same way in every batch. The runner says which one its engine
-uses (`Runner.row_math`).
+uses (`Runner.row_math`). Results come back on the device of the rows given (the host for the
+CPU's; the GPU path's rows stay on the GPU, and only the small results travel).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 import torch
 
 from probserve.kernels.invariant import SCORE_MAX_K, InvariantKernels
-
-log = logging.getLogger(__name__)
 
 Scores = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -111,14 +109,35 @@ class InvariantRowMath:
         return self.kernels.entropy(logprobs)
 
 
-def host_row_math() -> RowMath:
-    """The GPU path's reductions over rows of logits brought to the host: the CPU's
-    row-invariant kernels where they build on this machine (a row's numbers do not depend on
-    the rows beside it), else torch's (the build's failure logged)."""
-    from probserve.kernels.build import KernelBuildError
+class DeviceRowMath:
+    """The GPU path's reductions, on the device that holds the rows (kernels/gpu/vocab.py: each
+    row alone in one fixed order, float64 sums, top-k by value then id); top-k past the
+    kernels' MAX_K through the log-softmax and torch's sort, value then id."""
 
-    try:
-        return InvariantRowMath(InvariantKernels())
-    except KernelBuildError as exc:
-        log.warning("the logprobs' reductions run on torch: the kernels do not build (%s)", exc)
-        return TorchRowMath()
+    def __init__(self, device: torch.device) -> None:
+        from probserve.kernels.gpu import vocab
+
+        self.vocab = vocab
+        self.device = device
+
+    def _on(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=self.device, dtype=torch.float32)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vocab.log_softmax(self._on(x))
+
+    def score(self, logits: torch.Tensor, targets: torch.Tensor, k: int) -> Scores:
+        if k <= self.vocab.MAX_K:
+            return self.vocab.score(self._on(logits), targets, k)
+        return score_from_log_softmax(self, self._on(logits), targets.to(self.device), k)
+
+    def topk(self, logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self._on(logprobs)
+        if k <= self.vocab.MAX_K:
+            return self.vocab.topk(x, k)
+        # a stable sort by value descending keeps equal values in id order
+        order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, : min(k, x.shape[1])]
+        return x.gather(1, order), order
+
+    def entropy(self, logprobs: torch.Tensor) -> torch.Tensor:
+        return self.vocab.entropy(self._on(logprobs))

@@ -17,6 +17,11 @@ A grammar's mask (core/grammar.py) comes before every processor: the tokens it d
 are -inf. Logprobs are raw (log_softmax of the model's logits, grammar or not) or processed
 (log_softmax of the final distribution, grammar included; masked tokens -inf), per request;
 a grammar's rows also carry `constraint_logmass`, the log of the raw mass it allowed.
+
+The logits may be on the GPU path's device: greedy rows (alone or under a grammar's mask) are
+chosen there (argmax: the first of equal maxima, as on the host), a row with processors is
+processed and drawn on the host (one row's copy), and the logprobs' reductions run where the
+rows are (`RowMath`).
 """
 
 from __future__ import annotations
@@ -166,16 +171,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
     plain = [i for i, r in enumerate(rows) if r.params.greedy and not r.needs_processing]
     plain = [i for i in plain if not bad[i]]
     if plain:
-        chosen[plain] = torch.argmax(logits[plain], dim=1)
+        chosen[plain] = torch.argmax(logits[plain], dim=1).cpu()
     done = set(plain)
     # greedy rows whose one processor is a grammar's mask: masked and chosen together
     masked = [i for i, r in enumerate(rows) if r.params.greedy and not r.params.needs_processing
               and r.allowed is not None and not bad[i] and bool(r.allowed.any())]  # fmt: skip
     masked_rows: dict[int, torch.Tensor] = {}
     if masked:
-        masks = torch.stack([rows[i].allowed for i in masked])  # type: ignore[misc]
+        masks = torch.stack([rows[i].allowed for i in masked]).to(logits.device)  # type: ignore[misc]
         block = logits[masked].masked_fill(~masks, float("-inf"))
-        chosen[masked] = torch.argmax(block, dim=1)
+        chosen[masked] = torch.argmax(block, dim=1).cpu()
         masked_rows = {i: block[j] for j, i in enumerate(masked)}
         done |= set(masked)
     for i, row in enumerate(rows):
@@ -185,7 +190,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
         try:
             if bad[i]:
                 raise FloatingPointError("the model produced NaN logits")
-            proc = process_row(logits[i], row) if row.needs_processing else logits[i]
+            own = logits[i].cpu()  # (a host row: no copy)
+            proc = process_row(own, row) if row.needs_processing else own
             chosen[i] = _choose(row, proc)
         except Exception as exc:  # one request's failure must not fail the batch
             errors[i] = f"{type(exc).__name__}: {exc}"
@@ -198,7 +204,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
     raw_idx = [i for i in ok if specs[i].mode != LogprobsMode.PROCESSED]
     proc_idx = [i for i in ok if specs[i].mode != LogprobsMode.RAW]
     raw = _logprobs_rows(math, logits[raw_idx] if raw_idx else None, raw_idx, chosen, specs)
-    proc_rows = torch.stack([processed[i] for i in proc_idx]) if proc_idx else None
+    proc_rows = (
+        torch.stack([processed[i].to(logits.device) for i in proc_idx]) if proc_idx else None
+    )
     proc_lp = _logprobs_rows(math, proc_rows, proc_idx, chosen, specs)
     for i in ok:
         mode = specs[i].mode
@@ -223,7 +231,7 @@ def constraint_logmass(math: RowMath, logits: torch.Tensor, allowed: torch.Tenso
     lsm = math.log_softmax(logits.unsqueeze(0))[0]
     if bool(allowed.all()):
         return np.zeros(1, dtype=np.float32)
-    mass = torch.logsumexp(lsm[allowed].double(), dim=0).float()
+    mass = torch.logsumexp(lsm[allowed.to(lsm.device)].double(), dim=0).float()
     return np.array([min(float(mass), 0.0)], dtype=np.float32)
 
 

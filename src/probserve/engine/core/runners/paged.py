@@ -12,7 +12,9 @@ keys through its sequence's block table, and the logprobs' reductions go through
 
 On the GPU path (`--device cuda`, engine/device.py) the same forward runs op by op on the
 Triton kernels (kernels/gpu/), the KV cache and the step's tensors on the device; the rows of
-logits a step needs come back to the host, where the logprobs' reductions run as on the CPU.
+logits stay there, where the logprobs' reductions run (`DeviceRowMath`) and greedy rows are
+chosen (only a row with processors, and the small results, come to the host). A dense model's
+decode steps replay a CUDA graph of their batch-size bucket (decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
-from probserve.engine.core.row_math import InvariantRowMath, RowMath, TorchRowMath, host_row_math
+from probserve.engine.core.row_math import DeviceRowMath, InvariantRowMath, RowMath, TorchRowMath
+from probserve.engine.core.runners.decode_graphs import DecodeGraphs
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
 from probserve.engine.device import gpu_path
@@ -71,19 +74,31 @@ class PagedRunner:
 
             kernels = TritonKernels(gpu, config.precision)
             self.forward = LlamaForward(model, config.linear, kernels, op_by_op=True)
-            self.row_math: RowMath = host_row_math()
+            self.row_math: RowMath = DeviceRowMath(gpu)
         else:
             limbs = config.products == "limbs"
             cpu = InvariantKernels(config.block_sums, limbs) if config.deterministic else None
             self.forward = LlamaForward(model, config.linear, cpu, loaded.weights)
             self.row_math = InvariantRowMath(cpu) if cpu else TorchRowMath()
         self.block_size = block_size = config.block_size
-        self.cache = KVCache.allocate(model.config, num_blocks, block_size, gpu)
+        self.graphs: DecodeGraphs | None = None
+        # a dense model's decode steps on the GPU path replay CUDA graphs (decode_graphs.py),
+        # their padding rows in a scratch block past the pool's
+        graphs = gpu is not None and config.cuda_graphs and not moe_layers(model.config)
+        self.cache = KVCache.allocate(model.config, num_blocks + int(graphs), block_size, gpu)
         self.vocab = self.forward.vocab_size
+        if graphs:
+            longest = min(
+                config.max_model_len or loaded.context_length, (num_blocks - 1) * block_size
+            )
+            self.graphs = DecodeGraphs(
+                self.forward, self.cache, scratch_block=num_blocks, max_len=longest,
+                max_seqs=config.max_num_seqs, device=self.device,
+            )  # fmt: skip
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Rows of logits, on the host (where the logprobs' reductions run)."""
-        return self.forward.logits(hidden).cpu()
+        """Rows of logits, where the forward runs (the logprobs' reductions run there too)."""
+        return self.forward.logits(hidden)
 
     def release_source_weights(self) -> None:
         self.forward.release_source()
@@ -102,6 +117,7 @@ class PagedRunner:
             slots=torch.cat([self._slots(c.seq.block_table, c.start, c.end) for c in chunks])
         )
         input_ids = torch.tensor(ids, dtype=torch.long)
+        plan.max_position = max(ch.end for ch in chunks) - 1
         if self.forward.kernels is not None:  # every token through its sequence's block table
             plan.tables = self._tables(chunks)
             lengths = torch.tensor([c.length for c in chunks])
@@ -157,8 +173,27 @@ class PagedRunner:
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         return tables
 
+    def _replayed(self, chunks: list[Chunk]) -> torch.Tensor | None:
+        """The step's logits from its bucket's CUDA graph, where it is a decode step the
+        graphs run (every chunk one token that samples, no prompt rows, no proposals)."""
+        if self.graphs is None or not chunks:
+            return None
+        for ch in chunks:
+            a, b = prompt_scoring.score_range(ch)
+            if ch.length != 1 or not ch.samples or ch.proposed or b > a:
+                return None
+        bs = self.block_size
+        positions = [ch.start for ch in chunks]
+        tables = [ch.seq.block_table[: ch.start // bs + 1] for ch in chunks]
+        slots = [t[-1] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        ids = [ch.seq.token_ids[ch.start] for ch in chunks]
+        return self.graphs.run(ids, positions, slots, tables)
+
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> RunOutput:
+        replayed = self._replayed(chunks)
+        if replayed is not None:
+            return RunOutput(replayed)
         input_ids, positions, plan = self._plan(chunks)
         hidden = self.forward.forward(input_ids, positions, plan, self.cache)
         sample_rows: list[int] = []
