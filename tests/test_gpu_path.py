@@ -138,3 +138,50 @@ def test_the_device_flag_says_what_is_missing(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DeviceError, match="torch sees no GPU"):
         gpu_path("cuda")
+
+
+@pytest.mark.parametrize("arch", ["gpt-oss", "llama"])
+def test_a_gguf_file_runs_from_its_blocks_dequantized_on_the_device(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, arch: str
+) -> None:
+    """A GGUF file transformers' loader misreads (gpt-oss: MXFP4 experts with biases, sinks,
+    windows; Mixtral, arch llama with experts) on the GPU path: its blocks read as the CPU's
+    native path reads them and dequantized a matrix at a time onto the device; its numbers
+    those of the CPU engine serving the same blocks (itself within 1e-4 of transformers:
+    test_moe), and `/health`'s weights the dtype they are held in."""
+    from gguf_util import write_moe_gguf
+
+    from probserve.kernels.build import build
+    from probserve.models import load_model
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(build().parent, target_is_directory=True)
+    monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
+    path = write_moe_gguf(
+        tmp_path / "moe.gguf", arch=arch, hidden=64, layers=2, experts=8, used=3, expert_ffn=32
+    )
+    config = _gpu()
+    assert config.weights_to_load() == "native"
+    loaded = load_model(str(path), config.weights_to_load())
+    assert loaded.weights is not None and "Q8_0" in loaded.weights_format
+    gpu = EngineCore(loaded, config)
+    assert (gpu.info.weights, gpu.info.weights_in_blocks, gpu.info.products) == (
+        "float32",
+        0,
+        "float",
+    )
+    cpu = EngineCore(loaded, EngineConfig(kv_cache_gib=0.01, block_size=4))
+    assert cpu.info.weights_in_blocks > 0.9
+    ids = [int(t) for t in np.random.default_rng(5).integers(10, 4000, size=17)]
+    ours = run_core(gpu, [_request(ids, "g", 3)])["g"]
+    theirs = run_core(cpu, [_request(ids, "c", 3)])["c"]
+    assert [o.new_token_ids for o in ours] == [o.new_token_ids for o in theirs]
+    a, b = (
+        np.concatenate(
+            [np.asarray(o.prompt_logprobs.logprobs) for o in outs if o.prompt_logprobs]
+            + [np.asarray(o.logprobs.logprobs) for o in outs if o.logprobs]
+        )
+        for outs in (ours, theirs)
+    )
+    assert len(a) == len(b) == 16 + 3 and np.abs(a - b).max() < 1e-5

@@ -70,7 +70,8 @@ class EngineConfig:
         "native: a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/MXFP4 blocks stay as the "
         "file holds them and are "
         "multiplied in place, exactly (the float32 path's numbers, a fraction of the memory; "
-        "needs --deterministic and the paged runner, else float32); float32: dequantized",
+        "needs --deterministic and the paged runner, else float32; the GPU path reads the "
+        "blocks and dequantizes them onto the device a matrix at a time); float32: dequantized",
     )
     products: Literal["float", "limbs"] = setting(
         "float",
@@ -109,11 +110,15 @@ class EngineConfig:
 
     def weights_to_load(self) -> Literal["native", "float32"]:
         """The weights to load: native blocks run on the paged runner's deterministic kernels
-        only (models/loader.py falls back to float32 where the model or machine can't)."""
+        only (models/loader.py falls back to float32 where the model or machine can't). The GPU
+        path (always deterministic) reads a GGUF file's blocks too, and dequantizes them one
+        matrix at a time onto the device: no float32 copy of the whole model on the host, and
+        the files transformers' GGUF loader misreads (Mixtral's, gpt-oss's) are served."""
         from probserve.engine.device import gpu_path
 
-        if self.runner == "hf" or not self.deterministic or gpu_path(self.device) is not None:
-            return "float32"  # the GPU path: GGUF blocks dequantized once, at load
+        gpu = gpu_path(self.device) is not None
+        if self.runner == "hf" or not (self.deterministic or gpu):
+            return "float32"
         return self.weights
 
 

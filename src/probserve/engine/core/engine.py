@@ -122,9 +122,7 @@ class EngineCore:
             kv_cache_tokens=self.token_capacity,
             prefix_caching=self.pool.prefix_caching,
             deterministic=self.config.deterministic,
-            weights=loaded.weights_format,
-            weights_in_blocks=round(loaded.weights_in_blocks, 4),
-            block_sums=self.config.block_sums and loaded.weights_in_blocks > 0,
+            **self._held(loaded),
             products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             speculative=self.config.speculative if self.proposer else "off",
@@ -146,10 +144,24 @@ class EngineCore:
         where = "interpreted" if gpu.type == "cpu" and interpreted() else gpu.type
         return {"device": where, "precision": self.config.precision}
 
+    def _held(self, loaded: LoadedModel) -> dict[str, Any]:
+        """How the weights are held: the GGUF blocks served in place and their share, or (the
+        GPU path, which dequantizes blocks at load) the dtype they are held in on the device."""
+        if self._device()["device"] != "cpu":
+            dtype = "bfloat16" if self.config.precision == "bf16" else "float32"
+            return {"weights": dtype, "weights_in_blocks": 0.0, "block_sums": False}
+        return {
+            "weights": loaded.weights_format,
+            "weights_in_blocks": round(loaded.weights_in_blocks, 4),
+            "block_sums": self.config.block_sums and loaded.weights_in_blocks > 0,
+        }
+
     def _products(self, loaded: LoadedModel) -> str:
         """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a
         format and CPU limbs.cpp serves, not --block-sums), else "float"."""
         cfg = self.config
+        if self._device()["device"] != "cpu":  # the GPU path's products are float throughout
+            return "float"
         if cfg.products != "limbs" or cfg.block_sums or loaded.weights_in_blocks <= 0:
             return "float"
         from probserve.kernels.build import load

@@ -73,7 +73,10 @@ class PagedRunner:
             from probserve.kernels.gpu.ops import TritonKernels
 
             kernels = TritonKernels(gpu, config.precision)
-            self.forward = LlamaForward(model, config.linear, kernels, op_by_op=True)
+            # a GGUF file's blocks (loaded.weights) dequantized a matrix at a time by `pack`
+            self.forward = LlamaForward(
+                model, config.linear, kernels, loaded.weights, op_by_op=True
+            )
             self.row_math: RowMath = DeviceRowMath(gpu)
         else:
             limbs = config.products == "limbs"
