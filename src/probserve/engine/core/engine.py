@@ -113,6 +113,7 @@ class EngineCore:
         moe_layers, experts_per_token = runner_cls.routing_shape(loaded.model.config)
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()
+        held = self._held(loaded)
         self.info = EngineInfo(
             vocab_size=self.vocab_size,
             context_length=self.context_length,
@@ -122,7 +123,9 @@ class EngineCore:
             kv_cache_tokens=self.token_capacity,
             prefix_caching=self.pool.prefix_caching,
             deterministic=self.config.deterministic,
-            **self._held(loaded),
+            weights=held[0],
+            weights_in_blocks=held[1],
+            block_sums=held[2],
             products=self._products(loaded),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             speculative=self.config.speculative if self.proposer else "off",
@@ -144,17 +147,14 @@ class EngineCore:
         where = "interpreted" if gpu.type == "cpu" and interpreted() else gpu.type
         return {"device": where, "precision": self.config.precision}
 
-    def _held(self, loaded: LoadedModel) -> dict[str, Any]:
-        """How the weights are held: the GGUF blocks served in place and their share, or (the
-        GPU path, which dequantizes blocks at load) the dtype they are held in on the device."""
+    def _held(self, loaded: LoadedModel) -> tuple[str, float, bool]:
+        """How the weights are held (`weights`, `weights_in_blocks`, `block_sums`): the GGUF
+        blocks served in place and their share, or (the GPU path, which dequantizes blocks at
+        load) the dtype they are held in on the device."""
         if self._device()["device"] != "cpu":
-            dtype = "bfloat16" if self.config.precision == "bf16" else "float32"
-            return {"weights": dtype, "weights_in_blocks": 0.0, "block_sums": False}
-        return {
-            "weights": loaded.weights_format,
-            "weights_in_blocks": round(loaded.weights_in_blocks, 4),
-            "block_sums": self.config.block_sums and loaded.weights_in_blocks > 0,
-        }
+            return ("bfloat16" if self.config.precision == "bf16" else "float32", 0.0, False)
+        share = loaded.weights_in_blocks
+        return (loaded.weights_format, round(share, 4), self.config.block_sums and share > 0)
 
     def _products(self, loaded: LoadedModel) -> str:
         """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a
