@@ -191,3 +191,42 @@ def test_device_row_math_goes_past_the_kernels_top_k_in_the_same_order() -> None
     chosen, _, _, wide_ids = math.score(x.cpu(), targets, k)
     assert chosen.device == DEVICE and torch.equal(wide_ids, ids)
     assert torch.equal(math.score(x, targets, 20)[0], chosen)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_experts_equal_each_expert_alone_and_are_row_invariant(bias: bool) -> None:
+    """A mixture of experts' feed-forward in grouped products (kernels/gpu/experts.py): each
+    token the float64 sum over its experts, in ascending id, of weight * down(silu(gate) * up),
+    and its bits the same alone as among others (tiles of one expert's pairs, padded)."""
+    from probserve.kernels.gpu.experts import TILE_M, GroupedExperts, layout
+
+    e, h, i, k, t = 6, 40, 24, 3, 37
+    parts = [
+        (
+            _randn(2 * i, h, seed=20 + x, scale=0.2), _randn(2 * i, seed=40 + x) if bias else None,
+            _randn(h, i, seed=60 + x, scale=0.2), _randn(h, seed=80 + x) if bias else None,
+        )
+        for x in range(e)
+    ]  # fmt: skip
+    grouped = GroupedExperts.stack(iter(parts), e)
+    x = _randn(t, h, seed=9)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
+    ids[:20] = torch.tensor([5, 0, 2], device=DEVICE)  # 20 tokens on one expert: two tiles
+    weights = torch.softmax(_randn(t, k, seed=10), dim=1)
+    act = lambda gu: rows.gated(gu, gelu=False)  # noqa: E731
+    out = grouped(x, ids, weights, act)
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for r in range(t):
+        for j in sorted(range(k), key=lambda j: int(ids[r, j])):
+            gw, gb, dw, db = (p.double().cpu() if p is not None else None for p in parts[ids[r, j]])
+            gu = gw @ x[r].double().cpu() + (gb if gb is not None else 0)
+            a = F.silu(gu[:i]) * gu[i:]
+            ref[r] += float(weights[r, j]) * (dw @ a + (db if db is not None else 0))
+    torch.testing.assert_close(out.double().cpu(), ref, atol=1e-4, rtol=1e-5)
+    for rows_at in ([7], [0, 19, 20], list(range(5, 30))):
+        part = grouped(x[rows_at], ids[rows_at], weights[rows_at], act)
+        assert torch.equal(part, out[rows_at]), rows_at
+    pair, tile_expert = layout(ids, e)
+    assert pair.numel() == tile_expert.numel() * TILE_M
+    assert sorted(int(p) for p in pair if p >= 0) == list(range(t * k))

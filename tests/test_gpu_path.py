@@ -117,11 +117,8 @@ def _check_invariance(model: LoadedModel, precision: str) -> None:
     assert all(_numbers(replayed[r]) == _numbers(eager[r]) for r in eager)
     assert _numbers(eager["c"]) == _numbers(alone)
     graphs = getattr(replayed_core.runner, "graphs", None)
-    if model.model.config.model_type != "gpt_oss":  # a mixture of experts decodes eagerly
-        assert getattr(alone_core.runner, "graphs", None).steps == {1: 5}
-        assert graphs is not None and 8 in graphs.steps and len(graphs.steps) >= 2, graphs.steps
-    else:
-        assert graphs is None
+    assert getattr(alone_core.runner, "graphs", None).steps == {1: 5}
+    assert graphs is not None and 8 in graphs.steps and len(graphs.steps) >= 2, graphs.steps
     if precision == "bf16":  # a measured distance, not the exact path's
         cpu = run_core(EngineCore(model, EngineConfig(kv_cache_gib=0.01)), [_request(canary, "c")])
         a = np.asarray(next(o.prompt_logprobs for o in alone if o.prompt_logprobs).logprobs)

@@ -271,9 +271,21 @@ class _Layer:
         # this layer's place among the MoE layers (the routing a cache keeps)
         self.moe_index = sum(fam.sparse[:index]) if fam.experts else 0
         if fam.experts and fam.sparse[index]:
-            experts = tuple(expert(e) for e in range(fam.experts))
             router = "mlp.router" if f"{prefix}mlp.router.weight" in weights else "mlp.gate"
-            self.moe = MoE(linear(router), experts, fam.top_k, fam.norm_topk)
+            group = getattr(kernels, "group_experts", None)
+            if group is not None:  # the GPU path: stacked as they are packed, one at a time
+
+                def parts(e: int) -> tuple[torch.Tensor, Any, torch.Tensor, Any]:
+                    ex = expert(e)
+                    gu, down = ex.gate_up.packed, ex.down.packed  # type: ignore[union-attr]
+                    assert gu is not None and down is not None
+                    return gu.panels, gu.bias, down.panels, down.bias
+
+                grouped = group((parts(e) for e in range(fam.experts)), fam.experts)
+                self.moe = MoE(linear(router), (), fam.top_k, fam.norm_topk, grouped)
+            else:
+                experts = tuple(expert(e) for e in range(fam.experts))
+                self.moe = MoE(linear(router), experts, fam.top_k, fam.norm_topk)
             self.intermediate = fam.expert_intermediate
         else:
             self.gate_up = (
@@ -594,6 +606,11 @@ class LlamaForward:
         cos, sin = self.rotary[key](h, positions.unsqueeze(0))
         return cos[0].unsqueeze(1), sin[0].unsqueeze(1)
 
+    def rope_tables(self) -> list[torch.Tensor]:
+        """The deterministic path's cos and sin tables as they are now (the GPU path's CUDA
+        graphs hold them, so the device copies their replays read stay alive)."""
+        return [*self._rope_cos.values(), *self._rope_sin.values()]
+
     def _rope_table(self, h: torch.Tensor, need: int) -> None:
         """Deterministic mode's cos and sin tables, grown to cover positions 0..need-1 in blocks
         of ROPE_BLOCK positions (each block one call of one shape, so a position's row never
@@ -603,9 +620,10 @@ class LlamaForward:
             if have >= need:
                 continue
             cos_parts, sin_parts = [self._rope_cos[key]], [self._rope_sin[key]]
+            first = h[:1].cpu()  # on the host (the GPU path copies the tables once)
             for start in range(have, need, ROPE_BLOCK):
                 at = torch.arange(start, start + ROPE_BLOCK).unsqueeze(0)
-                cos, sin = rotary(h[:1].cpu(), at)  # on the host (the GPU path copies them)
+                cos, sin = rotary(first, at)
                 cos_parts.append(cos[0].float())
                 sin_parts.append(sin[0].float())
             self._rope_cos[key] = torch.cat(cos_parts)  # one copy however far it grows

@@ -3,7 +3,8 @@ for each token and the weighted sum of their outputs, as the paged forward's MoE
 it (models/llama.py). Everything a token gets is a function of its own row: its experts and
 weights (kernels/route.cpp under --deterministic), each expert's product on the tokens routed to
 it (the row-invariant kernels: the same bits for a token whether the expert sees it alone or
-with 200 others), and the sum over its experts in ascending id (transformers' eager order)."""
+with 200 others), and the sum over its experts in ascending id (transformers' eager order).
+The GPU path runs the same sum with its experts stacked (kernels/gpu/experts.py: `grouped`)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,24 @@ class Expert:
     down: Linear | Joined
 
 
+# the experts stacked on the GPU path's device and run together (kernels/gpu/experts.py):
+# (rows x, their experts [T, k], their weights [T, k], the gated activation) -> the output
+Grouped = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+    torch.Tensor,
+]
+
+
 @dataclass(frozen=True)
 class MoE:
-    """A layer's router and experts; `top_k` experts a token, renormalised with `norm_topk`."""
+    """A layer's router and experts; `top_k` experts a token, renormalised with `norm_topk`.
+    On the GPU path the experts are `grouped` instead (`experts` is then empty)."""
 
     router: Linear | Joined
     experts: tuple[Expert, ...]
     top_k: int
     norm_topk: bool
+    grouped: Grouped | None = None
 
 
 def route(
@@ -58,6 +69,8 @@ def moe_forward(
     down_e(act(gate_up_e(x))), each expert run once on all the tokens routed to it; with the
     routing it followed (each row's experts [T, k] and their weights [T, k])."""
     ids, weights = route(moe.router(x), moe.top_k, moe.norm_topk, kernels)
+    if moe.grouped is not None:  # the GPU path: every pair in one grouped product, no host wait
+        return moe.grouped(x, ids, weights, act), ids, weights
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():  # ascending
         rows, slot = torch.nonzero(ids == e, as_tuple=True)

@@ -189,7 +189,11 @@ class EngineCore:
         return self._runner
 
     def warmup(self) -> None:
-        """Build the runner and run one tiny request, on the calling thread."""
+        """Build the runner (and let it prepare: the GPU path captures its decode graphs) and
+        run one tiny request, on the calling thread."""
+        warm = getattr(self.runner, "warm", None)
+        if warm is not None:
+            warm()
         self.add_request(EngineRequest("__warmup__", (0, 1), SamplingParams(max_tokens=1)))
         while self.has_work():
             self.step()

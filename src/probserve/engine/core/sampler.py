@@ -183,6 +183,10 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
         chosen[masked] = torch.argmax(block, dim=1).cpu()
         masked_rows = {i: block[j] for j, i in enumerate(masked)}
         done |= set(masked)
+    # the rows processed or drawn on the host, brought there in one copy (the GPU path's)
+    rest = [i for i in range(len(rows)) if i not in done and not bad[i]]
+    on_host = logits.device.type == "cpu"
+    moved = {} if on_host or not rest else dict(zip(rest, logits[rest].cpu(), strict=True))
     for i, row in enumerate(rows):
         if i in done:
             processed.append(masked_rows.get(i, logits[i]))
@@ -190,7 +194,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplerRow], math: RowMath) -> S
         try:
             if bad[i]:
                 raise FloatingPointError("the model produced NaN logits")
-            own = logits[i].cpu()  # (a host row: no copy)
+            own = logits[i] if on_host else moved[i]
             proc = process_row(own, row) if row.needs_processing else own
             chosen[i] = _choose(row, proc)
         except Exception as exc:  # one request's failure must not fail the batch

@@ -9,6 +9,7 @@ copied to the device once and reused."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,6 +17,7 @@ import torch
 
 from probserve.kernels.gpu import attention as attention_kernel
 from probserve.kernels.gpu import rows
+from probserve.kernels.gpu.experts import ExpertParts, GroupedExperts
 from probserve.kernels.gpu.matmul import matmul
 from probserve.kernels.invariant import PackedWeight
 
@@ -92,6 +94,11 @@ class TritonKernels:
 
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
         return rows.softcap(self._on(x), cap)
+
+    def group_experts(self, experts: Iterable[ExpertParts], count: int) -> GroupedExperts:
+        """A layer's `count` experts, each (gate_up, bias, down, bias) as `pack` put them on
+        the device, stacked one at a time and run together (kernels/gpu/experts.py)."""
+        return GroupedExperts.stack(experts, count)
 
     def route(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A router's choice per row: the k experts of highest softmax probability (float64,

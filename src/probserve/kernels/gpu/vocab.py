@@ -93,7 +93,7 @@ def _topk_blocks(
     if SHIFT:
         vals = (vals - tl.load(norm_ptr + 2 * r)) - tl.load(norm_ptr + 2 * r + 1)
     ids = cols.to(tl.int64)
-    big = V.to(tl.int64) + 1
+    big = tl.zeros([], tl.int64) + V + 1  # (V may come as a constexpr: no .to)
     prev_v = tl.full([], float("inf"), tl.float32)
     prev_i = tl.full([], -1, tl.int64)
     out = (r * NB + b) * K
@@ -107,7 +107,7 @@ def _topk_blocks(
 def _topk_merge(cv_ptr, ci_ptr, v_ptr, i_ptr, C, K, V, BLOCK: tl.constexpr):
     """Pass 2: row r's K best of its C candidates, best first."""
     r = tl.program_id(0).to(tl.int64)
-    big = V.to(tl.int64) + 1
+    big = tl.zeros([], tl.int64) + V + 1  # (V may come as a constexpr: no .to)
     prev_v = tl.full([], float("inf"), tl.float32)
     prev_i = tl.full([], -1, tl.int64)
     for j in range(0, K):

@@ -11,14 +11,16 @@ same replayed among padding rows as run eagerly alone: the graphs change no numb
 
 Each bucket's static buffers (token ids, positions, cache slots, block tables as wide as the
 longest sequence may grow, attention lengths) are filled for the step (the tables up to the
-step's longest), then its graph replays the
-forward and the head into a static logits buffer. A bucket is captured the first time a step
-needs it: the forward runs twice eagerly on a side stream (Triton compiles its kernels, the
-forward places the host tensors it keeps on the device), then once under capture. The RoPE
-tables are grown to the longest sequence before the first capture, so no replay reads a table
-the forward has since replaced. A model whose forward syncs with the host in a step (a mixture
-of experts groups its rows by expert on the host) runs eagerly; so does any bucket whose
-capture fails (logged once).
+step's longest), then its graph replays the forward and the head into a static logits buffer.
+A bucket is captured the first time a step needs it (on a GPU, every bucket at the engine's
+warm-up, largest first, the graphs sharing one memory pool: a replay's logits are copied out
+before the next replay): the forward runs twice eagerly on a side stream (Triton compiles its
+kernels, the forward places the host tensors it keeps on the device), then once under
+capture. The RoPE tables are grown to the longest sequence before the first capture and held
+here, so their device copies (which the graphs read) live as long as the graphs, and no
+position a step can hold is past them. A forward that syncs with the host in a step (a mixture
+of experts grouped on the host, which the GPU path no longer does) cannot be captured: such a
+bucket runs eagerly from then on (logged once).
 
 Under Triton's interpreter (CPU tensors: how this is tested without a GPU) nothing can be
 captured: a bucket's "replay" runs the same forward on the same padded static buffers, which
@@ -31,6 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -82,6 +85,8 @@ class DecodeGraphs:
         self.captures = device.type == "cuda"  # else: the interpreter's eager replay
         self._buckets: dict[int, _Bucket] = {}
         self._failed: set[int] = set()  # buckets whose capture failed: eager from then on
+        self._pool: Any = None  # the graphs' shared memory pool (a GPU's)
+        self._tables: list[torch.Tensor] = []  # the RoPE tables the graphs read, held
         self.steps: dict[int, int] = {}  # bucket -> decode steps replayed in it
 
     def bucket(self, n: int) -> int | None:
@@ -95,6 +100,28 @@ class DecodeGraphs:
         """The buckets replayed from a captured graph so far."""
         return tuple(sorted(b for b, s in self._buckets.items() if s.replay and self.captures))
 
+    def capture_all(self) -> None:
+        """Every bucket's graph, largest first (a GPU's; the interpreter captures nothing)."""
+        if not self.captures:
+            return
+        for size in sorted(self.sizes, reverse=True):
+            if size in self._buckets or size in self._failed:
+                continue
+            b = self._buffers(size)
+            self._fill(b, [], [], [], [])  # padding rows only: they touch the scratch block
+            self._try_capture(b)
+
+    def _try_capture(self, b: _Bucket) -> bool:
+        size = b.ids.shape[0]
+        try:
+            b.replay = self._capture(b)
+        except Exception as exc:  # a forward that cannot be captured runs as it did
+            log.warning("decode step of %d rows: no CUDA graph (%s); eager from now", size, exc)
+            self._failed.add(size)
+            self._buckets.pop(size, None)
+            return False
+        return True
+
     def run(
         self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
     ) -> torch.Tensor | None:
@@ -107,14 +134,9 @@ class DecodeGraphs:
             return None
         b = self._buckets.get(size) or self._buffers(size)
         self._fill(b, ids, positions, slots, tables)
-        if b.replay is None:
-            try:
-                b.replay = self._capture(b)
-            except Exception as exc:  # a forward that cannot be captured runs as it did
-                log.warning("decode step of %d rows: no CUDA graph (%s); eager from now", size, exc)
-                self._failed.add(size)
-                self._buckets.pop(size, None)
-                return None
+        if b.replay is None and not self._try_capture(b):
+            return None
+        assert b.replay is not None
         b.replay()
         self.steps[size] = self.steps.get(size, 0) + 1
         assert b.logits is not None
@@ -146,7 +168,7 @@ class DecodeGraphs:
         pad = size - n
         # the columns up to the step's longest table: a row reads its table only up to its
         # length, so what lies past it (an earlier step's blocks) is never read
-        wide = max(len(t) for t in tables)
+        wide = max((len(t) for t in tables), default=1)
         table = torch.full((size, wide), self.scratch, dtype=torch.int64)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
@@ -183,8 +205,12 @@ class DecodeGraphs:
             for _ in range(2):  # compiles the kernels; places the host tensors the forward keeps
                 self._body(b)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        self._tables = self.forward.rope_tables()  # grown by the warm-up: what the graphs read
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: a CUDA call another thread makes meanwhile does not spoil the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._body(b)
         log.info("decode steps of %d rows: a CUDA graph captured", b.ids.shape[0])
         return graph.replay

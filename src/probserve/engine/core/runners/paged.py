@@ -13,8 +13,8 @@ keys through its sequence's block table, and the logprobs' reductions go through
 On the GPU path (`--device cuda`, engine/device.py) the same forward runs op by op on the
 Triton kernels (kernels/gpu/), the KV cache and the step's tensors on the device; the rows of
 logits stay there, where the logprobs' reductions run (`DeviceRowMath`) and greedy rows are
-chosen (only a row with processors, and the small results, come to the host). A dense model's
-decode steps replay a CUDA graph of their batch-size bucket (decode_graphs.py).
+chosen (only a row with processors, and the small results, come to the host). Decode steps
+replay a CUDA graph of their batch-size bucket (decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ class PagedRunner:
             self.row_math = InvariantRowMath(cpu) if cpu else TorchRowMath()
         self.block_size = block_size = config.block_size
         self.graphs: DecodeGraphs | None = None
-        # a dense model's decode steps on the GPU path replay CUDA graphs (decode_graphs.py),
-        # their padding rows in a scratch block past the pool's
-        graphs = gpu is not None and config.cuda_graphs and not moe_layers(model.config)
+        # the GPU path's decode steps replay CUDA graphs (decode_graphs.py), their padding rows
+        # in a scratch block past the pool's
+        graphs = gpu is not None and config.cuda_graphs
         self.cache = KVCache.allocate(model.config, num_blocks + int(graphs), block_size, gpu)
         self.vocab = self.forward.vocab_size
         if graphs:
@@ -175,6 +175,12 @@ class PagedRunner:
             table = c.seq.block_table[: -(-c.end // self.block_size)]
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         return tables
+
+    def warm(self) -> None:
+        """The decode graphs captured ahead of the first request (a GPU's)."""
+        if self.graphs is not None:
+            with torch.inference_mode():
+                self.graphs.capture_all()
 
     def _replayed(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """The step's logits from its bucket's CUDA graph, where it is a decode step the
