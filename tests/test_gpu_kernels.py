@@ -227,6 +227,9 @@ def test_grouped_experts_equal_each_expert_alone_and_are_row_invariant(bias: boo
     for rows_at in ([7], [0, 19, 20], list(range(5, 30))):
         part = grouped(x[rows_at], ids[rows_at], weights[rows_at], act)
         assert torch.equal(part, out[rows_at]), rows_at
+    if bias:  # biases for every expert or for none
+        with pytest.raises(ValueError, match="expert 2"):
+            GroupedExperts.stack(iter([*parts[:2], (*parts[2][:3], None)]), 3)
     pair, tile_expert = layout(ids, e)
     assert pair.numel() == tile_expert.numel() * TILE_M
     assert sorted(int(p) for p in pair if p >= 0) == list(range(t * k))

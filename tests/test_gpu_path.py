@@ -72,6 +72,7 @@ def _gpu(**config: Any) -> EngineConfig:
 
 def test_the_gpu_path_equals_transformers(model: LoadedModel) -> None:
     core = EngineCore(model, _gpu())
+    core.warmup()  # as a server starts it (a GPU captures its decode graphs here)
     assert core.info.runner == "PagedRunner" and core.info.deterministic
     assert core.info.device == ("cuda" if torch.cuda.is_available() else "interpreted")
     ids = _prompt(1, 23)

@@ -37,6 +37,8 @@ def _grouped(
     t = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     tile_e = tl.load(tile_expert_ptr + t)
+    if tile_e >= E:  # a tile past the last used expert: nothing to compute
+        return
     e = tl.minimum(tile_e, E - 1).to(tl.int64)
     # (whether the tile is used, as blocks: the interpreter's masks take no scalar)
     live = (tl.zeros((BN,), tl.int64) + tile_e) < E
@@ -157,12 +159,15 @@ class GroupedExperts:
         stacks: list[torch.Tensor | None] = [None] * 4
         for e, parts in enumerate(experts):
             for i, part in enumerate(parts):
+                if e > 0 and (part is None) != (stacks[i] is None):
+                    raise ValueError(f"expert {e}: a bias where others have none, or none")
                 if part is None:
                     continue
                 if stacks[i] is None:
                     shape = (count, *part.shape)
                     stacks[i] = torch.empty(shape, dtype=part.dtype, device=part.device)
                 stacks[i][e].copy_(part)  # type: ignore[index]
+            del parts  # (this expert's device copies freed before the next is packed)
         gate_up, gu_bias, down, down_bias = stacks
         assert gate_up is not None and down is not None
         return GroupedExperts(gate_up, gu_bias, down, down_bias)

@@ -59,7 +59,6 @@ class _Bucket:
     tables: torch.Tensor  # [b, width] int64
     seq: torch.Tensor  # [b] int64: row i reads table i
     lengths: torch.Tensor  # [b] int64: keys each row attends to (its position + 1)
-    logits: torch.Tensor | None = None  # [b, V], written by each replay
     replay: Callable[[], None] | None = None
 
 
@@ -87,6 +86,8 @@ class DecodeGraphs:
         self._failed: set[int] = set()  # buckets whose capture failed: eager from then on
         self._pool: Any = None  # the graphs' shared memory pool (a GPU's)
         self._tables: list[torch.Tensor] = []  # the RoPE tables the graphs read, held
+        # every bucket's replay writes its logits here ([:size]): one buffer, not one a bucket
+        self._logits: torch.Tensor | None = None
         self.steps: dict[int, int] = {}  # bucket -> decode steps replayed in it
 
     def bucket(self, n: int) -> int | None:
@@ -105,22 +106,29 @@ class DecodeGraphs:
         if not self.captures:
             return
         for size in sorted(self.sizes, reverse=True):
-            if size in self._buckets or size in self._failed:
-                continue
-            b = self._buffers(size)
-            self._fill(b, [], [], [], [])  # padding rows only: they touch the scratch block
-            self._try_capture(b)
+            if size not in self._buckets and size not in self._failed:
+                self._try_capture(size, [], [], [], [])  # padding rows only: the scratch block
 
-    def _try_capture(self, b: _Bucket) -> bool:
-        size = b.ids.shape[0]
+    def _try_capture(
+        self,
+        size: int,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+    ) -> _Bucket | None:
+        """The bucket of `size`, its buffers filled with these rows and its graph captured
+        (None: it could not be; it decodes eagerly from now on)."""
         try:
+            b = self._buckets.get(size) or self._buffers(size)
+            self._fill(b, ids, positions, slots, tables)
             b.replay = self._capture(b)
         except Exception as exc:  # a forward that cannot be captured runs as it did
             log.warning("decode step of %d rows: no CUDA graph (%s); eager from now", size, exc)
             self._failed.add(size)
             self._buckets.pop(size, None)
-            return False
-        return True
+            return None
+        return b
 
     def run(
         self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]]
@@ -132,15 +140,20 @@ class DecodeGraphs:
         size = self.bucket(n)
         if size is None:
             return None
-        b = self._buckets.get(size) or self._buffers(size)
-        self._fill(b, ids, positions, slots, tables)
-        if b.replay is None and not self._try_capture(b):
-            return None
+        b = self._buckets.get(size)
+        if b is not None and b.replay is not None:
+            self._fill(b, ids, positions, slots, tables)
+        else:
+            b = self._try_capture(size, ids, positions, slots, tables)
+            if b is None:
+                return None
         assert b.replay is not None
         b.replay()
+        assert self._logits is not None
         self.steps[size] = self.steps.get(size, 0) + 1
-        assert b.logits is not None
-        return b.logits[:n].clone()
+        # copied out: the next replay (of any bucket) writes the same buffer, and the graphs'
+        # shared pool may lend this step's memory to another graph
+        return self._logits[:n].clone()
 
     def _buffers(self, size: int) -> _Bucket:
         def zeros(*shape: int) -> torch.Tensor:
@@ -193,7 +206,11 @@ class DecodeGraphs:
             max_position=self.max_len - 1,
         )  # fmt: skip
         hidden = self.forward.forward(b.ids, b.positions, plan, self.cache)
-        b.logits = self.forward.logits(hidden)
+        logits = self.forward.logits(hidden)
+        if self._logits is None:  # allocated before any capture: outside the graphs' pool
+            rows = self.sizes[-1]
+            self._logits = torch.empty((rows, logits.shape[1]), device=logits.device)
+        self._logits[: logits.shape[0]].copy_(logits)
 
     def _capture(self, b: _Bucket) -> Callable[[], None]:
         if not self.captures:
