@@ -227,6 +227,13 @@ def test_grouped_experts_equal_each_expert_alone_and_are_row_invariant(bias: boo
     for rows_at in ([7], [0, 19, 20], list(range(5, 30))):
         part = grouped(x[rows_at], ids[rows_at], weights[rows_at], act)
         assert torch.equal(part, out[rows_at]), rows_at
+    half = GroupedExperts.stack(  # bf16 weights: bf16 product inputs, float32 sums
+        ((gw.bfloat16(), gb, dw.bfloat16(), db) for gw, gb, dw, db in parts), e
+    )
+    out_half = half(x, ids, weights, act)
+    # (bf16 keeps 8 bits; the interpreter truncates to it: within a few % of the largest)
+    assert 0 < float((out_half - out).abs().max() / out.abs().max()) < 0.03
+    assert torch.equal(half(x[[7, 30]], ids[[7, 30]], weights[[7, 30]], act), out_half[[7, 30]])
     if bias:  # biases for every expert or for none
         with pytest.raises(ValueError, match="expert 2"):
             GroupedExperts.stack(iter([*parts[:2], (*parts[2][:3], None)]), 3)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from probserve.kernels.gpu.matmul import BLOCK_K, interpreted
+from probserve.kernels.gpu.matmul import BLOCK_K, interpreted, tile_dot
 
 TILE_M, TILE_N = 16, 64
 SUM_BLOCK = 1024
@@ -57,11 +57,7 @@ def _grouped(
             w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
             mask=live[None, :] & (rn[None, :] < N) & (kk[:, None] < K), other=0.0,
         )  # fmt: skip
-        if UPCAST:  # the interpreter multiplies bf16 wrongly: its values, in float32
-            acc = tl.dot(a.to(b.dtype).to(tl.float32), b.to(tl.float32), acc,
-                         input_precision="ieee")  # fmt: skip
-        else:
-            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+        acc = tile_dot(a, b, acc, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * N + rn, mask=live & (rn < N), other=0.0)[None, :]
     out = tl.where(rows, pairs, 0).to(tl.int64)

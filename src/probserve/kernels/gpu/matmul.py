@@ -21,6 +21,17 @@ def interpreted() -> bool:
 
 
 @triton.jit
+def tile_dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b, a rounded to b's dtype (float32: IEEE products; bf16 inputs with float32
+    sums). UPCAST: the interpreter multiplies bf16 wrongly, so its values go in as float32."""
+    if UPCAST:
+        acc = tl.dot(a.to(b.dtype).to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _matmul(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     sxm, sxk, swn, swk, sym, syn,
@@ -41,11 +52,7 @@ def _matmul(
             w_ptr + rn[None, :] * swn + kk[:, None] * swk,
             mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0,
         )  # fmt: skip
-        if UPCAST:  # the interpreter multiplies bf16 wrongly: its values, in float32
-            acc = tl.dot(a.to(b.dtype).to(tl.float32), b.to(tl.float32), acc,
-                         input_precision="ieee")  # fmt: skip
-        else:
-            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
+        acc = tile_dot(a, b, acc, PRECISION, UPCAST)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(
