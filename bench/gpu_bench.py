@@ -8,8 +8,9 @@ Prints one line per measurement, `name value unit`, then the ratios the GPU issu
 one stream's tokens/s against the roofline (the weights' bytes read once a token at the
 measured copy bandwidth), 64 streams against transformers' generate at batch 64, the exact
 path's cost against the bf16 path's, and one stream's decode replayed from CUDA graphs against
-the same steps run eagerly (--no-cuda-graphs). Every request asks for each token's logprob and
-top 5 (the reductions on the GPU). Run by scripts/gpu_check.sh; needs a CUDA GPU.
+the same steps run eagerly (--no-cuda-graphs), and 64 streams sampled at temperature 1 (seeded:
+each row drawn on the host) against 64 greedy ones. Every request asks for each token's logprob
+and top 5 (the reductions on the GPU). Run by scripts/gpu_check.sh; needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -73,7 +74,13 @@ def hf_generate(model: Any, batch: int, prompt: int, new: int) -> float:
 
 
 def engine_tokens(
-    loaded: Any, precision: str, batch: int, prompt: int, new: int, graphs: bool = True
+    loaded: Any,
+    precision: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    graphs: bool = True,
+    temperature: float = 0.0,
 ) -> tuple[float, dict[int, int]]:
     """The engine on the GPU path: tokens a second of `batch` greedy requests decoding together,
     each token's logprob and top 5 asked for (prefill excluded: timed from the step where every
@@ -93,7 +100,10 @@ def engine_tokens(
     g = torch.Generator().manual_seed(1)
     for i in range(batch):
         ids = tuple(int(t) for t in torch.randint(3, 256, (prompt,), generator=g))
-        sampling = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        sampling = SamplingParams(
+            temperature=temperature, seed=i if temperature else None, max_tokens=new,
+            ignore_eos=True,
+        )  # fmt: skip
         core.add_request(EngineRequest(f"r{i}", ids, sampling, LogprobsSpec(top_k=5)))
     made = 0
     start = None
@@ -147,11 +157,15 @@ def main() -> None:
             torch.cuda.empty_cache()
     eager, _ = engine_tokens(loaded, "bf16", 1, args.prompt, args.new, graphs=False)
     print(f"probserve_bf16_streams1_eager {eager:.1f} tokens/s")
+    # seeded sampling at temperature 1 (an RL rollout's): each row drawn on the host
+    sampled, _ = engine_tokens(loaded, "bf16", 64, args.prompt, args.new, temperature=1.0)
+    print(f"probserve_bf16_streams64_sampled {sampled:.1f} tokens/s")
     print(f"ratio_one_stream_bf16_to_roofline {ours['bf16', 1] / roofline:.2f}")
     print(f"ratio_64_streams_bf16_to_transformers {ours['bf16', 64] / peer[64]:.2f}")
     print(f"ratio_exact_to_bf16_one_stream {ours['exact', 1] / ours['bf16', 1]:.2f}")
     print(f"ratio_exact_to_bf16_64_streams {ours['exact', 64] / ours['bf16', 64]:.2f}")
     print(f"ratio_graphs_to_eager_one_stream_bf16 {ours['bf16', 1] / eager:.2f}")
+    print(f"ratio_sampled_to_greedy_64_streams_bf16 {sampled / ours['bf16', 64]:.2f}")
 
 
 if __name__ == "__main__":
