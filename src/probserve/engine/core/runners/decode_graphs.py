@@ -96,11 +96,6 @@ class DecodeGraphs:
         size = next((b for b in self.sizes if b >= n), None)
         return None if size is None or size in self._failed else size
 
-    @property
-    def captured(self) -> tuple[int, ...]:
-        """The buckets replayed from a captured graph so far."""
-        return tuple(sorted(b for b, s in self._buckets.items() if s.replay and self.captures))
-
     def capture_all(self) -> None:
         """Every bucket's graph, largest first (a GPU's; the interpreter captures nothing)."""
         if not self.captures:
