@@ -19,9 +19,9 @@ are -inf. Logprobs are raw (log_softmax of the model's logits, grammar or not) o
 a grammar's rows also carry `constraint_logmass`, the log of the raw mass it allowed.
 
 The logits may be on the GPU path's device: greedy rows (alone or under a grammar's mask) are
-chosen there (argmax: the first of equal maxima, as on the host), a row with processors is
-processed and drawn on the host (one row's copy), and the logprobs' reductions run where the
-rows are (`RowMath`).
+chosen there (argmax: the first of equal maxima, as on the host), the rows with processors
+are processed and drawn on the host (brought there in one copy), and the logprobs' reductions
+run where the rows are (`RowMath`).
 """
 
 from __future__ import annotations
