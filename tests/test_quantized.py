@@ -17,6 +17,7 @@ from native_util import assert_native_equals_op_by_op
 from test_deterministic import _bits, _canary
 
 from probserve.engine import EngineConfig, EngineCore
+from probserve.kernels.build import isa_path
 from probserve.kernels.invariant import InvariantKernels
 from probserve.models import LoadedModel, load_model
 from probserve.models.gguf_blocks import QuantizedTensor, load_weights, read_weights
@@ -233,10 +234,12 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
 
 AVX2_LIMBS = """
 import sys, numpy as np, torch
+from probserve.kernels.build import isa_path
+from probserve.kernels.build import isa_path
 from probserve.kernels.invariant import InvariantKernels
 kernels = InvariantKernels(limbs=True)
 data = np.load(sys.argv[1])
-out = {}
+out = {"isa": np.array(isa_path(kernels.lib))}
 for name in data.files:
     if name.startswith("raw_"):
         qtype = int(name[4:])
@@ -277,6 +280,10 @@ def test_limbs_on_the_avx2_path_are_the_same_bits(limbs, tmp_path: Path):
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     got = np.load(tmp_path / "out.npz")
+    # the override was taken: the library the subprocess ran says it is the AVX2 build, and
+    # this process's says it is not (else the two could be one build, compared with itself)
+    assert str(got["isa"]) == "avx2"
+    assert isa_path(limbs.lib) == "avx512-vnni"
     for qtype in LIMB_FORMATS:
         assert got[str(qtype.value)].tobytes() == want[qtype].tobytes(), qtype.name
 

@@ -647,6 +647,7 @@ class ModelCard(BaseModel):
     weights_in_blocks: float | None = None
     block_sums: bool | None = None
     products: str | None = None
+    kernel_isa: str | None = None
     routed_experts: RoutedShape | None = None  # a mixture of experts: what routing holds
     speculative: str | None = None  # requests' default speculative decoding ("off", "ngram")
 

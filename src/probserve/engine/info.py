@@ -38,6 +38,9 @@ class EngineInfo:
     device: str = "cpu"  # where the forward runs: "cpu", "cuda" (the GPU path), "interpreted"
     # (the GPU path's kernels under Triton's interpreter, on the host)
     precision: str = "exact"  # the GPU path's weights: "exact" (float32) or "bf16"
+    # the C++ kernels' instruction path, as the loaded library reports it ("avx512-vnni",
+    # "avx512", "avx2"); "" where the forward runs on none (torch's float32, the GPU path)
+    kernel_isa: str = ""
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

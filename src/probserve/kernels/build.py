@@ -188,6 +188,15 @@ def build() -> Path:
     return path
 
 
+def isa_path(lib: ctypes.CDLL) -> str:
+    """The instruction path a loaded library runs, as it says itself (not as asked):
+    "avx512-vnni" (AVX-512 float kernels, integer limbs on VNNI), "avx512" (AVX-512, limbs on
+    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces)."""
+    if int(lib.ps_lanes()) == 8:
+        return "avx2"
+    return "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
+
+
 def load() -> ctypes.CDLL:
     """The kernels library with its functions' argument types declared."""
     lib = ctypes.CDLL(str(build()))
@@ -200,7 +209,7 @@ def load() -> ctypes.CDLL:
 
 if __name__ == "__main__":
     try:
-        print(f"probserve kernels: {build()}")
+        print(f"probserve kernels: {build()} ({isa_path(load())})")
     except KernelBuildError as exc:
         print(f"probserve kernels not built: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -463,6 +463,18 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 
 extern "C" {
 
+// the limbs' instruction path this build took: 512 (AVX-512 VNNI: vpdpbusd on 16 columns' lanes),
+// 256 (AVX2: vpmaddubsw + vpmaddwd), 0 (none)
+int ps_limbs_isa() {
+#if defined(PS_LIMBS_ZMM)
+    return 512;
+#elif defined(PS_LIMBS_BUILT)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
 // bytes of one packed block of a limb panel (32 columns, QK k's), or -1 where this build has no
 // limb product for the format (no AVX2, or not a native format)
 int64_t ps_limb_block_bytes(int fmt) {

@@ -84,6 +84,7 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
         "weights_in_blocks": info.weights_in_blocks,
         "block_sums": info.block_sums,
         "products": info.products,
+        "kernel_isa": info.kernel_isa,
         "speculative": info.speculative,
         "routed_experts": (
             {"layers": list(info.moe_layers), "experts_per_token": info.experts_per_token}

@@ -127,6 +127,7 @@ class EngineCore:
             weights_in_blocks=held[1],
             block_sums=held[2],
             products=self._products(loaded),
+            kernel_isa=self._kernel_isa(),
             architecture=str(getattr(getattr(loaded.model, "config", None), "model_type", "")),
             speculative=self.config.speculative if self.proposer else "off",
             embeddings=bool(getattr(runner if runner else self.choice.cls, "keeps_hidden", False)),
@@ -155,6 +156,15 @@ class EngineCore:
             return ("bfloat16" if self.config.precision == "bf16" else "float32", 0.0, False)
         share = loaded.weights_in_blocks
         return (loaded.weights_format, round(share, 4), self.config.block_sums and share > 0)
+
+    def _kernel_isa(self) -> str:
+        """The C++ kernels' instruction path where the forward runs on them (the deterministic
+        paged forward on the CPU), as the library reports it; "" elsewhere."""
+        if self._device()["device"] != "cpu" or not self.config.deterministic:
+            return ""
+        from probserve.kernels.build import isa_path, load
+
+        return isa_path(load())
 
     def _products(self, loaded: LoadedModel) -> str:
         """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a
