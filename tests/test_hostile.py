@@ -522,3 +522,76 @@ def test_health_tells_the_truth_about_the_engine(tiny: LoadedModel, monkeypatch)
         assert wait_until(lambda: fatal, 10) and "SystemExit" in fatal[0]
         err = error_of(httpx.post(f"{url}/v1/completions", json=body, timeout=30), 503)
         assert err["code"] == "engine_dead"
+
+
+def _prompt_flood(sched: Scheduler, count: int, length: int) -> None:
+    """`count` embedding requests (prompt-only: max_tokens 0, pooled) of `length` tokens, each
+    a request (a group) of its own, as a client flooding /v1/embeddings sends them."""
+    for i in range(count):
+        ids = tuple(range(1, length + 1))
+        req = EngineRequest(
+            f"e{i}", ids, SamplingParams(max_tokens=0), group=f"E{i}", embed="last"
+        )
+        sched.add(Sequence(req, length, frozenset()))
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step: the ids scheduled (prompt-only sequences end when computed, as the engine's
+    update ends them; a generating one samples token 7)."""
+    chunks = sched.schedule()
+    sched.computed(chunks)
+    for ch in chunks:
+        if ch.seq.score_only and ch.seq.num_computed >= ch.seq.num_tokens:
+            sched.finish(ch.seq)
+        elif ch.samples:
+            sched.append_token(ch.seq, 7)
+    return [ch.seq.request_id for ch in chunks]
+
+
+def test_a_prompt_flood_does_not_starve_generation():
+    """~1,000 embedding inputs in flight (#60: they delayed a one-token completion 3.5-5.8 s):
+    a generating request that arrives behind them is scheduled in the next step, and its prompt
+    gets at least half of every step's budget while the flood lasts (the flood the rest)."""
+    pool = BlockPool(4000, 16, prefix_caching=False)
+    sched = Scheduler(pool, max_num_seqs=64, max_num_batched_tokens=512)
+    _prompt_flood(sched, 1000, 24)
+    for _ in range(3):
+        _step(sched)
+    prompt = tuple(range(2, 1002))  # a 1,000-token prompt: two steps' budgets
+    sched.add(Sequence(EngineRequest("gen", prompt, SamplingParams(max_tokens=4)), 1010,
+                       frozenset()))  # fmt: skip
+    taken = []
+    for _ in range(5):
+        chunks = sched.schedule()
+        mine = [ch for ch in chunks if ch.seq.request_id == "gen"]
+        taken.append(sum(ch.length for ch in mine))
+        flood = sum(ch.length for ch in chunks if ch.seq.score_only)
+        assert flood > 0, "the flood itself is not starved"
+        sched.computed(chunks)
+        for ch in chunks:
+            if ch.seq.score_only and ch.seq.num_computed >= ch.seq.num_tokens:
+                sched.finish(ch.seq)
+            elif ch.samples:
+                sched.append_token(ch.seq, 7)
+    # scheduled at once, half the budget or more each step; its prompt done in four steps and
+    # its first token decoded in the fifth (before the fix: [0, 0, 0, 0, 0])
+    assert min(taken[:3]) >= 256 and sum(taken[:4]) == 1000, taken
+    assert taken[4] == 1, taken
+
+
+def test_generation_does_not_starve_prompt_only_requests():
+    """The other way round: 64 long generations hold every slot; embedding requests that
+    arrive get slots within a few steps (the lanes share the seats)."""
+    pool = BlockPool(4000, 16, prefix_caching=False)
+    sched = Scheduler(pool, max_num_seqs=64, max_num_batched_tokens=512)
+    for i in range(64):
+        req = EngineRequest(f"g{i}", (1, 2, 3), SamplingParams(max_tokens=500), group=f"G{i}")
+        sched.add(Sequence(req, 600, frozenset()))
+    for _ in range(3):
+        _step(sched)
+    assert len(sched.running) == 64
+    _prompt_flood(sched, 10, 24)
+    done = set()
+    for _ in range(6):
+        done |= {rid for rid in _step(sched) if rid.startswith("e")}
+    assert done == {f"e{i}" for i in range(10)}, done

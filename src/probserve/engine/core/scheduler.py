@@ -14,6 +14,15 @@ and when every slot is taken while a group waits that runs two or more sequences
 largest group, the largest group's latest sequence is preempted to make room. One request with
 `n` = `max_num_seqs` therefore uses the whole batch while it is alone, and yields its share as
 soon as another request arrives.
+
+Lanes: sequences that only read their prompt (max_tokens 0: embeddings, prompt scoring) and
+sequences that generate share the batch as two lanes. Admission takes from the lane that runs
+fewer sequences (generation on a tie) before it looks at groups; with every slot taken, the lane
+running two or more fewer gets seats by preemption of the other's latest; and while both lanes
+ask for tokens, neither is kept below half of a step's budget (a lane takes the whole budget
+less what the other asks for, up to half). A flood of embedding inputs therefore cannot hold a
+one-token completion back (it is admitted at the next step, its prompt given half the budget or
+more), and generations cannot hold the prompt-only lane off its seats.
 """
 
 from __future__ import annotations
@@ -122,10 +131,23 @@ class Scheduler:
             seq.num_hashed_blocks += 1
 
     # ---- the step ---------------------------------------------------------------------------
+    def _lane(self) -> bool:
+        """The lane to admit from: True for the prompt-only one when it runs fewer sequences than
+        the generating one (or only it waits), else False."""
+        waiting = {seq.score_only for seq in self.waiting}
+        if len(waiting) == 1:
+            return waiting.pop()
+        prompt_only = sum(1 for seq in self.running if seq.score_only)
+        return prompt_only < len(self.running) - prompt_only
+
     def _next_waiting(self, running: Counter[str]) -> int:
-        """Index of the waiting sequence to admit next: the first of the least-served group."""
-        best, fewest = 0, -1
+        """Index of the waiting sequence to admit next: in the lane `_lane` picks, the first of
+        the least-served group."""
+        lane = self._lane()
+        best, fewest = -1, -1
         for i, seq in enumerate(self.waiting):
+            if seq.score_only != lane:
+                continue
             n = running[seq.group]
             if fewest < 0 or n < fewest:
                 best, fewest = i, n
@@ -134,25 +156,48 @@ class Scheduler:
         return best
 
     def _rebalance(self) -> None:
-        """With every slot taken, preempt one sequence of the largest group when a waiting group
-        runs at least two fewer (the preempted one is recomputed later, from the prefix cache)."""
+        """With every slot taken: while the lane to admit from runs at least two fewer sequences
+        than the other, preempt the other's latest (at most as many as that lane has waiting);
+        else preempt one of the largest group when a waiting group runs at least two fewer. A
+        preempted sequence is recomputed later, from the prefix cache."""
         if len(self.running) < self.max_num_seqs or not self.waiting:
             return
-        running = Counter(seq.group for seq in self.running)
-        waiting_group = self.waiting[self._next_waiting(running)].group
-        largest, count = running.most_common(1)[0]
-        if count >= running[waiting_group] + 2:
+        waiting = self.waiting[self._next_waiting(Counter(s.group for s in self.running))]
+        lane = waiting.score_only
+        wanting = sum(1 for s in self.waiting if s.score_only == lane)
+        mine = sum(1 for s in self.running if s.score_only == lane)
+        freed = 0
+        while freed < wanting and len(self.running) - mine >= mine + freed + 2:
+            self._preempt(next(s for s in reversed(self.running) if s.score_only != lane))
+            freed += 1
+        if freed:
+            return
+        running = Counter(seq.group for seq in self.running if seq.score_only == lane)
+        largest, count = running.most_common(1)[0] if running else (None, 0)
+        if count >= running[waiting.group] + 2:
             victim = next(s for s in reversed(self.running) if s.group == largest)
             self._preempt(victim)
+
+    def _lane_budgets(self) -> dict[bool, int]:
+        """What each lane's chunks may take of a step (by `score_only`): the whole budget less
+        what the other lane asks for, up to half of it (so a lane alone takes everything, and
+        one that asks for little leaves the rest to the other)."""
+        budget = self.max_num_batched_tokens
+        asks = {True: 0, False: 0}
+        for seq in (*self.running, *self.waiting):
+            asks[seq.score_only] += seq.num_tokens - seq.num_computed
+        half = budget // 2
+        return {lane: budget - min(asks[not lane], half) for lane in (True, False)}
 
     def schedule(self) -> list[Chunk]:
         self._rebalance()
         budget = self.max_num_batched_tokens
+        lanes = self._lane_budgets()  # of `budget`, what each lane may take
         chunks: list[Chunk] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, lanes[seq.score_only])
             if n <= 0:
                 i += 1
                 continue
@@ -168,6 +213,7 @@ class Scheduler:
             else:
                 chunks.append(Chunk(seq, seq.num_computed, n + len(proposed), proposed))
                 budget -= n + len(proposed)
+                lanes[seq.score_only] -= n + len(proposed)
                 i += 1
                 continue
             break  # seq itself was preempted: nothing more fits
@@ -176,13 +222,18 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             index = self._next_waiting(running)
             seq = self.waiting[index]
+            if lanes[seq.score_only] <= 0:  # that lane's share is spent: the other's turn
+                index = self._first_of_lane(not seq.score_only)
+                if index < 0 or lanes[not seq.score_only] <= 0:
+                    break
+                seq = self.waiting[index]
             missing = self._use_prefix_cache(seq)
             if missing and missing[0] in self._in_flight:
                 self._free_blocks(seq)  # its next block is being computed: wait for it
                 del self.waiting[index]
                 deferred.append(seq)
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_computed, budget, lanes[seq.score_only])
             if not self._grow(seq, seq.num_computed + n):
                 self._free_blocks(seq)
                 break
@@ -199,8 +250,13 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
+            lanes[seq.score_only] -= n
         self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _first_of_lane(self, lane: bool) -> int:
+        """Index of the first waiting sequence of a lane (by `score_only`), or -1."""
+        return next((i for i, seq in enumerate(self.waiting) if seq.score_only == lane), -1)
 
     @staticmethod
     def _proposed(seq: Sequence, n: int, budget: int) -> tuple[int, ...]:
