@@ -529,9 +529,7 @@ def _prompt_flood(sched: Scheduler, count: int, length: int) -> None:
     a request (a group) of its own, as a client flooding /v1/embeddings sends them."""
     for i in range(count):
         ids = tuple(range(1, length + 1))
-        req = EngineRequest(
-            f"e{i}", ids, SamplingParams(max_tokens=0), group=f"E{i}", embed="last"
-        )
+        req = EngineRequest(f"e{i}", ids, SamplingParams(max_tokens=0), group=f"E{i}", embed="last")
         sched.add(Sequence(req, length, frozenset()))
 
 
