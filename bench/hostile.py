@@ -190,6 +190,44 @@ def disconnects(ctx: Ctx) -> str | None:
     return None
 
 
+def embedding_flood(ctx: Ctx) -> str | None:
+    """About a thousand embedding inputs in flight (40 requests of 25) must not hold a one-token
+    completion back until they are done (#60: 3.5-5.8 s before the scheduler's lanes)."""
+    texts = [f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(25)]
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def flood() -> None:
+        r = ctx.client.post("/v1/embeddings", json={"input": texts}, timeout=600)
+        with lock:
+            statuses.append(r.status_code)
+
+    quick_body = {"prompt": "Hi", "max_tokens": 1}
+    start = time.monotonic()
+    ctx.client.post("/v1/completions", json=quick_body)
+    alone = time.monotonic() - start  # the same completion on an idle server
+    threads = [threading.Thread(target=flood) for _ in range(40)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while ctx.client.get("/health").json()["running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the flood is running
+    start = time.monotonic()
+    quick = ctx.client.post("/v1/completions", json=quick_body)
+    waited = time.monotonic() - start
+    with lock:
+        answered_first = len(statuses)
+    for thread in threads:
+        thread.join()
+    flood_took = time.monotonic() - start
+    print(f"embedding_flood: the one-token completion took {waited:.2f} s in the flood "
+          f"({alone:.2f} s alone); {answered_first} of 40 flood requests had answered by then; "
+          f"the flood ended {flood_took:.2f} s after it was sent", file=sys.stderr)  # fmt: skip
+    if quick.status_code != 200 or any(s not in (200, 429) for s in statuses):
+        return f"statuses: quick {quick.status_code}, flood {sorted(set(statuses))}"
+    return "the completion waited for the whole flood" if answered_first == 40 else None
+
+
 def hog_the_batch(ctx: Ctx) -> str | None:
     """One request with n = the largest allowed must not keep a one-token request waiting until
     it is done."""
@@ -442,6 +480,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("big_tokenize", big_tokenize),
     ("disconnects", disconnects),
     ("hog_the_batch", hog_the_batch),
+    ("embedding_flood", embedding_flood),
     ("slow_clients", slow_clients),
     ("logprobs_extensions", logprobs_extensions),
     ("forged_log_lines", forged_log_lines),
