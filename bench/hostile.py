@@ -282,6 +282,43 @@ def slow_clients(ctx: Ctx) -> str | None:
     return None
 
 
+def oversized_chunked_bodies(ctx: Ctx) -> str | None:
+    """Bodies past --max-body-bytes (4 MiB by default) in 1 MiB chunks: the client writes its
+    whole body, then reads. The 413 must arrive whole, never a connection reset, also when the
+    client goes on sending after the answer is out (a server that closes with the client's bytes
+    unread resets the connection)."""
+    host, port = urlparse(ctx.url).hostname or "127.0.0.1", urlparse(ctx.url).port or 80
+    mib = b"x" * 2**20
+    piece = b"%x\r\n%s\r\n" % (len(mib), mib)
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    for after_answer in (0, 3):  # 1 MiB chunks still sent once the 413's first bytes are in
+        try:
+            with socket.create_connection((host, port)) as s:
+                s.settimeout(60)
+                s.sendall(head)
+                for _ in range(5):
+                    s.sendall(piece)
+                if after_answer:
+                    while not s.recv(16, socket.MSG_PEEK).startswith(b"HTTP/1.1 413"):
+                        time.sleep(0.01)
+                for _ in range(after_answer):
+                    time.sleep(0.1)
+                    s.sendall(piece)
+                s.sendall(b"0\r\n\r\n")
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+        except OSError as exc:
+            return f"five 1 MiB chunks (+{after_answer} after the answer): {exc!r}"
+        status, _, body = answer.partition(b"\r\n\r\n")
+        if not status.startswith(b"HTTP/1.1 413") or b'"request_too_large"' not in body:
+            return f"five 1 MiB chunks (+{after_answer} after the answer) got {answer[:200]!r}"
+    return None
+
+
 def logprobs_extensions(ctx: Ctx) -> str | None:
     long_prompt = [504] * 8000
     return first_problem(
@@ -482,6 +519,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("hog_the_batch", hog_the_batch),
     ("embedding_flood", embedding_flood),
     ("slow_clients", slow_clients),
+    ("oversized_chunked_bodies", oversized_chunked_bodies),
     ("logprobs_extensions", logprobs_extensions),
     ("forged_log_lines", forged_log_lines),
     ("wrong_typed_lists", wrong_typed_lists),

@@ -4,6 +4,7 @@ per request, under the request id it echoes as X-Request-Id."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -29,14 +30,16 @@ async def send_error(
     message: str,
     code: str | None,
     headers: list[tuple[bytes, bytes]],
+    more_body: bool = False,
 ) -> None:
     """An error response in the path's envelope (errors.py), sent from middleware (outside
-    FastAPI)."""
+    FastAPI). `more_body`: the response is left open (its whole body is sent: its
+    Content-Length says so) for the caller to end with an empty last message."""
     envelope = error_body(status, message, None, code, anthropic_path(scope.get("path", "")))
     body = json.dumps(envelope).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": head + headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": more_body})
 
 
 class ScopeGuardMiddleware:
@@ -96,26 +99,63 @@ class AuthMiddleware:
 class BodyLimitMiddleware:
     """413 for a request body over `max_bytes` (by Content-Length, or counted as it arrives);
     408 for a body not fully received within `timeout` seconds (a client that sends less than
-    its Content-Length, or trickles bytes, holds nothing for long)."""
+    its Content-Length, or trickles bytes, holds nothing for long).
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 30.0) -> None:
+    A 413 is sent while the client may still be sending its body. Closing the connection with
+    its bytes unread would make the kernel answer with a reset, which can overtake the 413 (the
+    client reads ECONNRESET, or fails its write, and never sees the answer). So the answer goes
+    out whole (its Content-Length says so), then what the client still sends is read and
+    dropped, up to `drain_bytes` more within `drain_seconds`, before the response ends and the
+    connection closes."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        timeout: float = 30.0,
+        drain_bytes: int = 8 * 2**20,
+        drain_seconds: float = 2.0,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout = timeout
+        self.drain_bytes = drain_bytes
+        self.drain_seconds = drain_seconds
 
-    async def _reject(self, scope: Scope, send: Send) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, drain: bool) -> None:
+        """The 413, then (`drain`: the client is sending its body) the rest of the body read
+        and dropped, bounded in bytes and time, before the response ends."""
         message = f"the request body is larger than {self.max_bytes} bytes"
-        await send_error(
-            scope, send, 413, message, "request_too_large", [(b"connection", b"close")]
-        )
+        close = [(b"connection", b"close")]
+        await send_error(scope, send, 413, message, "request_too_large", close, more_body=drain)
+        if drain:
+            await self._drain(receive)
+            await send({"type": "http.response.body", "body": b""})
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read and drop the body's rest: until it ends, the client leaves, `drain_bytes` are
+        read or `drain_seconds` pass."""
+        left = self.drain_bytes
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_seconds):
+                while left > 0:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    left -= len(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._reject(scope, send)
+            # a client that asked `Expect: 100-continue` sends no body after a final answer
+            waits = headers.get(b"expect", b"").lower() == b"100-continue"
+            await self._reject(scope, receive, send, drain=not waits)
             return
         # read the body up front (bounded in size and time), so a chunked body over the limit
         # is refused too
@@ -137,11 +177,11 @@ class BodyLimitMiddleware:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
+            more = message.get("more_body", False)
             if size > self.max_bytes:
-                await self._reject(scope, send)
+                await self._reject(scope, receive, send, drain=more)
                 return
             chunks.append(chunk)
-            more = message.get("more_body", False)
         body = b"".join(chunks)
         sent = False
 
