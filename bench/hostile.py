@@ -228,6 +228,55 @@ def embedding_flood(ctx: Ctx) -> str | None:
     return "the completion waited for the whole flood" if answered_first == 40 else None
 
 
+def _metric(ctx: Ctx, name: str, **labels: str) -> float:
+    """The sum of /metrics' samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in ctx.client.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+LEFT_STREAMS = [  # (route, body, the event after which the client hangs up)
+    ("/v1/responses", {"input": "Count", "max_output_tokens": 300, "ignore_eos": True},
+     "response.created"),
+    ("/v1/responses", {"input": "Count", "max_output_tokens": 300, "ignore_eos": True},
+     "response.output_text.delta"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 300,
+                      "ignore_eos": True}, "message_start"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count"}],
+                              "max_tokens": 300, "ignore_eos": True}, "data:"),
+]  # fmt: skip
+
+
+def left_streams(ctx: Ctx) -> str | None:
+    """Streams the client leaves right after their first event (or first text delta): each is
+    counted as a 499 of its route and its sequence as aborted."""
+    for path, body, event in LEFT_STREAMS:
+        http = {"handler": path, "status": "499"}
+
+        def counts(http: dict[str, str] = http) -> tuple[float, float]:
+            return (
+                _metric(ctx, "http_requests_total", **http),
+                _metric(ctx, "vllm:request_success_total", finished_reason="abort"),
+            )
+
+        before = counts()
+        with ctx.client.stream("POST", path, json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if event in line:
+                    break
+        deadline = time.monotonic() + 30
+        while True:
+            after = counts()
+            if after == (before[0] + 1, before[1] + 1):
+                break
+            if time.monotonic() > deadline:
+                return f"{path} left after {event}: 499s and aborts {before} -> {after}"
+            time.sleep(0.05)
+    return None
+
+
 def hog_the_batch(ctx: Ctx) -> str | None:
     """One request with n = the largest allowed must not keep a one-token request waiting until
     it is done."""
@@ -516,6 +565,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("deep_nesting", deep_nesting),
     ("big_tokenize", big_tokenize),
     ("disconnects", disconnects),
+    ("left_streams", left_streams),
     ("hog_the_batch", hog_the_batch),
     ("embedding_flood", embedding_flood),
     ("slow_clients", slow_clients),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import logging
 import socket
 import time
@@ -417,6 +418,8 @@ HUNG_UP = [
                               "max_tokens": 200, "ignore_eos": True, "stream": True}),
     ("/v1/responses", {"input": "Count", "max_output_tokens": 200, "ignore_eos": True,
                        "stream": True}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Count"}], "max_tokens": 200,
+                      "ignore_eos": True, "stream": True}),
 ]  # fmt: skip
 
 
@@ -442,6 +445,95 @@ def test_a_hung_up_stream_is_logged_and_counted(
             time.sleep(0.05)
     assert any(f"POST {path} 499" in r.getMessage() for r in caplog.records)
     assert count() == before + 1
+
+
+def _count(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus text's samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _hang_up_at(app: object, path: str, body: dict, marker: bytes) -> None:
+    """The app driven as uvicorn drives it (ASGI 2.3) by a client that hangs up as the first
+    event holding `marker` is written: that write never returns (the client reads no more) and
+    the next receive says http.disconnect. So the stream is cancelled while it waits to send,
+    its generators suspended at a yield: the moment a loaded machine makes likely, made
+    certain here."""
+    raw = json.dumps(body).encode()
+    gone = asyncio.Event()
+    asked = False
+
+    async def receive() -> dict:
+        nonlocal asked
+        if not asked:
+            asked = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if gone.is_set():
+            return  # uvicorn drops what is sent after the client has gone
+        if message["type"] == "http.response.body" and marker in message.get("body", b""):
+            gone.set()
+            await asyncio.sleep(3600)  # a write the client never reads
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+        "raw_path": path.encode(), "root_path": "", "query_string": b"",
+        "headers": [(b"host", b"x"), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(raw)).encode())],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    await asyncio.wait_for(app(scope, receive, send), 300)  # type: ignore[operator]
+
+
+LEFT_AT = [
+    ("/v1/responses", HUNG_UP[1][1], b"event: response.created"),
+    ("/v1/responses", HUNG_UP[1][1], b"event: response.output_text.delta"),
+    ("/v1/messages", HUNG_UP[2][1], b"event: message_start"),
+    ("/v1/messages", HUNG_UP[2][1], b"event: content_block_delta"),
+    ("/v1/chat/completions", HUNG_UP[0][1], b'"role":"assistant"'),
+    ("/v1/completions", {"prompt": "Count", "max_tokens": 200, "ignore_eos": True,
+                         "stream": True}, b"data: "),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "body", "marker"), LEFT_AT)
+def test_a_stream_left_at_any_event_is_ended_logged_and_counted(
+    served, caplog, after_check, path: str, body: dict, marker: bytes
+):
+    """Whatever event the client leaves at, by the time the response's access line is written
+    the run has ended: its engine request aborted (no stream left open), its usage on the 499
+    line, its sequence counted as aborted, the request counted as 499."""
+    from probserve.api.app import create_app
+
+    state = served[1]
+    app = create_app(state)
+    engine = state.models[0].engine
+    before = state.metrics.render().decode()
+    with caplog.at_level(logging.INFO, logger="probserve.access"):
+        run(_hang_up_at(app, path, {"model": MODEL, **body}, marker))
+        # read at once, as the access line is written: nothing left to a collector
+        after = state.metrics.render().decode()
+        streams = engine.stats().streams
+    lines = [r.getMessage() for r in caplog.records if f"POST {path} 499" in r.getMessage()]
+    assert len(lines) == 1 and " prompt_tokens=" in lines[0], lines
+    assert streams == 0
+    http = {"handler": path, "status": "499"}
+    assert (
+        _count(after, "http_requests_total", **http)
+        == _count(before, "http_requests_total", **http) + 1
+    )
+    abort = {"finished_reason": "abort"}
+    assert (
+        _count(after, "vllm:request_success_total", **abort)
+        == _count(before, "vllm:request_success_total", **abort) + 1
+    )
 
 
 def test_small_errors_name_the_right_field(c: httpx.Client, after_check: None):

@@ -82,6 +82,7 @@ async def create_chat_completion(
         return sse_response(
             _stream(run, body, model, k, StreamUsage.of(body.stream_options)),
             keepalive=state.config.http.sse_keepalive,
+            on_end=run.close,
         )
     await run.collect()
     # formatted off the loop: a long prompt's logprobs x targets are seconds of work

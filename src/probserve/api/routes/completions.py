@@ -59,7 +59,9 @@ async def create_completion(
     if body.stream:
         usage = StreamUsage.of(body.stream_options)
         return sse_response(
-            _stream(run, shape, model, usage), keepalive=state.config.http.sse_keepalive
+            _stream(run, shape, model, usage),
+            keepalive=state.config.http.sse_keepalive,
+            on_end=run.close,
         )
     await run.collect()
     # formatted off the loop: echoed prompts' logprobs x targets are seconds of work

@@ -214,7 +214,8 @@ async def create_message(
     run = await Run(state, request, plan, "msg").start()
     message = _Message(run, body, state.name, ask.alternatives)
     if body.stream:
-        return sse_response(_stream(message), done=False, keepalive=state.config.http.sse_keepalive)
+        keepalive = state.config.http.sse_keepalive
+        return sse_response(_stream(message), False, keepalive, on_end=run.close)
     (cand,) = await run.collect()
     # formatted off the loop: a long reply's logprobs x targets are seconds of work
     return Response(await off_loop(_answer, message, cand), media_type="application/json")

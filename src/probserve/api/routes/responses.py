@@ -162,7 +162,8 @@ async def create_response(
         raise in_responses_terms(exc) from None
     reply = _Reply(run, body, model, ask.alternatives)
     if body.stream:
-        return sse_response(_stream(reply), done=False, keepalive=state.config.http.sse_keepalive)
+        keepalive = state.config.http.sse_keepalive
+        return sse_response(_stream(reply), False, keepalive, on_end=run.close)
     (cand,) = await run.collect()
     # formatted off the loop: a long reply's logprobs x targets are seconds of work
     return Response(await off_loop(_answer, reply, cand), media_type="application/json")

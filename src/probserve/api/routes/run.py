@@ -90,7 +90,7 @@ class Run:
         try:
             await run_all(self.request, self.candidates, self.timeout)
         finally:
-            self._finish()
+            self.close()
         return self.candidates
 
     async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
@@ -99,9 +99,16 @@ class Run:
             async for item in merge([c.deltas() for c in self.candidates], self.timeout):
                 yield item
         finally:
-            for c in self.candidates:
-                c.stream.close()
-            self._finish()
+            self.close()
+
+    def close(self) -> None:
+        """The run's end, however it came (idempotent): every engine stream closed (a request
+        still running is aborted) and the usage and metrics recorded. A streamed route's
+        response calls it when it ends (edge/sse.py: EventStream), whether or not its events
+        ever reached `deltas()`."""
+        for c in self.candidates:
+            c.stream.close()
+        self._finish()
 
     @property
     def usage(self) -> Usage:
