@@ -198,6 +198,43 @@ def test_continuous_usage_stats_puts_the_tokens_so_far_on_every_chunk(http: http
     assert all(c.get("usage") is None for c in chunks[:-1]) and chunks[-1]["usage"]
 
 
+CACHED_TEXT = "Name the planets of the solar system, from the closest to the sun outwards, " * 3
+
+
+def test_streamed_usage_agrees_with_itself_on_a_cached_prompt(http: httpx.Client) -> None:
+    """With usage on every chunk, a prompt found in the prefix cache (sent twice) says the same
+    cached_tokens on every chunk as on the final one: the first chunk included (it used to say 0,
+    the rest 16 or more). n = 2 too: the second candidate finds what the first computed."""
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": CACHED_TEXT}],
+            "max_tokens": 3, "temperature": 0, "stream_options": usage}  # fmt: skip
+    completion = {"model": MODEL, "prompt": CACHED_TEXT, "max_tokens": 3, "temperature": 0,
+                  "stream_options": usage}  # fmt: skip
+    for path, body in (
+        ("/v1/chat/completions", chat),
+        ("/v1/completions", completion),
+        ("/v1/chat/completions", {**chat, "n": 2}),
+        ("/v1/completions", {**completion, "n": 2}),
+    ):
+        _stream(http, path, body)  # now it is cached
+        chunks = _stream(http, path, body)
+        final = chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert final >= 16, (path, chunks[-1]["usage"])
+        said = [c["usage"]["prompt_tokens_details"]["cached_tokens"] for c in chunks]
+        assert said == [final] * len(chunks), (path, body.get("n"), said)
+        prompts = {c["usage"]["prompt_tokens"] for c in chunks}
+        assert prompts == {chunks[-1]["usage"]["prompt_tokens"]}
+    # the Messages API: message_start's usage names the cache reads the final usage names
+    message = {"model": MODEL, "messages": [{"role": "user", "content": CACHED_TEXT}],
+               "max_tokens": 3, "temperature": 0}  # fmt: skip
+    _stream(http, "/v1/messages", message)
+    events = _stream(http, "/v1/messages", message)
+    start = events[0]["message"]["usage"]
+    (end,) = [e["usage"] for e in events if e["type"] == "message_delta"]
+    assert start["cache_read_input_tokens"] == end["cache_read_input_tokens"] >= 16
+    assert start["input_tokens"] == end["input_tokens"]
+
+
 # ---- inspect-ai's Responses requests (openai provider, as its source builds them) ----------
 
 

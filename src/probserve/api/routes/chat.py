@@ -210,19 +210,29 @@ def _delta_events(
 async def _stream(
     run: Run, body: ChatCompletionRequest, model: str, k: int | None, usage: StreamUsage
 ) -> AsyncIterator[ChatCompletionChunk]:
-    yield _chunk(
-        run,
-        model,
-        [
-            ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-            for i in range(len(run.candidates))
-        ],
-        run.usage if usage.each else None,
-        list(run.plan.prompts[0].ids) if body.return_token_ids else None,
-    )
+    def opening() -> ChatCompletionChunk:  # each choice's role
+        return _chunk(
+            run,
+            model,
+            [
+                ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                for i in range(len(run.candidates))
+            ],
+            run.usage if usage.each else None,
+            list(run.plan.prompts[0].ids) if body.return_token_ids else None,
+        )
+
+    # with usage on every chunk, the opening waits for the first (settled) delta: the prompt's
+    # cached tokens are known only once it is scheduled, and every chunk's usage must agree
+    opened = not usage.each
+    if opened:
+        yield opening()
     tools = run.plan.tools
     replies = [ReplyParser.of(tools) if tools else None for _ in run.candidates]
-    async for i, delta in run.deltas():
+    async for i, delta in run.deltas(settled=usage.each):
+        if not opened:
+            opened = True
+            yield opening()
         if delta.prompt_scores is not None and body.prompt_logprobs is not None:
             # the prompt's scores: formatted off the loop, as the non-streamed answer is
             events = await off_loop(_delta_events, run, body, model, k, i, delta, replies[i], usage)

@@ -102,7 +102,7 @@ async def _stream(
     run: Run, shape: CompletionShape, model: str, usage: StreamUsage
 ) -> AsyncIterator[str]:
     started = [False] * len(run.candidates)
-    async for i, delta in run.deltas():
+    async for i, delta in run.deltas(settled=usage.each):
         first = not started[i]
         started[i] = True
         echoed = delta.prompt_scores is not None or delta.prompt_routed is not None

@@ -186,7 +186,7 @@ class _Message(ReplyItems):
         return ("tool_use" if self.calls else "end_turn"), None
 
     def usage(self, done: bool = True) -> MessagesUsage:
-        usage, cached = self.run.usage, self.run.cached_tokens if done else 0
+        usage, cached = self.run.usage, self.run.cached_tokens
         return MessagesUsage(
             input_tokens=usage.prompt_tokens - cached,
             output_tokens=usage.completion_tokens if done else 0,
@@ -243,10 +243,21 @@ def _event(event: Event) -> str:
 
 
 async def _stream(message: _Message) -> AsyncIterator[str]:
-    yield _event({"type": "message_start", "message": message.message(done=False)})
-    yield _event({"type": "ping"})
+    def opening() -> list[str]:
+        return [
+            _event({"type": "message_start", "message": message.message(done=False)}),
+            _event({"type": "ping"}),
+        ]
+
+    # message_start's usage names the prompt tokens read from the cache, known once the prompt
+    # is scheduled: it waits for the first (settled) delta, so that it agrees with the last
+    opened = False
     try:
-        async for _, delta in message.run.deltas():
+        async for _, delta in message.run.deltas(settled=True):
+            if not opened:
+                opened = True
+                for e in opening():
+                    yield e
             for step in message.steps(delta.pieces, final=bool(delta.finish_reason)):
                 for e in message.said(step):
                     yield _event(e)
@@ -255,6 +266,9 @@ async def _stream(message: _Message) -> AsyncIterator[str]:
     except APIError as exc:  # after the first event: an error event ends the stream
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, anthropic=True))
         return
+    if not opened:
+        for e in opening():
+            yield e
     for e in message.close():
         yield _event(e)
     reason, sequence = message.stop

@@ -93,13 +93,33 @@ class Run:
             self.close()
         return self.candidates
 
-    async def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
-        """(candidate index, delta) as the engine produces them (streamed responses)."""
+    async def deltas(self, settled: bool = False) -> AsyncIterator[tuple[int, Delta]]:
+        """(candidate index, delta) as the engine produces them (streamed responses).
+        `settled`: the first deltas are held until every candidate has been scheduled, so that
+        the prompts' cached tokens (`cached_tokens`, known once each is scheduled) are final
+        from the first delta on: usage shown with any delta then agrees with the last."""
+        held: list[tuple[int, Delta]] | None = [] if settled else None
         try:
             async for item in merge([c.deltas() for c in self.candidates], self.timeout):
-                yield item
+                if held is None:
+                    yield item
+                    continue
+                held.append(item)
+                if self.scheduled:
+                    for early in held:
+                        yield early
+                    held = None
+            for early in held or ():  # every candidate ended
+                yield early
         finally:
             self.close()
+
+    @property
+    def scheduled(self) -> bool:
+        """Every candidate has been scheduled (its cached prompt tokens known) or has ended."""
+        return all(
+            c.cached_tokens is not None or c.finish_reason is not None for c in self.candidates
+        )
 
     def close(self) -> None:
         """The run's end, however it came (idempotent): every engine stream closed (a request
