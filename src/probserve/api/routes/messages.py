@@ -256,8 +256,8 @@ async def _stream(message: _Message) -> AsyncIterator[str]:
         async for _, delta in message.run.deltas(settled=True):
             if not opened:
                 opened = True
-                for e in opening():
-                    yield e
+                for line in opening():
+                    yield line
             for step in message.steps(delta.pieces, final=bool(delta.finish_reason)):
                 for e in message.said(step):
                     yield _event(e)
@@ -267,8 +267,8 @@ async def _stream(message: _Message) -> AsyncIterator[str]:
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, anthropic=True))
         return
     if not opened:
-        for e in opening():
-            yield e
+        for line in opening():
+            yield line
     for e in message.close():
         yield _event(e)
     reason, sequence = message.stop
