@@ -277,6 +277,25 @@ def left_streams(ctx: Ctx) -> str | None:
     return None
 
 
+def unbudgeted_probe(ctx: Ctx) -> str | None:
+    """inspect-ai's start-up probe: a Responses request with `reasoning` and no
+    max_output_tokens. The server's default budget (the model card's max_tokens_default) bounds
+    it; it once ran to the end of the context (7,637 tokens, 196 s)."""
+    card = ctx.client.get("/v1/models").json()["data"][0]
+    bound = card.get("max_tokens_default")
+    if not isinstance(bound, int):
+        return f"the model card names no default budget: {bound!r}"
+    probe = {
+        "input": "Please say 'hello, world'",
+        "reasoning": {"effort": "low", "summary": "auto"},
+    }
+    r = ctx.client.post("/v1/responses", json=probe)
+    if r.status_code != 200:
+        return f"status {r.status_code}: {r.text[:300]}"
+    used = r.json()["usage"]["output_tokens"]
+    return None if used <= bound else f"{used} output tokens past the default of {bound}"
+
+
 def hog_the_batch(ctx: Ctx) -> str | None:
     """One request with n = the largest allowed must not keep a one-token request waiting until
     it is done."""
@@ -566,6 +585,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("big_tokenize", big_tokenize),
     ("disconnects", disconnects),
     ("left_streams", left_streams),
+    ("unbudgeted_probe", unbudgeted_probe),
     ("hog_the_batch", hog_the_batch),
     ("embedding_flood", embedding_flood),
     ("slow_clients", slow_clients),

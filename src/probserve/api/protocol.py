@@ -635,6 +635,8 @@ class ModelCard(BaseModel):
     owned_by: str = "probserve"
     root: str | None = None  # the model this name serves (its first name)
     max_model_len: int | None = None
+    # what a request that sets no budget generates at most (--max-tokens-default; null: the context)
+    max_tokens_default: int | None = None
     status: str = "ok"  # the model's engine: ok, stuck, dead or restarting (see /health)
     replicas: int | None = None  # on Ray Serve: the model's replicas answering (see /health)
     # what runs how (see /health): absent before the engine has said

@@ -1,6 +1,7 @@
 """A model's sampling defaults: the values its generation_config.json sets for the sampling
-fields a request may leave out (temperature, top_p, top_k, min_p, repetition_penalty), applied
-by default as vLLM applies them (`--generation-config`)."""
+fields a request may leave out (temperature, top_p, top_k, min_p, repetition_penalty) and for
+the budget of a request that sets none (max_new_tokens), applied by default as vLLM applies
+them (`--generation-config`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """None: the OpenAI default (temperature 1, top_p 1, no top_k or min_p, no penalty)."""
+    """None: the OpenAI default (temperature 1, top_p 1, no top_k or min_p, no penalty), and
+    for max_new_tokens the server's (--max-tokens-default)."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
 
     def named(self) -> dict[str, Any]:
         return {
@@ -56,7 +59,8 @@ def sampling_defaults(source: ModelSource | None, choice: str) -> SamplingDefaul
     for f in fields(SamplingDefaults):
         value = diff.get(f.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            values[f.name] = int(value) if f.name == "top_k" else float(value)
+            counts = f.name in ("top_k", "max_new_tokens")
+            values[f.name] = int(value) if counts else float(value)
     defaults = SamplingDefaults(**values)
     if values:
         log.info("sampling defaults from %s's generation_config.json: %s", where, defaults.named())

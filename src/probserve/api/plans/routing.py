@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from probserve.api.errors import bad_request
 from probserve.api.plans.plan import Plan
+from probserve.api.plans.sampling import budgeted
 from probserve.api.protocol import SamplingFields
 from probserve.api.server.state import Serving
 from probserve.engine import RoutingSpec
@@ -28,10 +29,11 @@ def routing_spec(state: Serving, body: SamplingFields, plan: Plan, prompt: bool)
             f"({info.architecture or 'its architecture'}, {info.runner}) routes nothing",
             FIELD,
         )
-    context = state.max_context
+    context, default = state.max_context, state.max_tokens_default
     total = 0
     for p in plan.prompts:
-        for sp in plan.sampling:
+        for asked in plan.sampling:
+            sp = budgeted(asked, len(p.ids), context, default)
             generated = sp.max_tokens if sp.max_tokens is not None else context - len(p.ids)
             total += max(0, generated) + (len(p.ids) if prompt else 0)
     cap = state.config.limits.max_routed_tokens

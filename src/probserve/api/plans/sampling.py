@@ -85,6 +85,19 @@ def sampling_params(
     )
 
 
+def budgeted(
+    sampling: SamplingParams, prompt_tokens: int, context: int, default: int | None
+) -> SamplingParams:
+    """`sampling` for one prompt, with the server's default budget where the request set none
+    (`max_tokens` None): at most `default` tokens (None: no default), and no more than the
+    context leaves after the prompt. A prompt that leaves no room keeps None (the engine's 400
+    names the prompt); a budget the request set is kept as it is."""
+    room = context - prompt_tokens
+    if sampling.max_tokens is not None or default is None or room <= 0:
+        return sampling
+    return dataclasses.replace(sampling, max_tokens=min(default, room))
+
+
 def candidate_params(
     req: SamplingFields,
     max_tokens: int | None,

@@ -32,11 +32,13 @@ from probserve.engine.info import EngineInfo
 router = APIRouter()
 
 
-def model_health(model: ServedModel) -> dict[str, object]:
-    """One model's engine, read now: its status (and why, when not ok), counts and settings."""
+def model_health(model: ServedModel, max_tokens_default: int) -> dict[str, object]:
+    """One model's engine, read now: its status (and why, when not ok), counts and settings
+    (with the budget of a request that sets none: `max_tokens_default`, the flag's value)."""
     engine = model.engine
     status, reason = model.health()
     body: dict[str, object] = {"status": status, **engine.stats().figures()}
+    body["max_tokens_default"] = model.max_tokens_default(max_tokens_default)
     info = getattr(engine, "info", None)  # absent when a worker died before saying hello
     if info is not None:
         body.update(serving_facts(info))
@@ -51,7 +53,8 @@ async def health(request: Request) -> JSONResponse:
     engine has died, or one step has been running past --engine-stall-timeout): a load balancer
     must stop sending traffic. The first model's figures are also at the top level."""
     st = server_state(request)
-    models = {m.name: model_health(m) for m in st.models}
+    flag = st.config.limits.max_tokens_default
+    models = {m.name: model_health(m, flag) for m in st.models}
     statuses = [str(h["status"]) for h in models.values()]
     first = models[st.default.name]
     if all(s == "ok" for s in statuses):
@@ -94,13 +97,14 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
     }
 
 
-def _card(model: ServedModel, name: str) -> ModelCard:
+def _card(model: ServedModel, name: str, max_tokens_default: int) -> ModelCard:
     replicas = model.engine.stats().replicas
     info = getattr(model.engine, "info", None)
     return ModelCard(
         id=name,
         root=model.root,
         max_model_len=model.context_length,
+        max_tokens_default=model.max_tokens_default(max_tokens_default),
         status=model.health()[0],
         replicas=None if replicas is None else int(replicas),
         **(serving_facts(info) if info is not None else {}),
@@ -110,12 +114,15 @@ def _card(model: ServedModel, name: str) -> ModelCard:
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
     """Every name of every model (an alias's `root` is its model's own name)."""
-    return ModelList(data=[_card(m, n) for m in server_state(request).models for n in m.names])
+    st = server_state(request)
+    flag = st.config.limits.max_tokens_default
+    return ModelList(data=[_card(m, n, flag) for m in st.models for n in m.names])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 async def get_model(model_id: str, request: Request) -> ModelCard:
-    return _card(*server_state(request).model(model_id))
+    st = server_state(request)
+    return _card(*st.model(model_id), st.config.limits.max_tokens_default)
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)

@@ -19,6 +19,7 @@ from starlette.requests import Request
 
 from probserve.api.answers.text_stream import TextStream
 from probserve.api.plans.plan import Plan
+from probserve.api.plans.sampling import budgeted
 from probserve.api.prompts import Prompt
 from probserve.api.protocol import Usage
 from probserve.api.routes.generation import (
@@ -51,17 +52,22 @@ class Run:
 
     async def start(self) -> Run:
         """Submit every candidate of every prompt (all or none). The candidates of one prompt
-        share its prompt scores: only the first one's engine request computes them."""
+        share its prompt scores: only the first one's engine request computes them. A candidate
+        whose request set no budget gets the server's default (`budgeted`)."""
         plan, table = self.plan, self.state.table
         sibling = dataclasses.replace(plan.spec, prompt_top_k=None) if plan.spec else None
+        default = self.state.max_tokens_default
+        unbudgeted = any(s.max_tokens is None for s in plan.sampling)
+        context = self.state.max_context if unbudgeted and default is not None else 0
         requests: list[EngineRequest] = []
         texts: list[TextStream] = []
         for prompt in plan.prompts:
             base = len(prompt.text) if plan.offsets_from_prompt else 0
-            for c, sampling in enumerate(plan.sampling):
+            for c, asked in enumerate(plan.sampling):
                 rid = EngineClient.new_request_id(self.engine_prefix)
                 spec = sibling if c else plan.spec
                 ids = tuple(prompt.ids)
+                sampling = budgeted(asked, len(ids), context, default)
                 req = EngineRequest(
                     rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
                     plan.speculative, plan.embed,

@@ -65,6 +65,13 @@ class Limits:
         65_536, "characters of a structured output's schema (as JSON), regex, grammar or choices"
     )
     max_grammar_choices: int = setting(1024, "strings of a structured output's choice")
+    max_tokens_default: int = setting(
+        2048,
+        "tokens a request that sets no budget (chat's max_tokens / max_completion_tokens, "
+        "Responses' max_output_tokens, completions' max_tokens: null) generates at most, where "
+        "the model's generation_config.json sets no max_new_tokens (--generation-config); it "
+        "ends with finish_reason length (0: up to the context)",
+    )
     request_timeout: float = setting(600.0, "seconds before a request is aborted (0: never)")
 
     def check_sequences(self, prompts: int, per_prompt: int, param: str) -> None:

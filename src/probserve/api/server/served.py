@@ -64,6 +64,14 @@ class ServedModel:
         info = getattr(self.engine, "info", None)
         return int(info.context_length) if info is not None else self.record.context_length
 
+    def max_tokens_default(self, flag: int) -> int | None:
+        """The tokens a request that sets no budget generates at most: its generation config's
+        max_new_tokens (as vLLM), else `flag` (--max-tokens-default); None (0): up to the
+        context."""
+        own = self.sampling_defaults.max_new_tokens
+        value = own if own is not None else flag
+        return value if value > 0 else None
+
     def health(self) -> tuple[str, str | None]:
         """("ok" | "stuck" | "dead" | "restarting", why)."""
         if self.restarting is not None:

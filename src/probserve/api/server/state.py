@@ -56,6 +56,11 @@ class Serving:
             raise EngineDead(f"the model's engine is {status}: {why or 'not started'}")
         return int(info.max_context)
 
+    @property
+    def max_tokens_default(self) -> int | None:
+        """What a request that sets no budget generates at most (None: up to the context)."""
+        return self.model.max_tokens_default(self.config.limits.max_tokens_default)
+
     def formatter(self, as_ids: bool) -> LogprobsFormatter:
         """The logprobs formatter: tokens by text, or (`as_ids`) named `token_id:N`."""
         return self.model.fmt_ids if as_ids else self.model.fmt
