@@ -27,38 +27,9 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # the scripts of bench/ (hostile clients, load test) are importable from the tests
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-
-@pytest.fixture(autouse=True)
-def _fast_tests_start_no_process(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
-    """`make test-fast` starts no process (README): a test not marked slow that spawns one (a
-    worker, a server, a client of its own) fails, naming it, so that the promise holds. The
-    kernels' compiler is the one exception: it builds (or names the build of) their library."""
-    if request.node.get_closest_marker("slow") is not None:
-        yield
-        return
-    import subprocess
-
-    from probserve.kernels.build import KernelBuildError, compiler
-
-    try:
-        allowed = compiler()
-    except KernelBuildError:  # no compiler: nothing is allowed
-        allowed = None
-    original = subprocess.Popen.__init__
-
-    def guarded(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
-        program = args[0] if isinstance(args, list | tuple) and args else args
-        if allowed is None or program != allowed:
-            raise AssertionError(
-                f"{request.node.nodeid} is not marked slow but started a process ({args!r}): "
-                "mark it slow (make test-fast starts none)"
-            )
-        original(self, args, *rest, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
-    yield
+# process_guard: a test not marked slow starts no process (make test-fast); pytester: tests of
+# that plugin run pytest on test files made for the purpose
+pytest_plugins = ["process_guard", "pytester"]
 
 
 @pytest.fixture(scope="session")

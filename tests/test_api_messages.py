@@ -13,6 +13,8 @@ import httpx
 import pytest
 from hostile_util import canary, check_after
 
+pytestmark = pytest.mark.slow  # the session's server (its worker is a process)
+
 MODEL = "smollm2-135m-instruct"
 GREEDY = {"temperature": 0}  # the SDK sends sampling fields through extra_body
 WEATHER = {

@@ -301,6 +301,7 @@ def test_return_routed_experts_names_the_routers_picks_on_every_route(smol):
         assert c.post("/v1/completions", json=body).json()["choices"][0] == choice  # canary
 
 
+@pytest.mark.slow  # the session's server (its worker is a process)
 def test_a_dense_model_refuses_return_routed_experts(http):
     r = http.post(
         "/v1/completions",
