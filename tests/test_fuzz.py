@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -100,9 +101,6 @@ def test_stop_strings_never_leak(table: TokenTable, smol: LoadedModel, data: st.
     assert text == (full[: full.index(stop)] if stop in full else full)
     if out and ts.stopped:
         assert out[-1].text  # arrays end with a token that contributes text
-
-
-schemathesis = pytest.importorskip("schemathesis")
 
 
 @pytest.mark.slow

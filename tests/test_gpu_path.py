@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import triton  # noqa: F401  (a dev dependency: without it these tests fail, they never skip)
 from conftest import run_core
 from reference import full_logprobs
 from test_families import _config, _numbers
@@ -22,8 +23,6 @@ from test_families import _config, _numbers
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
 from probserve.engine.device import DeviceError, gpu_path
 from probserve.models import LoadedModel
-
-pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
 VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python
 KINDS = ["qwen3", "gemma2", "mistral", "gpt_oss"]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from playwright import sync_api
 
 pytestmark = pytest.mark.slow
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
     pytest.skip(
