@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from hub_double import COMMIT, HubDouble, running_hub
+from server_util import free_port
 
 from probserve.models.errors import ModelLoadError
 from probserve.models.hub import HubName, RepoFile, _choose, gguf_groups, quant_of
@@ -165,7 +166,7 @@ def test_pull_resumes_shows_progress_lists_and_says_what_is_wrong(hub, tmp_path:
     missing = _probserve(offline, "pull", "test-org/other")
     assert missing.returncode == 2 and "offline mode (HF_HUB_OFFLINE)" in missing.stderr
     # no network (nothing listens there): the same
-    dead = _env("http://127.0.0.1:9", tmp_path / "hf")
+    dead = _env(f"http://127.0.0.1:{free_port()}", tmp_path / "hf")
     cached = _probserve(dead, "pull", f"{repo}:Q4_1")
     assert cached.returncode == 0 and str(got) in cached.stdout
     unreachable = _probserve(dead, "pull", "test-org/other")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import running_state
+from server_util import free_port, running_state
 
 from probserve.api.answers.tokens import TokenTable
 from probserve.models import LoadedModel
@@ -25,6 +25,8 @@ PROBSERVE = [sys.executable, "-m", "probserve.cli"]
 
 
 def _one_line_refusal(args: list[str], names: str) -> str:
+    if args[0] == "serve":  # a port of its own: `serve` checks its port before the model
+        args = [*args, "--port", str(free_port())]
     proc = subprocess.run(
         [*PROBSERVE, *args], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
     )
