@@ -333,9 +333,10 @@ def test_distribution_rows_in_flight_are_bounded(smol: LoadedModel):
 
 def test_rerank_scores_are_the_scoring_paths(http, smol: LoadedModel):
     """/v1/rerank: each document's relevance_score equals /v1/score's probability of " yes"
-    (renormalised over " yes" and " no") after the relevance prompt, most relevant first, the
-    first top_n, documents as strings or {"text"}; the aliases answer the same; an empty or
-    oversized document list is a 400 naming it."""
+    (renormalised over " yes" and " no") after the relevance prompt, and is within 1e-4 of
+    transformers' float32 forward of that prompt; most relevant first, the first top_n,
+    documents as strings or {"text"}; the aliases answer the same; an empty or oversized
+    document list is a 400 naming it."""
     docs = [
         "Paris is the capital and largest city of France.",
         "Bananas are a good source of potassium.",
@@ -357,6 +358,23 @@ def test_rerank_scores_are_the_scoring_paths(http, smol: LoadedModel):
     ).json()["scores"]  # fmt: skip
     want = sorted(range(3), key=lambda i: (-score[i][0], i))
     assert [res["index"] for res in answer["results"]] == want
+    # the independent reference: the model's own forward of the whole prompt, the labels read
+    # at its last position (each label one token) and renormalised over the two
+    assert all(len(smol.tokenizer(a, add_special_tokens=False).input_ids) == 1
+               for a in (" yes", " no"))  # fmt: skip
+    prompts = [
+        smol.tokenizer(
+            f"Query: {body['query']}\nDocument: {t}\nIs the document relevant to the query? Answer:"
+        ).input_ids
+        for t in texts
+    ]
+    assert answer["usage"]["prompt_tokens"] == sum(len(ids) for ids in prompts)
+    reference = [
+        torch.softmax(full_logprobs(smol.model, p)[-1].double()[ids], 0)[0].item() for p in prompts
+    ]
+    for res in answer["results"]:
+        assert abs(res["relevance_score"] - reference[res["index"]]) < 1e-4, (res, reference)
+    assert max(reference) - min(reference) > 1e-3, reference  # they differ: a check that can fail
     for res in answer["results"]:
         assert res["relevance_score"] == score[res["index"]][0]
         assert res["document"] == {"text": texts[res["index"]]}
