@@ -6,6 +6,7 @@ count_tokens, and errors in Anthropic's envelope that harm nothing."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import anthropic
@@ -120,6 +121,20 @@ def test_the_tool_use_round_trip(claude, http) -> None:  # type: ignore[no-untyp
     assert [(b.type, b.name, b.input) for b in streamed.content] == [  # type: ignore[union-attr]
         ("tool_use", use.name, use.input)
     ]
+    # the call is chat's for the same conversation and tool_choice: its name and arguments,
+    # and an id of the same shape, fresh for each reply
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": WEATHER["description"],
+        "parameters": WEATHER["input_schema"], "strict": True}}]  # fmt: skip
+    chat = _chat(http, max_tokens=48, messages=ASK, tools=tools, tool_choice="required",
+                 parallel_tool_calls=False)["choices"][0]  # fmt: skip
+    (chat_call,) = chat["message"]["tool_calls"]
+    assert chat["finish_reason"] == "tool_calls" and chat_call["type"] == "function"
+    assert chat_call["function"]["name"] == use.name
+    assert json.loads(chat_call["function"]["arguments"]) == use.input
+    shape = re.compile(r"[a-z]+_[0-9a-f]{24}")
+    ids = [use.id, streamed.content[0].id, chat_call["id"]]  # type: ignore[union-attr]
+    assert all(shape.fullmatch(i) for i in ids) and len(set(ids)) == 3, ids
     # the result goes back as a tool_result block; the prompt is chat's with a tool message
     conversation = [
         *ASK,
@@ -141,9 +156,6 @@ def test_the_tool_use_round_trip(claude, http) -> None:  # type: ignore[no-untyp
         {"role": "tool", "tool_call_id": use.id, "content": '{"temp_c": 18}'},
         {"role": "user", "content": "Thanks."},
     ]
-    tools = [{"type": "function", "function": {
-        "name": "get_weather", "description": WEATHER["description"],
-        "parameters": WEATHER["input_schema"], "strict": True}}]  # fmt: skip
     counted = http.post("/tokenize", json={"model": MODEL, "messages": chat_messages,
                                            "tools": tools}).json()  # fmt: skip
     usage = second.usage

@@ -291,17 +291,18 @@ def test_stream_options_follow_the_field_policy(http: httpx.Client) -> None:
 
 
 def test_a_schema_without_additional_properties_gets_only_its_keys(http: httpx.Client) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "country": {"type": "string"}}}  # fmt: skip
+    # the strings' maxLength bounds the object well within max_tokens: each reply closes it
+    text = {"type": "string", "maxLength": 20}
+    schema = {"type": "object", "properties": {"name": text, "country": text}}
     for seed in range(4):
-        body = {"model": MODEL, "seed": seed, "max_tokens": 60, "temperature": 1.0,
+        body = {"model": MODEL, "seed": seed, "max_tokens": 100, "temperature": 1.0,
                 "messages": [{"role": "user", "content": "A city in France, as JSON"}],
                 "response_format": {"type": "json_schema",
                                     "json_schema": {"name": "city", "schema": schema}}}  # fmt: skip
         r = http.post("/v1/chat/completions", json=body).json()
         content = r["choices"][0]["message"]["content"]
-        if r["choices"][0]["finish_reason"] == "stop":
-            assert set(json.loads(content)) <= {"name", "country"}, content
+        assert r["choices"][0]["finish_reason"] == "stop", r
+        assert set(json.loads(content)) <= {"name", "country"}, content
         assert '"city"' not in content
 
 
@@ -388,20 +389,35 @@ def test_responses_calls_complete_as_they_close(http: httpx.Client) -> None:
                           "required": ["a", "b"]}}  # fmt: skip
     body = {"model": MODEL, "input": "Add 1 and 2, then 3 and 4.", "tools": [add],
             "tool_choice": "required", "temperature": 0}  # fmt: skip
-    # the 135M model calls add again and again: the reply is cut inside a call
-    r = http.post("/v1/responses", json={**body, "max_output_tokens": 60}).json()
-    status = [o["status"] for o in r["output"] if o["type"] == "function_call"]
-    assert len(status) >= 2 and set(status[:-1]) == {"completed"}, status
-    if r["status"] == "completed":
-        assert status[-1] == "completed"
+    # the 135M model calls add again and again: the reply is cut inside a call, which is
+    # incomplete, the calls before it completed
     body["max_output_tokens"] = 60
+    r = http.post("/v1/responses", json=body).json()
+    calls = [o for o in r["output"] if o["type"] == "function_call"]
+    status = [c["status"] for c in calls]
+    assert r["status"] == "incomplete", r
+    assert r["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert len(status) >= 2 and set(status[:-1]) == {"completed"}, status
+    assert status[-1] == "incomplete", status
+    # one call only: the reply ends with it, completed
+    one = http.post("/v1/responses", json={**body, "parallel_tool_calls": False}).json()
+    assert one["status"] == "completed", one
+    assert [(o["type"], o["status"]) for o in one["output"]] == [("function_call", "completed")]
+    assert json.loads(one["output"][0]["arguments"]) == json.loads(calls[0]["arguments"])
     events = _stream(http, "/v1/responses", body)
     kinds = [(e["type"], e.get("output_index")) for e in events]
     added = [i for i, (k, _) in enumerate(kinds) if k == "response.output_item.added"]
     closed = [i for i, (k, _) in enumerate(kinds) if k == "response.output_item.done"]
-    # each call's done event comes before the next call is added
+    # each call's done event comes before the next call is added; the stream's calls are the
+    # whole reply's
+    assert len(added) == len(closed) == len(calls), kinds
     for nxt, done in zip(added[1:], closed, strict=False):
         assert done < nxt, kinds
+    items = [events[i]["item"] for i in closed]
+    assert [(i["status"], i["arguments"]) for i in items] == [
+        (c["status"], c["arguments"]) for c in calls
+    ]
+    assert events[-1]["type"] == "response.incomplete"
 
 
 # ---- the strict policy and the access line -----------------------------------------------
