@@ -71,11 +71,12 @@ def running_server(loaded: LoadedModel, *extra: str) -> Iterator[str]:
 
 class InFlight:
     """A streamed completion read on a thread of its own: `started` is set at its first event,
-    so a test can act while the request is certainly in flight; `join()` gives (status, events,
-    ended with [DONE])."""
+    so a test can act while the request is certainly in flight; `leave()` hangs up at the next
+    event; `join()` gives (status, events, ended with [DONE])."""
 
     def __init__(self, url: str, body: dict[str, object]) -> None:
         self.started = threading.Event()
+        self._leaving = threading.Event()
         self.status = 0
         self.events: list[str] = []
         self.done = False
@@ -91,12 +92,17 @@ class InFlight:
             ) as r:
                 self.status = r.status_code
                 for line in r.iter_lines():
+                    if self._leaving.is_set():
+                        break
                     if line.startswith("data: "):
                         self.started.set()
                         self.done = line == "data: [DONE]"
                         self.events.append(line)
         finally:
             self.started.set()
+
+    def leave(self) -> None:
+        self._leaving.set()
 
     def join(self, timeout: float = 120) -> tuple[int, list[str], bool]:
         self._thread.join(timeout)

@@ -92,6 +92,7 @@ def test_n_seed_and_stop(client: openai.OpenAI):
     b = client.chat.completions.create(**kw, n=2)
     assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
     assert len(a.choices) == 2
+    assert a.choices[0].message.content != a.choices[1].message.content  # one seed, two draws
     full = client.chat.completions.create(**{**kw, "temperature": 0}).choices[0].message.content
     word = full.split()[1]
     r = client.chat.completions.create(**{**kw, "temperature": 0}, stop=[word])

@@ -220,6 +220,9 @@ def test_n_best_of_and_seed(client: openai.OpenAI):
     b = client.completions.create(**kw)
     assert a.choices[0].text == b.choices[0].text
     all3 = client.completions.create(**kw, n=3)
+    # one seed, three draws: each choice its own stream of random numbers, so they differ
+    assert len({tuple(c.logprobs.tokens) for c in all3.choices}) == 3, all3.choices
+    assert client.completions.create(**kw, n=3).choices == all3.choices  # and the seed holds
     means = sorted(
         (
             (sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs), c.text)
@@ -238,6 +241,17 @@ def test_n_best_of_and_seed(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**kw, n=1, best_of=2, stream=True)
     assert err.value.body["param"] == "best_of"
+
+
+def test_requests_without_a_seed_differ(client: openai.OpenAI):
+    """Without a seed each request (and each of its choices) draws its own random numbers: two
+    requests sampling 16 tokens at temperature 1 differ, and so do the choices of one."""
+    kw = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0,
+          "logprobs": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    first, second = (client.completions.create(**kw) for _ in range(2))
+    assert first.choices[0].logprobs.tokens != second.choices[0].logprobs.tokens
+    both = client.completions.create(**kw, n=2).choices
+    assert both[0].logprobs.tokens != both[1].logprobs.tokens
 
 
 def test_context_overflow_names_numbers(client: openai.OpenAI, smol: LoadedModel):

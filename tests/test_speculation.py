@@ -174,14 +174,29 @@ def _metric(text: str, name: str) -> float:
     return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
 
 
+# requests beside a speculating one: sampled (seeded) and greedy, one not speculating itself
+MATES = [
+    ("/v1/completions", {"prompt": "My favourite animal is", "max_tokens": 16, "temperature": 0.9,
+                         "seed": 5, "logprobs": 2, "ignore_eos": True}),
+    ("/v1/completions", {"prompt": "Rivers of Europe:", "max_tokens": 16, "temperature": 0,
+                         "logprobs": 2, "ignore_eos": True, "speculative": False}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name three rivers."}],
+                              "max_tokens": 16, "temperature": 0.7, "seed": 2, "logprobs": True,
+                              "top_logprobs": 2}),
+]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, http):
     """The embedded model, a server with --speculative ngram against the session's (off):
     completions (echo, top logprobs, entropy) and seeded sampled chat, whole and streamed, the
     same JSON; the drafted and accepted tokens counted on /metrics, the default on /health, a
-    request's `speculative: false` honoured."""
+    request's `speculative: false` honoured; the sampled chat alone has proposals checked and
+    accepted (its own); requests batched with a speculating one answer as plain decoding does."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
-    from server_util import running_server
+    from server_util import InFlight, running_server, wait_until
 
     completion = {
         "prompt": TEXT, "max_tokens": 24, "temperature": 0, "logprobs": 3, "echo": True,
@@ -213,7 +228,11 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
                 joined.setdefault(key, []).extend(values)
         return [got[0], got[1], joined]
 
+    def mate(base: str, path: str, body: dict) -> list:
+        return httpx.post(f"{base}{path}", json=body, timeout=120).json()["choices"]
+
     plain = scrubbed(answers(http))
+    plain_mates = [mate(str(http.base_url).rstrip("/"), path, body) for path, body in MATES]
     with running_server(smol, "--speculative", "ngram") as url:
         c = httpx.Client(base_url=url, timeout=120)
         assert c.get("/health").json()["speculative"] == "ngram"
@@ -229,10 +248,32 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
         accepted = settled("vllm:spec_decode_num_accepted_tokens_total")
         off = c.post("/v1/completions", json={**completion, "speculative": False}).json()
         after = settled("vllm:spec_decode_num_draft_tokens_total")
+
+        def accepted_now() -> float:
+            return _metric(c.get("/metrics").text, "vllm:spec_decode_num_accepted_tokens_total")
+
+        # the seeded sampled chat alone on the server: its own proposals checked and accepted
+        before = accepted_now()
+        alone = c.post("/v1/chat/completions", json=chat).json()["choices"]
+        sampled_accepted = wait_until(lambda: accepted_now() > before)
+        # batch-mates: while a greedy copy (speculating, thousands of tokens to go) runs
+        hog = InFlight(url, {"prompt": TEXT, "max_tokens": 4000, "temperature": 0,
+                             "ignore_eos": True})  # fmt: skip
+        assert hog.started.wait(120)
+        drafting = _metric(c.get("/metrics").text, "vllm:spec_decode_num_draft_tokens_total")
+        with ThreadPoolExecutor(len(MATES)) as pool:
+            mates = list(pool.map(lambda m: mate(url, *m), MATES))
+        beside = c.get("/health").json()["running"]  # the copy still running: they shared steps
+        drafted_beside = _metric(c.get("/metrics").text, "vllm:spec_decode_num_draft_tokens_total")
+        hog.leave()
+        hog_status, _, _ = hog.join()
     assert spec[0] == plain[0] and spec[1] == plain[1]
     assert spec[2] == plain[2] and spec[2]["text"]
     assert drafted > 0 and 0 < accepted <= drafted and 0 < first <= accepted
     assert off["choices"] == plain[0] and after == drafted
+    assert alone == plain[1] and sampled_accepted
+    assert beside >= 1 and hog_status == 200 and drafted_beside > drafting
+    assert mates == plain_mates
 
 
 def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedModel):
