@@ -209,6 +209,45 @@ def test_hostile_grammars_are_400s_and_leave_the_server_as_it_was(http):
     assert http.get("/health").status_code == 200
 
 
+def test_the_largest_choice_allowed_is_served(http, smol: LoadedModel):
+    """--max-grammar-choices (1024) holds at exactly its bound, whatever the labels' shape
+    (short, long, sharing long prefixes, one a prefix of another): the answer is one of them,
+    the grammar is the language of the plain alternation of the labels (the same tokens
+    allowed at every step of a label, under llguidance's default row bound, which the plain
+    one meets), and 1,025 is refused naming the field."""
+    shapes = {
+        "short": [f"c{i}" for i in range(1024)],
+        "long": [f"label number {i:04d} " + "of many words " * 3 for i in range(1024)],
+        "prefixes": ["yes" * (i % 16 + 1) + f" {i}" for i in range(1024)],
+    }
+    body = {"model": MODEL, "prompt": "Pick one:", "max_tokens": 64, "temperature": 0}
+    lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
+    for name, labels in shapes.items():
+        assert len(set(labels)) == 1024 and sum(map(len, labels)) <= 65_536
+        for ask in ({"structured_outputs": {"choice": labels}}, {"guided_choice": labels}):
+            r = http.post("/v1/completions", json={**body, **ask})
+            assert r.status_code == 200, (name, r.text[:300])
+            choice = r.json()["choices"][0]
+            assert choice["text"] in labels and choice["finish_reason"] == "stop", (name, choice)
+        grammar = compile_grammar(GrammarAsk("choice", "choice", labels), 65_536, 1024)
+        plain = llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(x) for x in labels)
+        )
+        for label in labels[::97]:
+            ours, theirs = (llguidance.LLMatcher(lltok, g, log_level=0) for g in (grammar, plain))
+            for token in smol.tokenizer(label, add_special_tokens=False).input_ids:
+                allowed = _llguidance_allowed(ours, smol.vocab_size)
+                assert allowed == _llguidance_allowed(theirs, smol.vocab_size), (name, label)
+                assert ours.consume_token(token) and theirs.consume_token(token)
+            assert ours.is_accepting() and theirs.is_accepting()
+    for field, ask in (
+        ("structured_outputs.choice", {"structured_outputs": {"choice": shapes["short"] + ["x"]}}),
+        ("guided_choice", {"guided_choice": shapes["short"] + ["x"]}),
+    ):
+        err = _err(http.post("/v1/completions", json={**body, **ask}), field)
+        assert "1 to 1024" in err["message"], err
+
+
 TOPICS = (  # noqa: SIM905
     "sports politics science music cooking travel health finance weather history art film "
     "television books poetry theatre dance fashion beauty fitness nutrition medicine biology "

@@ -96,9 +96,7 @@ def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int, closed: b
         _check_size(sum(len(c) for c in choices), max_chars, ask.param)
         if any(c == "" for c in choices):
             raise bad_request(f"{ask.param} holds an empty string", ask.param)
-        # each choice a Lark string literal (JSON's escapes), duplicates once
-        alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return llguidance.LLMatcher.grammar_from_lark(choice_lark(choices))
     _check_size(len(source), max_chars, ask.param)
     if ask.kind == "lark":  # built here (a tool call's), never a client's text
         return llguidance.LLMatcher.grammar_from_lark(source)
@@ -113,6 +111,17 @@ def compile_grammar(ask: GrammarAsk, max_chars: int, max_choices: int, closed: b
             raise bad_request(f"{ask.param}: {exc}", ask.param) from None
     lark = source
     return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def choice_lark(choices: list[str]) -> str:
+    """The grammar of exactly one of `choices`, as one terminal: each choice a Lark string
+    literal (JSON's escapes; duplicates once), the alternation a single lexeme. The lexer
+    matches it (its states grow with the choices' characters, which max_grammar_chars bounds),
+    so the parser's rows hold a few items whatever the number of choices; as a rule's
+    alternatives, each choice would be an item of the first row, and llguidance's bound on a
+    row (engine/grammar.py MAX_ITEMS_IN_ROW) would refuse 1,000 choices."""
+    alternatives = " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+    return f"start: CHOICE\nCHOICE: {alternatives}"
 
 
 def _check_size(chars: int, cap: int, param: str) -> None:
