@@ -99,6 +99,24 @@ def test_max_new_tokens_is_max_tokens_and_a_disagreement_is_a_400(http: httpx.Cl
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "max_new_tokens" and "max_tokens" in err["message"]
+    # chat's three spellings (its older max_tokens too): given together they agree, or a 400
+    # naming the other one (max_new_tokens 3 beside max_tokens 2 was 3 tokens)
+    for extra, param in (
+        ({"max_tokens": 2, "max_new_tokens": 3}, "max_new_tokens"),
+        ({"max_completion_tokens": 2, "max_new_tokens": 3}, "max_new_tokens"),
+        ({"max_tokens": 3, "max_completion_tokens": 2}, "max_tokens"),
+        ({"max_tokens": 2, "max_completion_tokens": 2, "max_new_tokens": 3}, "max_new_tokens"),
+    ):
+        r = http.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+    for extra in (
+        {"max_tokens": 2, "max_new_tokens": 2},
+        {"max_tokens": 2, "max_completion_tokens": 2, "max_new_tokens": 2},
+        {"max_tokens": None, "max_completion_tokens": 2},
+    ):
+        r = http.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, (extra, r.text)
 
 
 def test_the_sdks_extra_body_is_served_and_named_back(client: openai.OpenAI) -> None:

@@ -72,7 +72,8 @@ def test_score_errors_name_the_field(c: httpx.Client, after_check: None):
         ({"query": [10**9], "items": [[1]]}, "query"),
         ({"query": [1], "items": [[10**9]]}, "items"),
         ({"query": "", "items": [""]}, "items"),
-        ({"query": [504] * 8191, "items": [[504]]}, "items"),
+        ({"query": [504] * 8190, "items": [[504, 504]]}, "items"),
+        ({"query": [504] * 8191, "items": [[504]]}, "query"),  # no room for any item
         ({"query": "q", "items": [[1]]}, "items"),
     ):
         error_of(c.post("/v1/score", json={**base, **body}), 400, param)
@@ -545,6 +546,64 @@ def test_small_errors_name_the_right_field(c: httpx.Client, after_check: None):
     error_of(c.post("/v1/completions", json=fits), 400, "max_tokens")
     orphan = [{"type": "function_call_output", "call_id": "nope", "output": "3"}]
     error_of(c.post("/v1/responses", json={"input": orphan}), 400, "input[0].call_id")
+
+
+def test_errors_name_the_field_that_broke_the_bound(c: httpx.Client, after_check: None):
+    """An empty embeddings input is `input`'s fault (not `prompt`'s); a query that alone fills
+    the context is `query`'s (on /v1/rerank too, not `documents`')."""
+    err = error_of(c.post("/v1/embeddings", json={"input": []}), 400, "input")
+    assert err["message"].startswith("input must be a non-empty"), err
+    for body in ({"input": [[]]}, {"input": ""}):
+        error_of(c.post("/v1/embeddings", json=body), 400, "input")
+    long = "q " * 200_000  # 400,000 characters: under the character cap, past the context
+    error_of(c.post("/v1/rerank", json={"query": long, "documents": ["a", "b"]}), 400, "query")
+    score = {"query": long, "items": ["a"], "label_token_ids": [1]}
+    error_of(c.post("/v1/score", json=score), 400, "query")
+    error_of(c.post("/v1/score", json={**score, "query": [504] * 8192, "items": [[504]]}), 400,
+             "query")  # fmt: skip
+    # the items' own fault stays theirs
+    error_of(c.post("/v1/rerank", json={"query": "q", "documents": ["a", long]}), 400, "documents")
+
+
+def test_a_boolean_is_no_integer_on_any_route(c: httpx.Client, after_check: None):
+    """JSON's true and false were token ids 1 and 0 (and max_tokens 1, n 1...): a 400 naming
+    the field, on every route that takes numbers."""
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    for path, body, param in (
+        ("/v1/completions", {"prompt": [True, 504], "max_tokens": 1}, "prompt[0]"),
+        ("/v1/completions", {"prompt": [[504], [504, False]], "max_tokens": 1}, "prompt[1][1]"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "n": True}, "n"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "seed": False}, "seed"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "temperature": True}, "temperature"),
+        ("/v1/chat/completions", {**chat, "max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": True},
+         "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "stop_token_ids": [False]}, "stop_token_ids[0]"),
+        ("/v1/embeddings", {"input": [True, False]}, "input[0]"),
+        ("/v1/score", {"query": [True], "items": [[504]], "label_token_ids": [1]}, "query[0]"),
+        ("/v1/score", {"query": "q", "items": ["a"], "label_token_ids": [True]},
+         "label_token_ids[0]"),
+        ("/v1/responses", {"input": "x", "max_output_tokens": True}, "max_output_tokens"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": True}, "top_n"),
+        ("/detokenize", {"tokens": [True]}, "tokens[0]"),
+        ("/v1/distributions", {"prompt": [504, 30], "positions": [True]}, "positions[0]"),
+    ):  # fmt: skip
+        err = error_of(c.post(path, json=body), 400, param)
+        assert "boolean" in err["message"], (path, err)
+    # an integral number is still a number where a number is asked for
+    ok = {"prompt": "x", "max_tokens": 1, "temperature": 1, "logit_bias": {"504": 1}}
+    assert c.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_a_rerank_documents_unknown_keys_are_named_back(c: httpx.Client, after_check: None):
+    doc = {"text": "Paris is in France.", "title": "Paris", "meta": {"source": "x"}}
+    r = c.post("/v1/rerank", json={"query": "Where is Paris?", "documents": ["a", doc]})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"] == "documents[1].title, documents[1].meta"
+    ranked = {x["index"]: x["document"] for x in r.json()["results"]}
+    assert ranked[1] == {"text": doc["text"]}
 
 
 # ---- client JSON texts, unknown keys, grammars that meet llguidance's bounds ------------------

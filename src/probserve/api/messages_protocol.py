@@ -19,7 +19,9 @@ from probserve.api.protocol import (
     MAX_ITEMS,
     ChatLogprobEntry,
     Extension,
+    Float,
     FunctionName,
+    Int,
     JsonValue,
     SamplingFields,
     Text,
@@ -125,7 +127,7 @@ class Thinking(_Request):
     `enable_thinking` variable), "disabled" off; `budget_tokens` is bounded by max_tokens."""
 
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(None, ge=1)
+    budget_tokens: Int | None = Field(None, ge=1)
 
 
 class OutputFormat(_Request):
@@ -161,15 +163,15 @@ class _Conversation(_Request):
 
 
 class MessagesRequest(_Conversation, SamplingFields):
-    max_tokens: int = Field(ge=1)
+    max_tokens: Int = Field(ge=1)
     stop_sequences: Texts | None = None  # chat's `stop` (the plan moves them there)
     # Anthropic's temperature is 0..1 (its SDK sends sampling fields through extra_body)
-    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: Float | None = Field(None, ge=0.0, le=1.0)
     # Anthropic's: a priority tier (one tier serves every request here)
     service_tier: Literal["auto", "standard_only"] | None = None
     # probserve's, as chat's: each output token's logprob, with `top_logprobs` alternatives
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0)
 
 
 class CountTokensRequest(_Conversation):

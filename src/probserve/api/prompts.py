@@ -65,8 +65,9 @@ def with_pieces(table: TokenTable, ids: list[int]) -> Prompt:
     return Prompt(ids, ts.text, pieces)
 
 
-def completion_id_lists(prompt: object) -> list[str] | list[list[int]]:
-    """The four shapes of a completions prompt, as a list of texts or a list of id lists."""
+def completion_id_lists(prompt: object, param: str = "prompt") -> list[str] | list[list[int]]:
+    """The four shapes of a completions prompt, as a list of texts or a list of id lists
+    (`param`: the field it came in, for errors: completions' prompt, embeddings' input)."""
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, list) and prompt:
@@ -77,9 +78,9 @@ def completion_id_lists(prompt: object) -> list[str] | list[list[int]]:
         if all(isinstance(p, list) for p in prompt):
             return [list(p) for p in prompt]
     raise bad_request(
-        "prompt must be a non-empty string, list of strings, list of token ids or list of "
+        f"{param} must be a non-empty string, list of strings, list of token ids or list of "
         "lists of token ids",
-        "prompt",
+        param,
     )
 
 

@@ -21,6 +21,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -58,6 +59,21 @@ def _utf8(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
+
+
+def _no_bool(value: Any) -> Any:
+    """JSON's true and false are no numbers to a client (pydantic would take them as 1 and 0):
+    a 400 naming the field, whose message says so."""
+    if isinstance(value, bool):
+        raise ValueError(f"{json.dumps(value)} is a boolean, not a number")
+    return value
+
+
+# A request's numbers, strictly: an integer field takes a JSON integer (true, false, 2.0 and
+# "2" are a 400 naming it, as OpenAI answers them), a number field a JSON number (an integer
+# or not; true, false and "0.5" are a 400)
+Int = Annotated[int, Strict(), BeforeValidator(_no_bool)]
+Float = Annotated[float, Strict(), BeforeValidator(_no_bool)]
 
 MAX_JSON_DEPTH = 32  # nesting of any JSON value a request holds, or a JSON text it holds
 
@@ -138,10 +154,10 @@ def _entries(most: int) -> Any:
     return BeforeValidator(check)
 
 
-Ids = Annotated[list[int], _bounded(MAX_IDS)]  # a prompt's token ids
+Ids = Annotated[list[Int], _bounded(MAX_IDS)]  # a prompt's token ids
 IdLists = Annotated[list[Ids], _bounded(MAX_ITEMS)]
 Texts = Annotated[list[Text], _bounded(MAX_ITEMS)]
-ShortIds = Annotated[list[int], _bounded(MAX_ITEMS)]  # stop, target and label ids, positions
+ShortIds = Annotated[list[Int], _bounded(MAX_ITEMS)]  # stop, target and label ids, positions
 
 
 class _Request(BaseModel):
@@ -153,6 +169,9 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
     # another server's name for one of this object's fields, with the same meaning
     renamed: ClassVar[dict[str, str]] = {}
+    # an older name of this API's for one of its fields (chat's max_tokens for
+    # max_completion_tokens): both fields are kept, and given together they must agree
+    older: ClassVar[dict[str, str]] = {}
     _known: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
@@ -180,20 +199,32 @@ class _Request(BaseModel):
                         {"most": MAX_UNKNOWN, "param": str(key)[:64]},
                     )
         renamed = [k for k in cls.renamed if k in data]
-        if not renamed:
-            return data
-        data = dict(data)
+        given: dict[str, str] = {}  # a field -> another server's name it was given under
+        if renamed:
+            data = dict(data)
         for other in renamed:
             ours = cls.renamed[other]
             value = data.pop(other)
             if ours in data and data[ours] != value:
-                raise PydanticCustomError(
-                    "field_conflict",
-                    "{param} is another name for {ours}, and the two disagree",
-                    {"param": other, "ours": ours},
-                )
+                raise _conflict(other, ours)
             data[ours] = value
+            given[ours] = other
+        for old, ours in cls.older.items():
+            both = data.get(old) is not None and data.get(ours) is not None
+            if both and data[old] != data[ours]:
+                if ours in given:  # given under another server's name: that one is named
+                    raise _conflict(given[ours], old)
+                raise _conflict(old, ours)
         return data
+
+
+def _conflict(param: str, ours: str) -> PydanticCustomError:
+    """Two names of one field given different values: a 400 naming `param` (the other name)."""
+    return PydanticCustomError(
+        "field_conflict",
+        "{param} is another name for {ours}, and the two disagree",
+        {"param": param, "ours": ours},
+    )
 
 
 JsonValue = Annotated[Any, AfterValidator(_json_utf8)]  # bounded in size and depth
@@ -247,13 +278,13 @@ class SamplingFields(_Request):
     renamed: ClassVar[dict[str, str]] = {"min_new_tokens": "min_tokens"}
 
     model: Text | None = None
-    n: int = Field(1, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: Annotated[dict[Text, float], _entries(MAX_ITEMS)] | None = None
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    n: Int = Field(1, ge=1)
+    temperature: Float | None = Field(None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Annotated[dict[Text, Float], _entries(MAX_ITEMS)] | None = None
+    seed: Int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Text | Texts | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -269,11 +300,11 @@ class SamplingFields(_Request):
     guided_choice: Texts | None = None
     guided_grammar: Text | None = None
     # vendor extensions (vLLM's names)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: Float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     stop_token_ids: ShortIds | None = None
     logprobs_mode: Annotated[LogprobsMode, BeforeValidator(_logprobs_mode)] | None = None
     skip_special_tokens: bool = True
@@ -298,10 +329,10 @@ PromptType = Text | Texts | Ids | IdLists
 class CompletionRequest(SamplingFields):
     renamed: ClassVar[dict[str, str]] = {**SamplingFields.renamed, "max_new_tokens": "max_tokens"}
     prompt: PromptType
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0)
+    max_tokens: Int | None = Field(16, ge=0)
+    logprobs: Int | None = Field(None, ge=0)
     echo: bool = False
-    best_of: int | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1)
     suffix: Text | None = None
 
 
@@ -382,12 +413,13 @@ class ChatCompletionRequest(SamplingFields):
         **SamplingFields.renamed,
         "max_new_tokens": "max_completion_tokens",
     }
+    older: ClassVar[dict[str, str]] = {"max_tokens": "max_completion_tokens"}
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_ITEMS, fail_fast=True)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: Int | None = Field(None, ge=0)
+    max_completion_tokens: Int | None = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
-    prompt_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0)
+    prompt_logprobs: Int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
     # vLLM's: the final assistant message is left open and the reply continues it
     continue_final_message: bool = False
@@ -676,7 +708,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]] = _bounded(MAX_IDS)
+    tokens: list[Annotated[Int, Field(ge=0)]] = _bounded(MAX_IDS)
 
 
 class DetokenizeResponse(BaseModel):
@@ -797,8 +829,8 @@ class ResponsesRequest(SamplingFields):
     }
     input: Text | Annotated[list[InputItem], _bounded(MAX_ITEMS)]
     instructions: Text | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    top_logprobs: int | None = Field(None, ge=0)
+    max_output_tokens: Int | None = Field(None, ge=1)
+    top_logprobs: Int | None = Field(None, ge=0)
     include: Annotated[list[Text], _bounded(MAX_FEW)] | None = None
     previous_response_id: Text | None = None
     tools: Annotated[list[ResponsesFunctionTool], _bounded(MAX_FEW)] | None = None
@@ -905,7 +937,7 @@ class EmbeddingRequest(_Request):
     model: Text | None = None
     input: PromptType
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Int | None = Field(None, ge=1)
     user: Text | None = None
     # probserve's: how the prompt's final hidden states are pooled (null: --pooling)
     pooling: Literal["mean", "last", "cls"] | None = None
@@ -932,7 +964,10 @@ class EmbeddingResponse(BaseModel):
 # ---- /v1/rerank (Jina's and Cohere's shape, as vLLM and llama-server serve it) ---------------
 
 
-class RerankDocument(BaseModel):
+class RerankDocument(_Request):
+    """A document given as an object (Cohere's): its text (another key is named back or
+    refused, as any unknown field)."""
+
     text: Text
 
 
@@ -940,7 +975,7 @@ class RerankRequest(_Request):
     model: Text | None = None
     query: Text
     documents: Annotated[list[Text | RerankDocument], _bounded(MAX_ITEMS)]
-    top_n: int | None = Field(None, ge=1)
+    top_n: Int | None = Field(None, ge=1)
     return_documents: bool = True
 
 

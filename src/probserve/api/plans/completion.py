@@ -56,7 +56,7 @@ async def built_prompts(state: Serving, prompt: object, param: str = "prompt") -
     """A completions-shaped prompt (a text, texts, token ids or id lists; its count already
     checked) tokenized and checked against the context, its texts' size first: a 400 naming
     `param` (completions' prompt, embeddings' input)."""
-    prompts = completion_id_lists(prompt)
+    prompts = completion_id_lists(prompt, param)
     if isinstance(prompts[0], str):
         check_text_size(state.config.limits, prompts, param)
     return await off_loop(

@@ -4,7 +4,7 @@ request for the one next-token distribution after it, with the label ids' logpro
 
 from __future__ import annotations
 
-from probserve.api.errors import bad_request
+from probserve.api.errors import APIError, bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.logprobs_ask import LogprobsAsk, checked_ids
 from probserve.api.plans.plan import Plan
@@ -50,19 +50,37 @@ def _inputs(
         raise bad_request(
             f"this model's maximum context length is {max_tokens + 1} tokens and scoring needs "
             f"one of them; the query and the longest item hold {len(query) + longest} tokens",
-            "items",
+            "query" if len(query) >= max_tokens else "items",  # an item holds a token at least
         )
     return [(i + query) if body.item_first else (query + i) for i in id_items]
 
 
+def _query_tokens(state: Serving, query: str) -> int:
+    """The tokens of the query alone: blocking, run it `off_loop`."""
+    return len(state.record.tokenizer(query).input_ids)
+
+
 async def score_plan(state: Serving, body: ScoreRequest) -> Plan:
     labels = checked_ids(body.label_token_ids, state, "label_token_ids", least=1)
-    # room for the one scored token: an input that fills the context is the items' fault
+    # room for the one scored token: an input that fills the context is the items' fault (the
+    # query's, where it alone does)
     max_tokens = state.max_context - 1
     inputs = _inputs(body, state.config.limits, state.record.vocab_size, max_tokens)
-    prompts = await off_loop(
-        build_completion_prompts, state.record, state.table, inputs, max_tokens, "items"
-    )
+    try:
+        prompts = await off_loop(
+            build_completion_prompts, state.record, state.table, inputs, max_tokens, "items"
+        )
+    except APIError as exc:  # past the context: the query's fault if it alone is
+        if exc.param == "items" and isinstance(body.query, str):
+            tokens = await off_loop(_query_tokens, state, body.query)
+            if tokens >= max_tokens:
+                raise bad_request(
+                    f"this model's maximum context length is {max_tokens + 1} tokens; the "
+                    f"query alone has {tokens}, which leaves no room for an item and the "
+                    "scored token",
+                    "query",
+                ) from None
+        raise
     ask = LogprobsAsk(alternatives=0, target_ids=labels)
     greedy_one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     return Plan(prompts, [greedy_one], ask.spec())
