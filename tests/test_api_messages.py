@@ -303,6 +303,21 @@ def test_errors_are_in_anthropics_envelope_and_harm_nothing(http) -> None:  # ty
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "\ud800"}]},
          400, "messages[0].content"),
         ({"model": MODEL, "max_tokens": 2**70, "messages": user}, 400, "max_tokens"),
+        ({"model": MODEL, "max_tokens": True, "messages": user}, 400, "max_tokens"),
+        ({"model": MODEL, "max_tokens": 4, "messages": user, "temperature": True}, 400,
+         "temperature"),
+    ]  # fmt: skip
+    # two tool_use blocks of one id (a tool_result would answer both), in one message or two
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "x"}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"}
+    other = {**use, "id": "toolu_2"}
+    cases += [
+        ({"model": MODEL, "max_tokens": 4, "tools": [WEATHER], "messages": [
+            *user, {"role": "assistant", "content": [use, use]},
+            {"role": "user", "content": [result]}]}, 400, "messages[1].content[1].id"),
+        ({"model": MODEL, "max_tokens": 4, "tools": [WEATHER], "messages": [
+            *user, {"role": "assistant", "content": [use]}, {"role": "user", "content": [result]},
+            {"role": "assistant", "content": [other, use]}]}, 400, "messages[3].content[1].id"),
     ]  # fmt: skip
     for body, status, param in cases:
         r = http.post("/v1/messages", content=json.dumps(body).encode(),
@@ -316,6 +331,15 @@ def test_errors_are_in_anthropics_envelope_and_harm_nothing(http) -> None:  # ty
         assert got["error"]["type"] == kind
     bad = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": "x"})
     assert bad.status_code == 400 and bad.json()["type"] == "error"
+    twice = [*user, {"role": "assistant", "content": [use, use]}]
+    bad = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": twice})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[1].content[1].id"
+    results = [result, {**result, "tool_use_id": "toolu_2"}]
+    unique = [*user, {"role": "assistant", "content": [use, other]},
+              {"role": "user", "content": results}]  # fmt: skip
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 2, "tools": [WEATHER],
+                                        "messages": unique})  # fmt: skip
+    assert r.status_code == 200, r.text
     deep: Any = {}
     for _ in range(40):
         deep = {"a": deep}

@@ -298,6 +298,24 @@ def test_hostile_tool_requests_are_400s_and_harm_nothing(http):  # type: ignore[
     _error(post(tools=wordy), "tools")  # the definitions count toward --max-message-chars
     orphan = [*ASK, {"role": "tool", "content": "3"}]
     _error(post(messages=orphan), "messages[1].tool_call_id")
+    # one call id made twice (in one message, or in two): a result would answer both
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}  # fmt: skip
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+    twice = [*ASK, {"role": "assistant", "tool_calls": [call, call]}, answer]
+    _error(post(messages=twice), "messages[1].tool_calls[1].id")
+    again = [*ASK, {"role": "assistant", "tool_calls": [call]}, answer,
+             {"role": "assistant", "tool_calls": [call]}, answer]  # fmt: skip
+    _error(post(messages=again), "messages[3].tool_calls[0].id")
+    _error(http.post("/tokenize", json={"model": MODEL, "messages": twice}),
+           "messages[1].tool_calls[1].id")  # fmt: skip
+    fc = {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "3"}
+    _error(
+        http.post("/v1/responses", json={"model": MODEL, "input": [*ASK, fc, fc, output],
+                                         "max_output_tokens": 4}),
+        "input[2].call_id",
+    )  # fmt: skip
     lone = {"type": "function", "function": {"name": "f", "description": "\ud800"}}
     _error(
         http.post(

@@ -19,6 +19,7 @@ from probserve.api.answers.tokens import TokenTable
 from probserve.api.errors import APIError, bad_request
 from probserve.api.protocol import ChatMessage, ToolCall
 from probserve.api.server.limits import Limits
+from probserve.api.tools.ask import made_once
 from probserve.engine import TokenLogprobs
 from probserve.models import ModelRecord
 
@@ -118,6 +119,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     expect; a tool result's call id and its function's name)."""
     out: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call id -> function name, for the results that answer them
+    made: set[str] = set()  # the call ids made so far: each names one call
     for i, m in enumerate(messages):
         if m.content is None:
             content = ""
@@ -132,6 +134,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise bad_request(
                     "only assistant messages hold tool_calls", f"messages[{i}].tool_calls"
                 )
+            for k, c in enumerate(m.tool_calls):
+                made_once(made, c.id, "tool call", f"messages[{i}].tool_calls[{k}].id")
             d["tool_calls"] = [_template_call(c) for c in m.tool_calls]
             names.update((c.id, c.function.name) for c in m.tool_calls)
         if m.role == "tool":

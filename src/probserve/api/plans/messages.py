@@ -53,7 +53,7 @@ from probserve.api.protocol import (
     ToolChoice,
 )
 from probserve.api.server.state import Serving
-from probserve.api.tools.ask import ToolAsk, check_answers, tool_ask
+from probserve.api.tools.ask import ToolAsk, check_answers, made_once, tool_ask
 from probserve.engine import RequestError
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -118,7 +118,7 @@ def _assistant(m: MessageParam, i: int, calls: set[str]) -> ChatMessage:
         if isinstance(block, TextBlock):
             texts.append(block.text)
         elif isinstance(block, ToolUseBlock):
-            calls.add(block.id)
+            made_once(calls, block.id, "tool_use block", f"{where}.id")
             arguments = json.dumps(block.input if block.input is not None else {})
             call = FunctionCall(name=block.name, arguments=arguments)
             made.append(ToolCall(id=block.id, function=call))

@@ -23,7 +23,7 @@ from probserve.api.protocol import (
     ToolChoice,
 )
 from probserve.api.server.state import Serving
-from probserve.api.tools.ask import ToolAsk, check_answers, tool_ask
+from probserve.api.tools.ask import ToolAsk, check_answers, made_once, tool_ask
 from probserve.engine import RequestError
 
 
@@ -39,7 +39,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     calls: set[str] = set()  # the call ids made so far: an output answers one of them
     for i, item in enumerate(body.input):
         if isinstance(item, FunctionCallInput):
-            calls.add(item.call_id)
+            made_once(calls, item.call_id, "function_call item", f"input[{i}].call_id")
             call = ToolCall(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )

@@ -120,6 +120,15 @@ def tool_ask(
     return ToolAsk(tuple(functions), choice or "auto", parallel is not False, fmt, closed=closed)
 
 
+def made_once(made: set[str], call_id: str, call: str, param: str) -> None:
+    """A call an earlier message made, added to `made`: its id names it alone (a result
+    answers one call), so an id made twice in one conversation is a 400, as Anthropic's
+    API answers it (`call`: the request's name for a call, "tool_use block")."""
+    if call_id in made:
+        raise bad_request(f"{call} id {call_id!r} is not unique: an earlier call has it", param)
+    made.add(call_id)
+
+
 def check_answers(made: set[str], call_id: str, result: str, call: str, param: str) -> None:
     """A tool's result sent back answers a call an earlier message made: `result` and `call`
     are the request's names for the two ("tool_result answers tool_use_id ...")."""
