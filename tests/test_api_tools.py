@@ -250,6 +250,59 @@ def test_responses_function_calls_and_their_round_trip(client: openai.OpenAI, ht
     assert second.status in ("completed", "incomplete") and second.output_text
 
 
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+
+
+def _calls(calls: list[dict] | None) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in calls or ()]
+
+
+def _prefix_calls(cut: list[tuple[str, str]], whole: list[tuple[str, str]]) -> bool:
+    """`cut`: `whole`'s first calls, the last one's arguments as far as they were written."""
+    pairs = list(zip(cut, whole, strict=False))
+    return len(cut) <= len(whole) and all(a == c and d.startswith(b) for (a, b), (c, d) in pairs)
+
+
+def test_a_reply_cut_inside_a_call_gives_no_call_text_as_content(http):  # type: ignore[no-untyped-def]
+    """max_tokens cuts the reply (two calls, in the generic format) anywhere: the content is
+    never the cut call's text (`{"tool_calls": [{"na`, ` {"name": "get_`), the calls are the
+    whole reply's so far, finish_reason says "length"; streamed, the same. The Messages and
+    Responses APIs, on the same parser, give no such text block or message either."""
+    body = {"model": MODEL, "messages": TWO_CITIES, "tools": [WEATHER, ADD], "temperature": 0}
+    full = _chat(http, **body, max_tokens=96)["choices"][0]
+    whole_calls = _calls(full["message"]["tool_calls"])
+    assert full["message"]["content"] is None and len(whole_calls) >= 2, full
+    for cut in range(1, 40, 3):
+        choice = _chat(http, **body, max_tokens=cut)["choices"][0]
+        message, calls = choice["message"], _calls(choice["message"].get("tool_calls"))
+        assert choice["finish_reason"] == "length"
+        assert message["content"] is None, (cut, message)
+        assert _prefix_calls(calls, whole_calls), (cut, calls)
+        chunks = _streamed(http, "/v1/chat/completions", {**body, "max_tokens": cut})
+        content, streamed, finish, _ = _joined(chunks)
+        assert (content, _calls(streamed), finish) == (None, calls, "length"), cut
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+             for t in (WEATHER, ADD)]  # fmt: skip
+    items = [{"type": "function", **t["function"]} for t in (WEATHER, ADD)]
+    for cut in (4, 11, 34):
+        anthropic = {"messages": TWO_CITIES, "tools": tools, "temperature": 0, "max_tokens": cut}
+        r = http.post("/v1/messages", json=anthropic).json()
+        assert r["stop_reason"] == "max_tokens"
+        assert all(b["type"] == "tool_use" for b in r["content"]), (cut, r["content"])
+        events = _streamed(http, "/v1/messages", anthropic)
+        starts = [e["content_block"]["type"] for e in events
+                  if e["type"] == "content_block_start"]  # fmt: skip
+        assert starts == [b["type"] for b in r["content"]], (cut, starts)
+        responses = {"input": TWO_CITIES, "tools": items, "temperature": 0,
+                     "max_output_tokens": cut}  # fmt: skip
+        out = http.post("/v1/responses", json=responses).json()
+        assert out["status"] == "incomplete"
+        assert all(o["type"] == "function_call" for o in out["output"]), (cut, out["output"])
+        events = _streamed(http, "/v1/responses", responses)
+        added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == [o["type"] for o in out["output"]], (cut, added)
+
+
 def _error(r: httpx.Response, param: str) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()

@@ -80,13 +80,16 @@ REPLIES = [
 ]
 
 
-def _streamed(fmt: ToolParser, text: str, cuts: list[int]) -> tuple[str | None, list]:
-    """The reply fed in the pieces `cuts` makes, put back together as a client would."""
+def _streamed(
+    fmt: ToolParser, text: str, cuts: list[int], cut: bool = False
+) -> tuple[str | None, list]:
+    """The reply fed in the pieces `cuts` makes, put back together as a client would (`cut`:
+    the reply was cut short)."""
     parser = ReplyParser(FORMATS[fmt])
     content, calls = "", {}  # type: ignore[var-annotated]
     bounds = [0, *cuts, len(text)]
     deltas = [parser.feed(text[a:b]) for a, b in itertools.pairwise(bounds)]
-    for d in [*deltas, parser.close()]:
+    for d in [*deltas, parser.close(cut)]:
         content += d.content
         for c in d.calls:
             call = calls.setdefault(c.index, {"name": None, "arguments": ""})
@@ -108,6 +111,43 @@ def test_replies_parse_the_same_streamed_in_any_pieces(case: int):
     assert all(c.id.startswith("call_") for c in whole.calls)
     for step in (1, 2, 3, 7):
         assert _streamed(fmt, text, list(range(step, len(text), step))) == (content, calls)
+
+
+# replies with content and two calls, each format's (the content the whole reply has)
+CUT_REPLIES = [
+    (H, 'Sure.\n<tool_call>\n{"name": "get", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>', "Sure."),
+    (M, 'ok[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]',
+     "ok"),
+    (L3, '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}',
+     None),
+    (G, '{"tool_calls": [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]}',
+     None),
+    (G, '{"content": "caf\\u00e9 and more"}', "café and more"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(len(CUT_REPLIES)))
+def test_a_reply_cut_short_never_gives_a_calls_text_as_content(case: int):
+    """Cut anywhere (max_tokens): the content is the whole reply's so far (never a part of a
+    call: an opener, a call object before its name), the calls are the whole reply's so far
+    (the last one's arguments as far as written), streamed in any pieces as whole."""
+    fmt, text, content = CUT_REPLIES[case]
+    full = whole_reply(FORMATS[fmt], text)
+    assert full.content == content
+    assert len(full.calls) == (0 if fmt is G and content else 2)
+    full_calls = [(c.name, c.arguments) for c in full.calls]
+    for end in range(len(text) + 1):
+        part = whole_reply(FORMATS[fmt], text[:end], cut=True)
+        got = part.content
+        assert got is None or (content or "").startswith(got.rstrip()), (text[:end], got)
+        calls = [(c.name, c.arguments) for c in part.calls]
+        assert len(calls) <= len(full_calls)
+        for (name, args), (full_name, full_args) in zip(calls, full_calls, strict=False):
+            assert name == full_name and full_args.startswith(args), (text[:end], calls)
+        for step in (1, 3):
+            cuts = list(range(step, end, step))
+            assert _streamed(fmt, text[:end], cuts, cut=True) == (got, calls), text[:end]
 
 
 def test_the_format_comes_from_the_template():

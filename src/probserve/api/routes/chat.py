@@ -35,7 +35,7 @@ from probserve.api.routes.generation import Delta
 from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
-from probserve.api.tools.reply import ReplyParser, finish_reason, whole_reply
+from probserve.api.tools.reply import ReplyParser, cut_short, finish_reason, whole_reply
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
@@ -89,12 +89,14 @@ async def create_chat_completion(
     return Response(await off_loop(_answer, run, body, model, k), media_type="application/json")
 
 
-def _message(run: Run, text: str) -> tuple[AssistantMessage, ReplyParser | None]:
+def _message(
+    run: Run, text: str, finish: str | None
+) -> tuple[AssistantMessage, ReplyParser | None]:
     """The reply: its text, or (a request with tools) its content and calls."""
     tools = run.plan.tools
     if tools is None:
         return AssistantMessage(content=text), None
-    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer)
+    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish))
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls
@@ -107,7 +109,7 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
     choices = []
     fmt, ids = _fmt(run, body), body.return_token_ids
     for i, cand in enumerate(run.candidates):
-        message, reply = _message(run, "".join(p.text for p in cand.pieces))
+        message, reply = _message(run, "".join(p.text for p in cand.pieces), cand.finish_reason)
         choices.append(
             ChatChoice(
                 index=i,
@@ -153,7 +155,7 @@ def _chat_delta(reply: ReplyParser | None, delta: Delta) -> ChatDelta:
         return ChatDelta(content=delta.text)
     part = reply.feed(delta.text)
     if delta.finish_reason:
-        rest = reply.close()
+        rest = reply.close(cut_short(delta.finish_reason))
         part.content += rest.content
         part.calls += rest.calls
     calls = [

@@ -83,9 +83,10 @@ class _Message(ReplyItems):
     def candidate(self) -> Candidate:
         return self.run.candidates[0]
 
-    def steps(self, cand_pieces: list[Any], final: bool) -> list[Said]:
+    def steps(self, cand_pieces: list[Any], ended: str | None) -> list[Said]:
+        """What these pieces say (`ended`: the reply's finish reason, if they end it)."""
         if self.parser is not None:
-            return self.add_with_tools(cand_pieces, final)
+            return self.add_with_tools(cand_pieces, ended)
         text, entries = self.add(cand_pieces)
         return [TextSaid(text, entries)] if text or entries else []
 
@@ -231,7 +232,7 @@ async def count_tokens(
 
 def _answer(message: _Message, cand: Candidate) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
-    for step in message.steps(cand.pieces, final=True):
+    for step in message.steps(cand.pieces, cand.finish_reason or "stop"):
         message.said(step)
     message.close()
     message.finish = cand.finish_reason or "stop"
@@ -258,7 +259,7 @@ async def _stream(message: _Message) -> AsyncIterator[str]:
                 opened = True
                 for line in opening():
                     yield line
-            for step in message.steps(delta.pieces, final=bool(delta.finish_reason)):
+            for step in message.steps(delta.pieces, delta.finish_reason):
                 for e in message.said(step):
                     yield _event(e)
             if delta.finish_reason:

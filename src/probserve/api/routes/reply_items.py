@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from probserve.api.answers.text_stream import Piece
 from probserve.api.protocol import ChatLogprobEntry
 from probserve.api.routes.run import Run
-from probserve.api.tools.reply import ReplyDelta, ReplyParser
+from probserve.api.tools.reply import ReplyDelta, ReplyParser, cut_short
 
 
 class CallItem:
@@ -97,16 +97,17 @@ class ReplyItems:
             return []
         return self.run.state.formatter(self.token_id_names).chat(pieces, self.k)
 
-    def add_with_tools(self, pieces: list[Piece], final: bool) -> list[Said]:
+    def add_with_tools(self, pieces: list[Piece], ended: str | None) -> list[Said]:
         """Feed each piece to the reply's parser; each piece's logprobs go with the item its
-        text went into (a piece held back: with the next one's; at the end: the last item's)."""
+        text went into (a piece held back: with the next one's; at the end: the last item's).
+        `ended`: the reply's finish reason, once these pieces end it (None: more to come)."""
         assert self.parser is not None
         said: list[Said] = []
         for p in pieces:
             self._pending.append(p)
             said += self._parsed(self.parser.feed(p.text))
-        if final:
-            said += self._parsed(self.parser.close(), final=True)
+        if ended is not None:
+            said += self._parsed(self.parser.close(cut_short(ended)), final=True)
         return said
 
     def _parsed(self, delta: ReplyDelta, final: bool = False) -> list[Said]:
@@ -129,7 +130,9 @@ class ReplyItems:
                 owner = delta.calls[-1].index
             elif delta.content:
                 owner = None
-            if owner is None and None not in self.order and self._pending:
+            # tokens that showed nothing (an empty reply, a call cut before its name): the
+            # message carries their logprobs, as the Messages API's empty text block does
+            if owner is None and None not in self.order and self._pending and self.k is not None:
                 self._begin(None, said)
             entries = self._entries(self._pending)
             self._pending = []

@@ -174,7 +174,7 @@ def _answer(reply: _Reply, cand: Candidate) -> bytes:
     if reply.parser is None:
         reply.add(cand.pieces)
     else:
-        reply.add_with_tools(cand.pieces, final=True)
+        reply.add_with_tools(cand.pieces, cand.finish_reason or "stop")
     reply.finish = cand.finish_reason or "stop"
     return dump_json(reply.response())
 
@@ -237,7 +237,7 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
     try:
         async for _, delta in reply.run.deltas():
             if reply.parser is not None:
-                for step in reply.add_with_tools(delta.pieces, final=bool(delta.finish_reason)):
+                for step in reply.add_with_tools(delta.pieces, delta.finish_reason):
                     for e in said(step):
                         yield e
             else:

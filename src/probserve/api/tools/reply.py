@@ -4,8 +4,9 @@ goes through the same two calls, so both give the same content and calls.
 
 Text that may still become a call (an opener not yet complete, a call object whose name is not
 yet known) is held back; once a call's name is known it is a call, and its arguments stream
-as written. Text that turns out not to be a call is content, as written. Whitespace between
-content and calls is dropped."""
+as written. Text that turns out not to be a call is content, as written; in a reply cut short
+(max_tokens), text that might still have become a call is no content: the tail of a call is
+never text. Whitespace between content and calls is dropped."""
 
 from __future__ import annotations
 
@@ -104,8 +105,17 @@ class ReplyParser:
             self._flush_content(final=False)
         return self._take()
 
-    def close(self) -> ReplyDelta:
-        if self.forced and self._state != "content":  # calls only: a cut call's start is none
+    def close(self, cut: bool = False) -> ReplyDelta:
+        """The rest. `cut`: the reply was cut short (CUT_SHORT), so what may still have become
+        a call (an opener, a call object whose name is not yet known, a part of an opener)
+        is the start of a call that never came: never content. A call whose name is known
+        is a call, with the arguments it wrote."""
+        if cut and self._state == "content":
+            keep = _opener_prefix(self._held, self.fmt.opener)
+            if keep:
+                self._held = self._held[:-keep].rstrip(_WHITESPACE)
+        # calls only (forced), or cut short: a cut call's start is none
+        if (self.forced or cut) and self._state != "content":
             if self._object is not None and self._object.name is not None:
                 self._finish_object()
             self._held = ""
@@ -366,13 +376,21 @@ def _escape_whole(escape: str) -> bool:
     return len(escape) == 12
 
 
-def whole_reply(fmt: ToolFormat, text: str, forced: bool = False, primer: str = "") -> ReplyParser:
-    """A whole reply, parsed as its stream would be."""
+def whole_reply(
+    fmt: ToolFormat, text: str, forced: bool = False, primer: str = "", cut: bool = False
+) -> ReplyParser:
+    """A whole reply, parsed as its stream would be (`cut`: it was cut short)."""
     parser = ReplyParser(fmt, forced, primer)
     for at in range(0, len(text), 64):  # in pieces, as a stream: what is held stays short
         parser.feed(text[at : at + 64])
-    parser.close()
+    parser.close(cut)
     return parser
+
+
+def cut_short(finish: str | None) -> bool:
+    """Whether a reply that finished so was cut short: by its length limit (max_tokens, the
+    context) or a grammar's bound partway, not ended by the model (or a stop string)."""
+    return finish in ("length", "grammar_limit")
 
 
 def finish_reason(parser: ReplyParser | None, finish: str | None) -> str | None:
