@@ -573,6 +573,83 @@ def n64_heavy_schema(ctx: Ctx) -> str | None:
     return f"the one-token request waited {waited:.1f} s" if waited > 5 else None
 
 
+def largest_choice(ctx: Ctx) -> str | None:
+    """A choice of exactly --max-grammar-choices (1024) labels is served (it met llguidance's
+    bound on a parser row); 1,025 is refused naming the field."""
+    labels = [f"label number {i:04d}" for i in range(1024)]
+    body = {"prompt": "Pick one:", "max_tokens": 12, "temperature": 0, "guided_choice": labels}
+    r = ctx.client.post("/v1/completions", json=body)
+    if r.status_code != 200 or r.json()["choices"][0]["text"] not in labels:
+        return f"1024 labels: {r.status_code} {r.text[:300]}"
+    return completion(ctx, 400, "structured_outputs.choice", max_tokens=1,
+                      structured_outputs={"choice": [*labels, "x"]})  # fmt: skip
+
+
+def nested_unknown_keys(ctx: Ctx) -> str | None:
+    """Unknown keys inside a rerank document object are named back, not dropped silently."""
+    doc = {"text": "Paris is in France.", "title": "Paris", "meta": {"k": 1}}
+    r = ctx.client.post("/v1/rerank", json={"query": "Where is Paris?", "documents": [doc]})
+    ignored = r.headers.get("x-ignored-fields")
+    if r.status_code != 200 or ignored != "documents[0].title, documents[0].meta":
+        return f"rerank document: {r.status_code}, X-Ignored-Fields {ignored!r}"
+    return None
+
+
+def errors_name_their_field(ctx: Ctx) -> str | None:
+    """An empty embeddings input is `input`'s fault; a 400,000-character rerank query that
+    alone fills the context is `query`'s (not `documents`')."""
+    long = "q " * 200_000
+    return first_problem(
+        expect(ctx.client.post("/v1/embeddings", json={"input": []}), 400, "input"),
+        expect(ctx.client.post("/v1/rerank", json={"query": long, "documents": ["a"]}), 400,
+               "query"),
+    )  # fmt: skip
+
+
+def booleans_as_numbers(ctx: Ctx) -> str | None:
+    """JSON's true and false are no token ids, lengths or counts: a 400 naming the field."""
+    score = {"query": [True], "items": [[504]], "label_token_ids": [1]}
+    return first_problem(
+        expect(ctx.client.post("/v1/embeddings", json={"input": [True, False]}), 400, "input[0]"),
+        completion(ctx, 400, "prompt[0]", prompt=[True, 504], max_tokens=1),
+        completion(ctx, 400, "max_tokens", max_tokens=True),
+        completion(ctx, 400, "n", max_tokens=1, n=True),
+        expect(ctx.client.post("/v1/score", json=score), 400, "query[0]"),
+        chat(ctx, 400, "max_tokens", max_tokens=False),
+    )
+
+
+def two_spellings_disagree(ctx: Ctx) -> str | None:
+    """Chat's max_new_tokens beside a different max_tokens: a 400 naming it, not a winner."""
+    return first_problem(
+        chat(ctx, 400, "max_new_tokens", max_tokens=2, max_new_tokens=3),
+        chat(ctx, 400, "max_tokens", max_tokens=3, max_completion_tokens=2),
+        chat(ctx, 200, None, max_tokens=2, max_new_tokens=2),
+    )
+
+
+def duplicate_call_ids(ctx: Ctx) -> str | None:
+    """Two calls of one id (a result would answer both): a 400 naming the second, on
+    /v1/messages (Anthropic's envelope), chat and Responses."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}
+    anthropic = {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [use, use]},
+        {"role": "user", "content": [result]}]}  # fmt: skip
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [call, call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "1"}]  # fmt: skip
+    fc = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [fc, fc, {"type": "function_call_output", "call_id": "c1", "output": "1"}]
+    r = ctx.client.post("/v1/messages", json=anthropic)
+    param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+    return first_problem(
+        None if param == "messages[1].content[1].id" else f"messages: {r.status_code} {r.text}",
+        chat(ctx, 400, "messages[1].tool_calls[1].id", messages=msgs),
+        expect(ctx.client.post("/v1/responses", json={"input": items}), 400, "input[1].call_id"),
+    )
+
+
 CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("huge_seeds", huge_seeds),
     ("long_id_prompts", long_id_prompts),
@@ -601,6 +678,12 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("hostile_grammars", hostile_grammars),
     ("unknown_keys", unknown_keys),
     ("n64_heavy_schema", n64_heavy_schema),
+    ("largest_choice", largest_choice),
+    ("nested_unknown_keys", nested_unknown_keys),
+    ("errors_name_their_field", errors_name_their_field),
+    ("booleans_as_numbers", booleans_as_numbers),
+    ("two_spellings_disagree", two_spellings_disagree),
+    ("duplicate_call_ids", duplicate_call_ids),
 ]
 
 
