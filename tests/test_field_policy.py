@@ -16,9 +16,9 @@ from probserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,
+    RequestModel,
     RerankRequest,
     ScoreRequest,
-    _Request,
 )
 from probserve.api.routes import (
     chat,
@@ -74,8 +74,11 @@ def test_every_object_of_every_body_keeps_and_bounds_unknown_keys():
     models = _body_models()
     assert {CompletionRequest, ChatCompletionRequest, RerankRequest} <= set(models)
     assert len(models) > 40  # the nested ones too (messages, parts, tools, blocks...)
-    silent = [f"{m.__name__} ({where})" for m, where in models.items()
-              if not issubclass(m, _Request) or m.model_config.get("extra") != "allow"]  # fmt: skip
+    silent = [
+        f"{m.__name__} ({where})"
+        for m, where in models.items()
+        if not issubclass(m, RequestModel) or m.model_config.get("extra") != "allow"
+    ]
     assert not silent, f"objects that drop unknown keys silently: {silent}"
 
 

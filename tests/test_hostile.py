@@ -23,7 +23,7 @@ from server_util import running_server, running_state, wait_until
 
 from probserve.api.answers.text_stream import TextStream
 from probserve.api.answers.tokens import TokenTable
-from probserve.api.routes.generation import Candidate, run_all
+from probserve.api.pipeline.candidates import Candidate, run_all
 from probserve.engine import EngineRequest, FinishReason, SamplingParams
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.logprobs import SCORE_CHUNK_ROWS

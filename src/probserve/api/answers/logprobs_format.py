@@ -35,6 +35,13 @@ def finite(x: float) -> float:
     return -NEG_INF_MARKER if x > 0 else NEG_INF_MARKER
 
 
+def alternatives(lp: TokenLogprobs, j: int, k: int) -> list[tuple[int, float]]:
+    """Row j's `k` best alternatives as (token id, logprob), best first: the one place an
+    answer cuts the rows the engine computed (which may hold more: a prompt's and its
+    candidates' asks share one computation, best_of ranks on its own) to what it shows."""
+    return list(zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True))
+
+
 class _IdNames:
     """vLLM's `return_tokens_as_token_ids`: every token named `token_id:N`, which a client maps
     back to the id without the tokenizer. As in vLLM, a chosen token's `bytes` stay its own
@@ -64,7 +71,7 @@ class LogprobsFormatter:
     def _completion_top(self, lp: TokenLogprobs, j: int, k: int, text: str, value: float) -> dict:
         texts = self.legacy_texts
         top: dict[str, float] = {}
-        for tid, v in zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True):
+        for tid, v in alternatives(lp, j, k):
             top.setdefault(texts[tid], v if math.isfinite(v) else finite(v))
         top.setdefault(text, value)
         return top
@@ -109,8 +116,7 @@ class LogprobsFormatter:
         )
 
     def _tops(self, lp: TokenLogprobs, j: int, k: int) -> list[TopLogprob]:
-        alts = zip(lp.top_ids[j, :k].tolist(), lp.top_logprobs[j, :k].tolist(), strict=True)
-        return [self._top(tid, v) for tid, v in alts]
+        return [self._top(tid, v) for tid, v in alternatives(lp, j, k)]
 
     def chat(self, pieces: Iterable[Piece], k: int) -> list[ChatLogprobEntry]:
         entries: list[ChatLogprobEntry] = []
@@ -182,10 +188,7 @@ class LogprobsFormatter:
             entry: dict[str, dict[str, object]] = {}
             tid = int(scores.token_ids[j])
             entry[str(tid)] = self._vllm_entry(tid, scores.logprobs[j], scores.ranks[j])
-            alts = zip(
-                scores.top_ids[j, :k].tolist(), scores.top_logprobs[j, :k].tolist(), strict=True
-            )
-            for r, (aid, v) in enumerate(alts, start=1):
+            for r, (aid, v) in enumerate(alternatives(scores, j, k), start=1):
                 entry.setdefault(str(aid), self._vllm_entry(aid, v, r))
             out.append(entry)
         return out

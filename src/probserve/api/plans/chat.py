@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
-from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
+from probserve.api.plans.logprobs_ask import LogprobsAsk, capped, reply_alternatives
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
 from probserve.api.plans.sampling import candidate_params, check_request
@@ -24,21 +25,29 @@ from probserve.api.tools.grammar import tool_grammar
 from probserve.api.tools.prompt import tool_prompt, tools_chars
 
 
+@dataclass(frozen=True, kw_only=True)
+class Conversation:
+    """What the model's template renders, as chat, Responses and Messages give it: the messages,
+    the tools the reply may (or must) call, and how the prompt ends."""
+
+    messages: list[ChatMessage]
+    tools: ToolAsk | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] | None = None  # checked (`check_template_kwargs`)
+    echo: bool = False  # the final assistant message appended as a continuation to score
+    continue_final: bool = False  # the final assistant message continued (a prefill)
+
+
 async def chat_plan(
     state: Serving,
     body: SamplingFields,
-    messages: list[ChatMessage],
+    conversation: Conversation,
     max_tokens: int | None,
     ask: LogprobsAsk,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    echo: bool = False,
-    continue_final: bool = False,
-    tools: ToolAsk | None = None,
 ) -> Plan:
-    """`template_kwargs`: checked (`check_template_kwargs`). `echo`: the final assistant
-    message is appended as a continuation to score. `tools`: the functions the reply may (or
-    must) call."""
+    """The plan of a conversation: its prompt through the template, its candidates' sampling,
+    the reply's grammar (a structured output, or the tools' calls)."""
+    echo = conversation.echo
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
     stops = check_request(body, limits)
@@ -46,9 +55,7 @@ async def chat_plan(
     sampling = candidate_params(
         body, max_tokens, state.record.vocab_size, body.n, state.model.sampling_defaults
     )
-    prompt, primed, tools = await rendered_chat(
-        state, messages, tools, add_generation_prompt, template_kwargs, echo, continue_final
-    )
+    prompt, primed, tools = await rendered_chat(state, conversation)
     fmt = tool_format(state)
     if tools is not None and not echo:
         called = tool_grammar(tools, _special_id(state, fmt), primed)
@@ -59,31 +66,29 @@ async def chat_plan(
         asked = asked or called
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
-    plan = Plan([prompt], sampling, ask.spec(), stops, skip_special, grammar=grammar, tools=tools)
-    plan.speculative = body.speculative
-    return plan
+    return Plan(
+        prompts=[prompt], sampling=sampling, spec=ask.spec(), stops=stops,
+        skip_special_tokens=skip_special, grammar=grammar, tools=tools,
+        speculative=body.speculative,
+    )  # fmt: skip
 
 
 async def rendered_chat(
-    state: Serving,
-    messages: list[ChatMessage],
-    tools: ToolAsk | None,
-    add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
-    echo: bool = False,
-    continue_final: bool = False,
+    state: Serving, conversation: Conversation
 ) -> tuple[ChatPrompt, bool, ToolAsk | None]:
     """The messages (checked) and the tools' prompt through the model's template: the prompt,
     whether the reply was primed to call, and the tool ask as the prompt's end left it."""
-    dicts = check_messages(state.config.limits, messages, tools_chars(tools))
+    c = conversation
+    tools, echo, continue_final = c.tools, c.echo, c.continue_final
+    dicts = check_messages(state.config.limits, c.messages, tools_chars(tools))
     fmt = tool_format(state)
     if tools is not None and (echo or continue_final):  # the prompt's end is the client's
         tools = dataclasses.replace(tools, prime=False)
     shown = tool_prompt(dicts, tools, fmt)
-    kwargs = {**(template_kwargs or {}), **shown.template_kwargs}
+    kwargs = {**(c.template_kwargs or {}), **shown.template_kwargs}
     prompt = await off_loop(
         chat_prompt, state.record, state.table, shown.messages,
-        add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
+        c.add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
     return prompt, shown.primed, tools
@@ -108,12 +113,8 @@ def _special_id(state: Serving, fmt: ToolFormat) -> int | None:
 def chat_ask(state: Serving, body: ChatCompletionRequest) -> LogprobsAsk:
     """`logprobs` + `top_logprobs` for the reply, `prompt_logprobs` for the rendered prompt;
     echo scores the prompt with the reply's alternatives (at least)."""
-    cfg = state.config
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-    top = capped(body.top_logprobs, cfg.max_top_logprobs, "top_logprobs")
-    prompt = capped(body.prompt_logprobs, cfg.max_logprobs, "prompt_logprobs")
-    alternatives = (top or 0) if body.logprobs else None
+    alternatives = reply_alternatives(state, body.logprobs, body.top_logprobs)
+    prompt = capped(body.prompt_logprobs, state.config.max_logprobs, "prompt_logprobs")
     if body.echo:
         alternatives = alternatives or 0
         prompt = max(prompt or 0, alternatives)
@@ -183,17 +184,9 @@ async def chat_completion_plan(
         tool_format(state),
         state.config.closed_schemas,
     )
-    plan = await chat_plan(
-        state,
-        body,
-        body.messages,
-        max_tokens,
-        ask,
-        add_generation_prompt=body.add_generation_prompt,
-        template_kwargs=kwargs,
-        echo=body.echo,
-        continue_final=body.continue_final_message,
-        tools=tools,
-    )
-    routing_spec(state, body, plan, prompt=body.prompt_logprobs is not None)
-    return plan, ask
+    conversation = Conversation(
+        messages=body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
+        template_kwargs=kwargs, echo=body.echo, continue_final=body.continue_final_message,
+    )  # fmt: skip
+    plan = await chat_plan(state, body, conversation, max_tokens, ask)
+    return routing_spec(state, body, plan, prompt=body.prompt_logprobs is not None), ask

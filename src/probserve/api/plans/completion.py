@@ -80,9 +80,12 @@ async def completion_plan(state: Serving, body: CompletionRequest) -> tuple[Plan
     )
     built = await built_prompts(state, body.prompt)
     grammar = await compiled_grammar(state, asked)
-    plan = Plan(built, sampling, ask.spec(), stops, body.skip_special_tokens, True, grammar)
-    plan.speculative = body.speculative
-    routing_spec(state, body, plan, prompt=body.echo)
+    plan = Plan(
+        prompts=built, sampling=sampling, spec=ask.spec(), stops=stops,
+        skip_special_tokens=body.skip_special_tokens, offsets_from_prompt=True, grammar=grammar,
+        speculative=body.speculative,
+    )  # fmt: skip
+    plan = routing_spec(state, body, plan, prompt=body.echo)
     shape = CompletionShape(
         body.n, best_of, body.echo, ask, body.return_tokens_as_token_ids, body.return_token_ids,
         body.return_routed_experts,

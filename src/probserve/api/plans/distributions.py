@@ -39,7 +39,8 @@ async def distributions_plan(state: Serving, body: DistributionsRequest) -> Plan
     positions = _positions(body, len(prompt.ids), limits.max_distribution_positions)
     scored = Prompt([*prompt.ids, 0], prompt.text, prompt.pieces)  # the placeholder: token 0
     ask = LogprobsAsk(alternatives=0, prompt_alternatives=0, full_positions=tuple(positions))
-    return Plan([scored], [SamplingParams(temperature=0.0, max_tokens=0)], ask.spec())
+    greedy = SamplingParams(temperature=0.0, max_tokens=0)
+    return Plan(prompts=[scored], sampling=[greedy], spec=ask.spec())
 
 
 def prompt_ids(plan: Plan) -> list[int]:

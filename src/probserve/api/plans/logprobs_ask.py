@@ -21,6 +21,18 @@ def capped(value: int | None, cap: int, field: str) -> int | None:
     return value
 
 
+def reply_alternatives(
+    state: Serving, logprobs: bool | None, top_logprobs: int | None
+) -> int | None:
+    """The alternatives a reply shows per token when a route asks as chat does (`logprobs` on,
+    `top_logprobs` of them, capped by --max-top-logprobs): None where logprobs are off; a 400
+    for top_logprobs without logprobs (chat's and the Messages API's rule)."""
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    top = capped(top_logprobs, state.config.max_top_logprobs, "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
 def checked_ids(
     ids: Sequence[int] | None, state: Serving, field: str, least: int = 0
 ) -> tuple[int, ...]:

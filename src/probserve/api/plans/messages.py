@@ -27,19 +27,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from probserve.api.errors import APIError, bad_request
-from probserve.api.messages_protocol import (
-    CountTokensRequest,
-    MediaBlock,
-    MessageParam,
-    MessagesRequest,
-    RedactedThinkingBlock,
-    TextBlock,
-    ThinkingBlock,
-    ToolResultBlock,
-    ToolUseBlock,
-)
-from probserve.api.plans.chat import chat_plan, rendered_chat, tool_format
-from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
+from probserve.api.plans.chat import Conversation, chat_plan, rendered_chat, tool_format
+from probserve.api.plans.logprobs_ask import LogprobsAsk, reply_alternatives
 from probserve.api.plans.plan import Plan
 from probserve.api.protocol import (
     ChatMessage,
@@ -51,6 +40,17 @@ from probserve.api.protocol import (
     ResponseFormat,
     ToolCall,
     ToolChoice,
+)
+from probserve.api.protocol.messages import (
+    CountTokensRequest,
+    MediaBlock,
+    MessageParam,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
 )
 from probserve.api.server.state import Serving
 from probserve.api.tools.ask import ToolAsk, check_answers, made_once, tool_ask
@@ -216,10 +216,7 @@ def _template_kwargs(body: CountTokensRequest | MessagesRequest) -> dict[str, An
 
 def messages_ask(state: Serving, body: MessagesRequest) -> LogprobsAsk:
     """`logprobs` + `top_logprobs`, as chat's."""
-    if body.top_logprobs is not None and not body.logprobs:
-        raise bad_request("top_logprobs is only allowed when logprobs is true", "top_logprobs")
-    top = capped(body.top_logprobs, state.config.max_top_logprobs, "top_logprobs")
-    return LogprobsAsk.of(state, body, (top or 0) if body.logprobs else None)
+    return LogprobsAsk.of(state, body, reply_alternatives(state, body.logprobs, body.top_logprobs))
 
 
 def _output_format(body: MessagesRequest) -> None:
@@ -251,18 +248,22 @@ def _refuse_unserved(body: MessagesRequest) -> None:
         )
 
 
+def _conversation(state: Serving, body: MessagesRequest | CountTokensRequest) -> Conversation:
+    """The conversation, system and tools as chat's; a final assistant message continued."""
+    prefill = _prefilled(body)
+    return Conversation(
+        messages=chat_messages(body), tools=_tools(state, body), add_generation_prompt=not prefill,
+        template_kwargs=_template_kwargs(body), continue_final=prefill,
+    )  # fmt: skip
+
+
 async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, LogprobsAsk]:
     """The plan (errors naming the Messages API's fields) and the logprobs ask."""
     _refuse_unserved(body)
     _output_format(body)
     try:
         ask = messages_ask(state, body)
-        prefill = _prefilled(body)
-        plan = await chat_plan(
-            state, body, chat_messages(body), body.max_tokens, ask,
-            add_generation_prompt=not prefill, template_kwargs=_template_kwargs(body),
-            continue_final=prefill, tools=_tools(state, body),
-        )  # fmt: skip
+        plan = await chat_plan(state, body, _conversation(state, body), body.max_tokens, ask)
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc, body) from None
     return plan, ask
@@ -271,11 +272,7 @@ async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, Lo
 async def counted_tokens(state: Serving, body: CountTokensRequest) -> int:
     """The prompt's tokens: the conversation, system and tools through the template."""
     try:
-        prefill = _prefilled(body)
-        prompt, _, _ = await rendered_chat(
-            state, chat_messages(body), _tools(state, body), add_generation_prompt=not prefill,
-            template_kwargs=_template_kwargs(body), continue_final=prefill,
-        )  # fmt: skip
+        prompt, _, _ = await rendered_chat(state, _conversation(state, body))
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc) from None
     return len(prompt.ids)

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from probserve.api.prompts import Prompt
 from probserve.api.tools.ask import ToolAsk
 from probserve.engine import LogprobsSpec, RoutingSpec, SamplingParams
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What a request asks of the engine."""
+    """What a request asks of the engine: built once, by keywords, by the route's plan (a later
+    step that adds to it, as `plans/routing.py`, returns a new one with `with_`)."""
 
     prompts: list[Prompt]
     sampling: list[SamplingParams]  # one per candidate of a prompt (candidate i: seed + i)
@@ -24,6 +25,10 @@ class Plan:
     routing: RoutingSpec | None = None  # each token's experts returned (plans/routing.py)
     speculative: bool | None = None  # speculative decoding asked on/off (None: the server's)
     embed: str | None = None  # the prompts' pooled final hidden states (/v1/embeddings)
+
+    def with_(self, **changes: object) -> Plan:
+        """This plan with `changes` (its fields by name)."""
+        return replace(self, **changes)  # type: ignore[arg-type]
 
     @property
     def per_prompt(self) -> int:

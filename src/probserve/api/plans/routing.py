@@ -15,14 +15,14 @@ from probserve.engine import RoutingSpec
 FIELD = "return_routed_experts"
 
 
-def routing_spec(state: Serving, body: SamplingFields, plan: Plan, prompt: bool) -> None:
-    """Sets `plan.routing` when the body asks: every generated token's routing and, with
+def routing_spec(state: Serving, body: SamplingFields, plan: Plan, prompt: bool) -> Plan:
+    """`plan` with its `routing` when the body asks: every generated token's routing and, with
     `prompt`, the prompt's. A 400 naming the field for a model without experts on the paged
     forward, or for a request whose tokens (every candidate's most, plus each echoed prompt)
     pass `--max-routed-tokens`."""
     if not body.return_routed_experts:
-        return
-    info = state.engine.info
+        return plan
+    info = state.info
     if not info.moe_layers:
         raise bad_request(
             f"{FIELD} needs a mixture-of-experts model on the paged runner; {state.name} "
@@ -44,4 +44,4 @@ def routing_spec(state: Serving, body: SamplingFields, plan: Plan, prompt: bool)
             "lower max_tokens",
             FIELD,
         )
-    plan.routing = RoutingSpec(prompt=prompt)
+    return plan.with_(routing=RoutingSpec(prompt=prompt))

@@ -83,4 +83,4 @@ async def score_plan(state: Serving, body: ScoreRequest) -> Plan:
         raise
     ask = LogprobsAsk(alternatives=0, target_ids=labels)
     greedy_one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    return Plan(prompts, [greedy_one], ask.spec())
+    return Plan(prompts=prompts, sampling=[greedy_one], spec=ask.spec())

@@ -14,6 +14,8 @@ from probserve.api.answers.routed import prompt_entries, token_entries
 from probserve.api.edge.sse import StreamUsage, sse_response
 from probserve.api.errors import ERRORS
 from probserve.api.off_loop import off_loop
+from probserve.api.pipeline.candidates import Delta
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.chat import chat_completion_plan
 from probserve.api.prompts import ChatPrompt
 from probserve.api.protocol import (
@@ -31,8 +33,6 @@ from probserve.api.protocol import (
     ToolCallDelta,
     Usage,
 )
-from probserve.api.routes.generation import Delta
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 from probserve.api.tools.reply import ReplyParser, cut_short, finish_reason, whole_reply

@@ -14,6 +14,8 @@ from probserve.api.answers.text_stream import Piece
 from probserve.api.edge.sse import StreamUsage, event, sse_response
 from probserve.api.errors import ERRORS
 from probserve.api.off_loop import off_loop
+from probserve.api.pipeline.candidates import Delta
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.completion import CompletionShape, completion_plan
 from probserve.api.prompts import Prompt
 from probserve.api.protocol import (
@@ -22,8 +24,6 @@ from probserve.api.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from probserve.api.routes.generation import Delta
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 from probserve.engine import TokenLogprobs

@@ -29,9 +29,9 @@ from starlette.types import Receive, Scope, Send
 
 from probserve.api.errors import ERRORS, bad_request
 from probserve.api.off_loop import off_loop
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.distributions import distributions_plan, prompt_ids
 from probserve.api.protocol import DistributionsRequest, DistributionsResponse, Usage
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.row_budget import RowBudget
 from probserve.api.server.state import Serving

@@ -14,6 +14,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from probserve.api.errors import ERRORS, bad_request
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.completion import built_prompts
 from probserve.api.plans.plan import Plan
 from probserve.api.protocol import (
@@ -22,7 +23,6 @@ from probserve.api.protocol import (
     EmbeddingResponse,
     EmbeddingUsage,
 )
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 from probserve.engine import SamplingParams
@@ -46,7 +46,7 @@ async def embeddings(
     request: Request,
     state: Annotated[Serving, Depends(serving_of(EmbeddingRequest))],
 ) -> EmbeddingResponse:
-    info = state.engine.info
+    info = state.info
     if not info.embeddings:
         raise bad_request(
             f"{state.name} runs on {info.runner}, which keeps no hidden states to embed", "input"
@@ -61,8 +61,10 @@ async def embeddings(
     if isinstance(body.input, list) and body.input and not isinstance(body.input[0], int):
         limits.check_sequences(len(body.input), 1, "input")
     built = await built_prompts(state, body.input, "input")
-    plan = Plan(built, [SamplingParams(temperature=0.0, max_tokens=0)], None)
-    plan.embed = body.pooling or state.config.pooling
+    plan = Plan(
+        prompts=built, sampling=[SamplingParams(temperature=0.0, max_tokens=0)], spec=None,
+        embed=body.pooling or state.config.pooling,
+    )  # fmt: skip
     run = await Run(state, request, plan, "embd").start()
     candidates = await run.collect()
     data = []

@@ -26,7 +26,20 @@ from fastapi.responses import Response
 from probserve.api.answers.json_out import dump_json
 from probserve.api.edge.sse import sse_response
 from probserve.api.errors import ERRORS, APIError, error_body
-from probserve.api.messages_protocol import (
+from probserve.api.off_loop import off_loop
+from probserve.api.pipeline.candidates import Candidate
+from probserve.api.pipeline.reply_items import (
+    ArgumentsSaid,
+    CallBegun,
+    CallDone,
+    ReplyItems,
+    Said,
+    TextSaid,
+)
+from probserve.api.pipeline.run import Run
+from probserve.api.plans.messages import counted_tokens, messages_plan
+from probserve.api.protocol import ChatLogprobEntry
+from probserve.api.protocol.messages import (
     CountTokensRequest,
     CountTokensResponse,
     MessageObject,
@@ -36,19 +49,6 @@ from probserve.api.messages_protocol import (
     TextContent,
     ToolUseContent,
 )
-from probserve.api.off_loop import off_loop
-from probserve.api.plans.messages import counted_tokens, messages_plan
-from probserve.api.protocol import ChatLogprobEntry
-from probserve.api.routes.generation import Candidate
-from probserve.api.routes.reply_items import (
-    ArgumentsSaid,
-    CallBegun,
-    CallDone,
-    ReplyItems,
-    Said,
-    TextSaid,
-)
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 

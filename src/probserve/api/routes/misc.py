@@ -39,7 +39,7 @@ def model_health(model: ServedModel, max_tokens_default: int) -> dict[str, objec
     status, reason = model.health()
     body: dict[str, object] = {"status": status, **engine.stats().figures()}
     body["max_tokens_default"] = model.max_tokens_default(max_tokens_default)
-    info = getattr(engine, "info", None)  # absent when a worker died before saying hello
+    info = model.info  # None when a worker died before saying hello
     if info is not None:
         body.update(serving_facts(info))
     if reason is not None:
@@ -99,7 +99,7 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
 
 def _card(model: ServedModel, name: str, max_tokens_default: int) -> ModelCard:
     replicas = model.engine.stats().replicas
-    info = getattr(model.engine, "info", None)
+    info = model.info
     return ModelCard(
         id=name,
         root=model.root,

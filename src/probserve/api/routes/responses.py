@@ -19,6 +19,17 @@ from probserve.api.answers.json_out import dump_json
 from probserve.api.edge.sse import sse_response
 from probserve.api.errors import ERRORS, APIError, error_body
 from probserve.api.off_loop import off_loop
+from probserve.api.pipeline.candidates import Candidate
+from probserve.api.pipeline.reply_items import (
+    ArgumentsSaid,
+    CallBegun,
+    CallDone,
+    MessageBegun,
+    ReplyItems,
+    Said,
+    TextSaid,
+)
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.responses import in_responses_terms, responses_plan
 from probserve.api.protocol import (
     IncompleteDetails,
@@ -29,17 +40,6 @@ from probserve.api.protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from probserve.api.routes.generation import Candidate
-from probserve.api.routes.reply_items import (
-    ArgumentsSaid,
-    CallBegun,
-    CallDone,
-    MessageBegun,
-    ReplyItems,
-    Said,
-    TextSaid,
-)
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 from probserve.engine import RequestError

@@ -15,9 +15,9 @@ from fastapi import APIRouter, Depends, Request
 
 from probserve.api.answers.label_scores import label_probabilities
 from probserve.api.errors import ERRORS
+from probserve.api.pipeline.run import Run
 from probserve.api.plans.score import score_plan
 from probserve.api.protocol import ScoreRequest, ScoreResponse, Usage
-from probserve.api.routes.run import Run
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
 

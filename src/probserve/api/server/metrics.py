@@ -45,14 +45,17 @@ class Served(Protocol):
     def name(self) -> str: ...
 
     @property
-    def engine(self) -> Any: ...  # its EngineClient: `stats()`, `info`
+    def engine(self) -> Any: ...  # its EngineClient: `stats()`
+
+    @property
+    def info(self) -> Any: ...  # its EngineInfo, None before the engine's hello
 
     @property
     def context_length(self) -> int: ...
 
 
 class Finished(Protocol):
-    """One finished candidate of a run, as the metrics read it (api/routes/run.py's candidates)."""
+    """One finished candidate of a run, as the metrics read it (pipeline/run.py's candidates)."""
 
     @property
     def finish_reason(self) -> str | None: ...
@@ -167,7 +170,7 @@ class _EngineCollector(Collector):
                     "enable_prefix_caching"],
         )  # fmt: skip
         for m in self.models:
-            info = getattr(m.engine, "info", None)
+            info = m.info
             if info is None:
                 continue
             block = info.block_size or 1

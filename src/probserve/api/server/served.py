@@ -12,6 +12,7 @@ from probserve.api.answers.tokens import TokenTable
 from probserve.api.server.grammar_cache import GrammarCache
 from probserve.engine import EngineClient
 from probserve.engine.grammar import llguidance_tokenizer
+from probserve.engine.info import EngineInfo
 from probserve.models import ModelRecord
 from probserve.models.generation_config import SamplingDefaults
 
@@ -58,10 +59,16 @@ class ServedModel:
         return str(self.record.name)
 
     @property
+    def info(self) -> EngineInfo | None:
+        """What the engine said of itself in its hello; None until it has (a worker restarted
+        after a death has not said it yet). The one place the API reads it from the engine."""
+        return getattr(self.engine, "info", None)
+
+    @property
     def context_length(self) -> int:
         """The tokens one sequence may hold as served: the engine's (`--max-model-len` caps
         the model's own)."""
-        info = getattr(self.engine, "info", None)
+        info = self.info
         return int(info.context_length) if info is not None else self.record.context_length
 
     def max_tokens_default(self, flag: int) -> int | None:

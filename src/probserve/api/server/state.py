@@ -17,6 +17,7 @@ from probserve.api.server.metrics import Metrics
 from probserve.api.server.row_budget import RowBudget
 from probserve.api.server.served import ServedModel
 from probserve.engine import EngineClient, EngineDead
+from probserve.engine.info import EngineInfo
 from probserve.models import ModelRecord
 
 
@@ -47,14 +48,19 @@ class Serving:
         return self.model.fmt
 
     @property
-    def max_context(self) -> int:
-        """The tokens one sequence may hold, as the engine said in its hello; an engine that
-        has not said it (a worker that died before, being restarted) is a 503, never a 500."""
-        info = getattr(self.engine, "info", None)
+    def info(self) -> EngineInfo:
+        """What the engine said of itself in its hello; an engine that has not said it (a
+        worker that died before, being restarted) is a 503, never a 500."""
+        info = self.model.info
         if info is None:
             status, why = self.model.health()
             raise EngineDead(f"the model's engine is {status}: {why or 'not started'}")
-        return int(info.max_context)
+        return info
+
+    @property
+    def max_context(self) -> int:
+        """The tokens one sequence may hold, as the engine said in its hello (503 before)."""
+        return int(self.info.max_context)
 
     @property
     def max_tokens_default(self) -> int | None:

@@ -8,8 +8,8 @@ import uuid
 from dataclasses import dataclass
 
 from probserve.api.answers.text_stream import Piece
+from probserve.api.pipeline.run import Run
 from probserve.api.protocol import ChatLogprobEntry
-from probserve.api.routes.run import Run
 from probserve.api.tools.reply import ReplyDelta, ReplyParser, cut_short
 
 

@@ -2,8 +2,8 @@
 requests, responses and stream events, defined once.
 
 Field names and types follow Anthropic's API reference. The request also takes probserve's
-sampling extensions (api/protocol.py `SamplingFields`: seed, top_k, min_p, logprob_token_ids,
-return_entropy, speculative, ...) and two logprobs fields of chat's (`logprobs`,
+sampling extensions (api/protocol/sampling.py `SamplingFields`: seed, top_k, min_p,
+logprob_token_ids, return_entropy, speculative, ...) and two logprobs fields of chat's (`logprobs`,
 `top_logprobs`), since Anthropic's API has none (docs/logprobs.md, "The Messages API"). A field
 this server does not implement is named back like any other (api/server/fields.py).
 """
@@ -14,24 +14,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from probserve.api.protocol import (
+from probserve.api.protocol.chat import ChatLogprobEntry, FunctionName
+from probserve.api.protocol.common import (
     MAX_FEW,
     MAX_ITEMS,
-    ChatLogprobEntry,
     Extension,
     Float,
-    FunctionName,
     Int,
     JsonValue,
-    SamplingFields,
+    RequestModel,
     Text,
     Texts,
-    _bounded,
-    _Request,
+    bounded,
 )
+from probserve.api.protocol.sampling import SamplingFields
 
 
-class CacheControl(_Request):
+class CacheControl(RequestModel):
     """A prompt-caching breakpoint: accepted, and needless here: the prefix cache keeps every
     shared prefix without one (cache_read_input_tokens counts what it held)."""
 
@@ -39,7 +38,7 @@ class CacheControl(_Request):
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Request):
+class TextBlock(RequestModel):
     type: Literal["text"]
     text: Text
     cache_control: CacheControl | None = None
@@ -47,7 +46,7 @@ class TextBlock(_Request):
     citations: Annotated[list[Any], Field(max_length=0)] | None = None
 
 
-class ToolUseBlock(_Request):
+class ToolUseBlock(RequestModel):
     """A call an assistant message made (sent back in the conversation)."""
 
     type: Literal["tool_use"]
@@ -57,17 +56,17 @@ class ToolUseBlock(_Request):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Request):
+class ToolResultBlock(RequestModel):
     """A user message's answer to a call: text (or text blocks); `is_error` says it failed."""
 
     type: Literal["tool_result"]
     tool_use_id: Text
-    content: Text | Annotated[list[TextBlock], _bounded(MAX_ITEMS)] | None = None
+    content: Text | Annotated[list[TextBlock], bounded(MAX_ITEMS)] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
 
 
-class ThinkingBlock(_Request):
+class ThinkingBlock(RequestModel):
     """An assistant's thinking, sent back in the conversation: left out of the prompt, as
     Anthropic's API leaves earlier turns' thinking out of the context."""
 
@@ -76,14 +75,14 @@ class ThinkingBlock(_Request):
     signature: Text | None = None
 
 
-class RedactedThinkingBlock(_Request):
+class RedactedThinkingBlock(RequestModel):
     """Another server's encrypted thinking: nothing a local model can read."""
 
     type: Literal["redacted_thinking"]
     data: Text
 
 
-class MediaBlock(_Request):
+class MediaBlock(RequestModel):
     """An image or a document: parsed so the refusal names it (the served models read text)."""
 
     type: Literal["image", "document"]
@@ -95,16 +94,16 @@ Block = Annotated[
     TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | MediaBlock,
     Field(discriminator="type"),
 ]
-Blocks = Annotated[list[Block], _bounded(MAX_ITEMS)]
+Blocks = Annotated[list[Block], bounded(MAX_ITEMS)]
 
 
-class MessageParam(_Request):
+class MessageParam(RequestModel):
     # "system": Claude Code's mid-conversation system messages, as a system message of chat's
     role: Literal["user", "assistant", "system"]
     content: Text | Blocks
 
 
-class MessagesTool(_Request):
+class MessagesTool(RequestModel):
     """A client tool (`type` absent or "custom"); a server tool's type (web_search_..., bash_...)
     is refused naming it: this server runs no tool itself."""
 
@@ -116,13 +115,13 @@ class MessagesTool(_Request):
     cache_control: CacheControl | None = None
 
 
-class MessagesToolChoice(_Request):
+class MessagesToolChoice(RequestModel):
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Request):
+class Thinking(RequestModel):
     """Extended thinking: "enabled"/"adaptive" turn the template's thinking on (its
     `enable_thinking` variable), "disabled" off; `budget_tokens` is bounded by max_tokens."""
 
@@ -130,14 +129,14 @@ class Thinking(_Request):
     budget_tokens: Int | None = Field(None, ge=1)
 
 
-class OutputFormat(_Request):
+class OutputFormat(RequestModel):
     """Structured outputs: the reply is JSON following `schema` (a grammar enforces it)."""
 
     type: Literal["json_schema"]
     schema_: JsonValue = Field(alias="schema")
 
 
-class OutputConfig(_Request):
+class OutputConfig(RequestModel):
     """`effort`: the template's `reasoning_effort` variable (as chat's reasoning_effort);
     `format`: structured outputs."""
 
@@ -145,10 +144,10 @@ class OutputConfig(_Request):
     format: OutputFormat | None = None
 
 
-System = Text | Annotated[list[TextBlock], _bounded(MAX_ITEMS)]
+System = Text | Annotated[list[TextBlock], bounded(MAX_ITEMS)]
 
 
-class _Conversation(_Request):
+class _Conversation(RequestModel):
     """What a prompt is made of: the messages, the system prompt and the tools."""
 
     model: Text | None = None  # as every route's: none names the one model served

@@ -18,11 +18,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from probserve.api.answers.text_stream import TextStream
-from probserve.api.plans.plan import Plan
-from probserve.api.plans.sampling import budgeted
-from probserve.api.prompts import Prompt
-from probserve.api.protocol import Usage
-from probserve.api.routes.generation import (
+from probserve.api.pipeline.candidates import (
     Candidate,
     Delta,
     merge,
@@ -30,6 +26,10 @@ from probserve.api.routes.generation import (
     share_prompt_scores,
     submit_all,
 )
+from probserve.api.plans.plan import Plan
+from probserve.api.plans.sampling import budgeted
+from probserve.api.prompts import Prompt
+from probserve.api.protocol import Usage
 from probserve.api.server.state import Serving
 from probserve.engine import EngineClient, EngineRequest
 
@@ -69,8 +69,9 @@ class Run:
                 ids = tuple(prompt.ids)
                 sampling = budgeted(asked, len(ids), context, default)
                 req = EngineRequest(
-                    rid, ids, sampling, spec, self.id, plan.grammar, plan.routing,
-                    plan.speculative, plan.embed,
+                    request_id=rid, prompt_token_ids=ids, sampling=sampling, logprobs=spec,
+                    group=self.id, grammar=plan.grammar, routing=plan.routing,
+                    speculative=plan.speculative, embed=plan.embed,
                 )  # fmt: skip
                 requests.append(req)
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
