@@ -138,7 +138,7 @@ def main() -> None:
     if args.op_by_op:
         runner: object = core.runner
         runner.forward = LlamaForward(  # type: ignore[attr-defined]
-            loaded.model, "auto", InvariantKernels(args.block_sums), loaded.weights, op_by_op=True
+            loaded.model, InvariantKernels(args.block_sums), loaded.weights, op_by_op=True
         )
     prompt = tuple(range(1000, 1100))
     print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")

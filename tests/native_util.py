@@ -42,8 +42,8 @@ def assert_native_equals_op_by_op(
     model: Any, weights: Mapping[str, Any] | None = None, block_sums: bool = False
 ) -> None:
     kernels = InvariantKernels(block_sums)
-    native = LlamaForward(model, "auto", kernels, weights)
-    op = LlamaForward(model, "auto", kernels, weights, op_by_op=True)
+    native = LlamaForward(model, kernels, weights)
+    op = LlamaForward(model, kernels, weights, op_by_op=True)
     assert native.native is not None and op.native is None
     caches = [KVCache.allocate(model.config, 32, BLOCK) for _ in range(2)]
     for cache in caches:  # every slot defined, so whole caches compare

@@ -87,7 +87,7 @@ def test_paged_runner_logits_equal_transformers(
         deterministic=deterministic,
     )
     runner = build_runner(m, config)
-    assert runner.forward.kernel == linear  # type: ignore[attr-defined]
+    assert runner.forward.ops.kernel == linear  # type: ignore[attr-defined]
     # SmolLM2's tied embedding is read from the head's copy (held once), except beside
     # oneDNN's blocked head; the tiny model's untied one has its own
     tied = model_name == "smol" and linear != "onednn"

@@ -268,6 +268,7 @@ def test_request_validation(tiny: LoadedModel, engine_for):
 def test_the_faster_matrix_kernel_is_chosen_and_held_alone(
     smol: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ):
+    from probserve.kernels.torch_ops import TorchOps
     from probserve.models import linear as linear_module
     from probserve.models.llama import LlamaForward
 
@@ -275,16 +276,16 @@ def test_the_faster_matrix_kernel_is_chosen_and_held_alone(
     assert linear_module.choose_kernel(w) in ("dense", "onednn")
     times = {"dense": 2.0, "onednn": 1.0}
     with monkeypatch.context() as mp:
-        mp.setattr(linear_module, "_time", lambda layer, rows: times[layer.kernel])
+        mp.setattr(linear_module, "_time", lambda layer, rows: times[layer.ops.kernel])
         assert linear_module.choose_kernel(w) == "onednn"
         times["dense"] = 0.5
         assert linear_module.choose_kernel(w) == "dense"
-    fw = LlamaForward(smol.model, "dense")
+    fw = LlamaForward(smol.model, TorchOps("dense"))
     layer = fw.layers[0]
     # a private dense copy: not the (possibly memory-mapped) source, and no packed twin
     assert layer.down.w.data_ptr() != smol.model.model.layers[0].mlp.down_proj.weight.data_ptr()
     assert not layer.down.w.is_mkldnn and torch.equal(layer.down.w, w)
-    packed = LlamaForward(smol.model, "onednn").layers[0].down
+    packed = LlamaForward(smol.model, TorchOps("onednn")).layers[0].down
     assert packed.w.is_mkldnn  # the reordered form alone, no dense twin
     x = torch.randn(5, w.shape[1])
     torch.testing.assert_close(packed(x), layer.down(x), atol=1e-4, rtol=0)

@@ -21,7 +21,7 @@ from reference import full_logprobs
 from test_families import _config, _numbers
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
-from probserve.engine.device import DeviceError, gpu_path
+from probserve.engine.core.backend import DeviceError, gpu_path
 from probserve.models import LoadedModel
 
 VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python

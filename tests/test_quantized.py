@@ -402,7 +402,7 @@ def test_the_blocks_cache_reads_back_what_the_file_holds(native: LoadedModel, sm
 
 
 def test_native_forward_holds_blocks_only(native: LoadedModel, kernels):
-    forward = LlamaForward(native.model, "auto", kernels, native.weights)
+    forward = LlamaForward(native.model, kernels, native.weights)
     linears = [forward.lm_head] + [
         lin for layer in forward.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
@@ -542,7 +542,7 @@ def test_mixed_formats_and_an_untied_embedding(tiny: LoadedModel):
                             "weights_format": "Q4_0+Q4_1+Q8_0"})  # fmt: skip
     floats = LoadedModel(**{**tiny.__dict__, "model": twin})
     kernels = InvariantKernels()
-    fw = LlamaForward(twin, "auto", kernels, weights)
+    fw = LlamaForward(twin, kernels, weights)
     qkv = fw.layers[0].qkv
     assert isinstance(qkv, Joined) and all(p.quantized is not None for p in qkv.parts)
     assert len(qkv.parts) == 3 and qkv.out_features == sum(p.out_features for p in qkv.parts)
@@ -636,7 +636,7 @@ def test_k_quants_and_q5_in_one_model(kmix):
     """The K-quants and Q5 mix: each q/k/v part in its own blocks, joined, no matrix held in
     float32; the same bits as the float32 twin, for greedy and seeded requests in one batch."""
     blocks, floats, weights = kmix
-    fw = LlamaForward(floats.model, "auto", InvariantKernels(), weights)
+    fw = LlamaForward(floats.model, InvariantKernels(), weights)
     qkv = fw.layers[0].qkv
     assert isinstance(qkv, Joined) and all(p.quantized is not None for p in qkv.parts)
     assert len(qkv.parts) == 3 and qkv.out_features == sum(p.out_features for p in qkv.parts)

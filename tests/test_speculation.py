@@ -23,6 +23,7 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
+from probserve.engine.core.host import engine_over
 from probserve.engine.core.speculation import NgramProposer
 from probserve.models import LoadedModel
 
@@ -62,9 +63,9 @@ def _numbers(outs: list) -> tuple[list[int], dict[str, bytes]]:
 
 
 def _run(model: LoadedModel, reqs: list[EngineRequest], proposer=None, **config) -> dict:
-    core = EngineCore(model, EngineConfig(kv_cache_gib=0.05, block_size=4, **config))
+    core = engine_over(model, EngineConfig(kv_cache_gib=0.05, block_size=4, **config))
     if proposer is not None:
-        core.proposer = proposer
+        core.speculator.proposer = proposer
     outs = run_core(core, reqs)
     return {rid: _numbers(o) for rid, o in outs.items()} | {"_core": core}
 
@@ -120,11 +121,11 @@ def test_speculation_changes_no_bit(tiny: LoadedModel, plain: dict, proposer: st
     core = spec.pop("_core")
     for rid in ("greedy", "sampled", "penalised"):
         assert spec[rid] == plain[rid], rid
-    assert core.spec_drafted > 0
+    assert core.speculator.drafted > 0
     if proposer == "oracle":
-        assert core.spec_accepted == core.spec_drafted
+        assert core.speculator.accepted == core.speculator.drafted
     if proposer == "random":
-        assert core.spec_accepted < core.spec_drafted // 4
+        assert core.speculator.accepted < core.speculator.drafted // 4
 
 
 def test_speculation_among_other_requests_and_a_small_budget(tiny: LoadedModel, plain: dict):
@@ -318,7 +319,8 @@ def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedMod
     core = EngineCore(smol, EngineConfig(kv_cache_gib=0.1, speculative="ngram"))
     spec_on, spec_steps = numbers(core)
     assert spec_on == plain
-    assert core.spec_accepted > 10 and core.spec_accepted >= 0.8 * core.spec_drafted
+    spec = core.speculator
+    assert spec.accepted > 10 and spec.accepted >= 0.8 * spec.drafted
     assert spec_steps < plain_steps  # outputs: one a step
     text = smol.tokenizer.decode(plain["g"][0], skip_special_tokens=True)
     assert text.startswith('{"keeper_name": "'), text
@@ -334,11 +336,11 @@ def test_a_draft_models_guesses_change_no_bit(tiny: LoadedModel, tiny_dir, smol,
     for rid in ("greedy", "sampled", "penalised"):
         assert same[rid] == plain[rid], rid
     assert core.info.speculative == f"draft:{tiny_dir}"
-    assert 0 < core.spec_accepted <= core.spec_drafted
+    assert 0 < core.speculator.accepted <= core.speculator.drafted
     greedy_only = _run(tiny, _requests()[:1], speculative=f"draft:{tiny_dir}")
     greedy_core = greedy_only.pop("_core")
     assert greedy_only["greedy"] == plain["greedy"]
-    assert greedy_core.spec_accepted == greedy_core.spec_drafted > 0
+    assert greedy_core.speculator.accepted == greedy_core.speculator.drafted > 0
     with pytest.raises(ValueError, match="must be off, ngram or draft"):
         EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft:"))
     with pytest.raises(ValueError, match="must be off, ngram or draft"):
@@ -356,4 +358,4 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny: LoadedModel, tmp_path, 
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     smol.tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="another tokenizer"):
-        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative=f"draft:{tmp_path}"))
+        engine_over(tiny, EngineConfig(kv_cache_gib=0.05, speculative=f"draft:{tmp_path}"))

@@ -15,6 +15,7 @@ import threading
 from probserve.engine.client import EngineClient
 from probserve.engine.config import ClientLimits, EngineConfig
 from probserve.engine.core.engine import EngineCore
+from probserve.engine.core.host import engine_over
 from probserve.engine.types import EngineDead, EngineRequest
 from probserve.models import LoadedModel
 
@@ -42,7 +43,7 @@ class AsyncEngine(EngineClient):
         """An (unstarted) engine over a model its caller holds and may share (`--worker
         inline`, `probserve generate`, tests): its source weights stay where they are."""
         limits = limits or ClientLimits()
-        core = EngineCore(loaded, config)
+        core = engine_over(loaded, config)
         return cls(core, max_pending=limits.max_queued, stall_timeout=limits.engine_stall_timeout)
 
     # ---- lifecycle ------------------------------------------------------------------------

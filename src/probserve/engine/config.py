@@ -7,7 +7,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from probserve.engine.stats import SPEC_POSITIONS
 from probserve.flags import setting
+
+
+class Speculative(str):
+    """`--speculative`'s value, checked when it is made (the flag's parse, a config file, the
+    worker's copy of the configuration): "off", "ngram", or "draft:MODEL"; `mode` and `draft`
+    read it."""
+
+    def __new__(cls, text: str) -> Speculative:
+        if text not in ("off", "ngram") and not (text.startswith("draft:") and text[6:]):
+            raise ValueError(f"--speculative must be off, ngram or draft:MODEL (got {text!r})")
+        return super().__new__(cls, text)
+
+    @property
+    def mode(self) -> Literal["off", "ngram", "draft"]:
+        return "draft" if self.startswith("draft:") else "off" if self == "off" else "ngram"
+
+    @property
+    def draft(self) -> str:
+        """The draft model's spec ("" unless draft:MODEL)."""
+        return self[len("draft:") :] if self.mode == "draft" else ""
 
 
 @dataclass(frozen=True)
@@ -96,8 +117,8 @@ class EngineConfig:
         "they cannot run)",
     )
 
-    speculative: str = setting(
-        "off",
+    speculative: Speculative = setting(
+        Speculative("off"),
         "speculative decoding: ngram proposes the tokens that followed the latest earlier "
         "occurrence of the text's last n-gram (prompt lookup); draft:MODEL a smaller model's "
         "greedy guesses (the same tokenizer); checked in the step as extra rows: every token "
@@ -108,16 +129,21 @@ class EngineConfig:
         4, "the most tokens proposed a step (adapting to how many were accepted)"
     )
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", Speculative(self.speculative))
+        if not 1 <= self.speculative_tokens <= SPEC_POSITIONS:
+            most, got = SPEC_POSITIONS, self.speculative_tokens
+            raise ValueError(f"--speculative-tokens must be 1 to {most} (got {got})")
+
     def weights_to_load(self) -> Literal["native", "float32"]:
         """The weights to load: native blocks run on the paged runner's deterministic kernels
-        only (models/loader.py falls back to float32 where the model or machine can't). The GPU
-        path (always deterministic) reads a GGUF file's blocks too, and dequantizes them one
-        matrix at a time onto the device: no float32 copy of the whole model on the host, and
-        the files transformers' GGUF loader misreads (Mixtral's, gpt-oss's) are served."""
-        from probserve.engine.device import gpu_path
-
-        gpu = gpu_path(self.device) is not None
-        if self.runner == "hf" or not (self.deterministic or gpu):
+        (models/loader.py falls back to float32 where the model or machine can't). The GPU
+        path (always deterministic; `--device cuda` or `auto`) reads a GGUF file's blocks too,
+        and dequantizes them one matrix at a time onto the device: no float32 copy of the whole
+        model on the host, and the files transformers' GGUF loader misreads (Mixtral's,
+        gpt-oss's) are served (where `auto` finds no GPU, the host dequantizes them the same
+        way). Decided from the flags alone: the engine's face imports no torch."""
+        if self.runner == "hf" or not (self.deterministic or self.device != "cpu"):
             return "float32"
         return self.weights
 

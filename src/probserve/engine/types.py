@@ -124,6 +124,12 @@ class RoutedExperts:
     def span(self, a: int, b: int) -> RoutedExperts:
         return RoutedExperts(self.experts[a:b], self.weights[a:b])
 
+    @staticmethod
+    def concat(parts: list[RoutedExperts]) -> RoutedExperts:
+        return RoutedExperts(
+            np.concatenate([p.experts for p in parts]), np.concatenate([p.weights for p in parts])
+        )
+
 
 @dataclass(frozen=True)
 class EngineRequest:

@@ -7,42 +7,20 @@ row is a function of its own input row only: the guarantee `--deterministic` res
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
 from probserve.kernels.build import header_constant, load
+from probserve.kernels.experts import EachExpert, Expert
+from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.kernels.qlayout import FORMATS, LIMB_PANEL, LIMB_TYPES, pack_blocks, pack_limbs
+from probserve.kernels.weights import Packed, PackedWeight, QuantizedWeight, Source, row_ids
 
 PS_LIMBS = header_constant("PS_LIMBS")  # probserve.h's: added to a format id in limbs.cpp's layout
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A [N, K] weight as panels [ceil(N / P), K, P] of P columns (zero padded), and its bias
-    padded to a whole panel."""
-
-    panels: torch.Tensor
-    bias: torch.Tensor | None
-    n: int
-    k: int
-
-
-@dataclass(frozen=True)
-class QuantizedWeight:
-    """A [N, K] weight in GGUF blocks, packed for quantized.cpp (kernels/qlayout.py): panels of P
-    output columns, in each for every block along K (32 weights, 256 for the K-quants) the
-    columns' float16 fields and scale bytes, then one row of P quants per k."""
-
-    data: torch.Tensor  # uint8 [panels, K / block length, block bytes] (P times the file's;
-    # limbs.cpp's layout: qlayout.limb_block_bytes)
-    bias: torch.Tensor | None
-    fmt: int  # quantized.cpp's format id (qlayout.FORMATS), + PS_LIMBS in limbs.cpp's layout
-    n: int
-    k: int
 
 
 SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
@@ -50,16 +28,6 @@ SCORE_MAX_K = 64  # the most alternatives ps_score keeps (ps_topk sorts past it)
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
-
-
-def row_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """int64 row ids (token ids, positions, cache slots), checked against the table's n rows:
-    the engine computes them first, but the kernels read and write memory, so they are checked
-    again."""
-    ids = ids.to(torch.int64).contiguous()
-    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < n):
-        raise IndexError(f"row id outside the table's {n} rows")
-    return ids
 
 
 def limb_types(lib: Any) -> frozenset[int]:
@@ -74,9 +42,13 @@ class InvariantKernels:
     the dequantized product, but not its bits. `limbs`: the formats limbs.cpp multiplies in
     integer limbs are packed for it (--products limbs; not with block_sums): row-invariant and
     closer to a float64 product than the float32 path. The weights packed by `qpack` carry the
-    choice."""
+    choice. As the forward's `LayerOps` (kernels/layer_ops.py) they run every operation on
+    the host, keep GGUF blocks as the file holds them, and chain the layers in one native call
+    (`chain`)."""
 
+    kernel = "invariant"
     keeps_blocks = True  # GGUF blocks are multiplied as the file holds them (qpack)
+    reads_rows = True
 
     def __init__(self, block_sums: bool = False, limbs: bool = False) -> None:
         self.lib = load()
@@ -84,7 +56,14 @@ class InvariantKernels:
         self.block_sums = block_sums
         self.limb_types = limb_types(self.lib) if limbs and not block_sums else frozenset()
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        return t  # the host is where they run
+
+    def pack(self, weight: Source, bias: torch.Tensor | None = None) -> Packed:
+        """A float32 weight packed into panels, or a file's blocks into quantized.cpp's
+        (`qpack`)."""
+        if not isinstance(weight, torch.Tensor):
+            return self.qpack(weight.blocks, weight.ggml_type, bias)
         n, k = weight.shape
         p = self.panel
         padded = -(-n // p) * p
@@ -137,7 +116,9 @@ class InvariantKernels:
         self.lib.ps_qrows(w.fmt, w.data.data_ptr(), w.k, ids.data_ptr(), n, out.data_ptr())
         return out
 
-    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: Packed) -> torch.Tensor:
+        if isinstance(w, QuantizedWeight):
+            return self.qlinear(x, w)
         return self._product(x, w, self.lib.ps_linear)
 
     @staticmethod
@@ -155,8 +136,10 @@ class InvariantKernels:
         call(x.data_ptr(), x.shape[0], w.k, data.data_ptr(), w.n, bias, out.data_ptr())
         return out.view(*lead, w.n)
 
-    def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, w: Packed, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the packed weight, [len(ids), K] (an embedding lookup)."""
+        if isinstance(w, QuantizedWeight):
+            return self.qrows(w, ids)
         ids = row_ids(ids, w.n)
         out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
         self.lib.ps_packed_rows(
@@ -343,3 +326,25 @@ class InvariantKernels:
             sinks.data_ptr() if sinks is not None else None,
         )
         return out
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int,
+        plan: AttentionPlan,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """`attention` through every token's block table."""
+        tables, seq, lengths = plan.by_table()
+        return self.attention(
+            q, k_cache, v_cache, layer.scale, tables, seq, lengths, block_size, layer.window,
+            layer.softcap, layer.sinks,
+        )  # fmt: skip
+
+    def experts(self, experts: Iterable[Expert], count: int) -> EachExpert:
+        return EachExpert(tuple(experts))
+
+    def chain(self, shape: Shape, layers: Sequence[LayerWeights]) -> NativeLayers:
+        return NativeLayers(self.lib, shape, layers)

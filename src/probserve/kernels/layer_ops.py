@@ -1,25 +1,62 @@
-"""LayerOps: the operations the deterministic forward calls one by one (models/llama.py, its
-linear layers and experts), as one interface: the CPU's row-invariant kernels
-(kernels/invariant.py, which also multiply GGUF blocks in place) and the GPU path's Triton
-kernels (kernels/gpu/ops.py) both provide it."""
+"""LayerOps: every operation the paged forward calls (models/llama.py, its linear layers and its
+experts), as one interface with three backends: torch's own operations (kernels/torch_ops.py:
+MKL's or oneDNN's products and SDPA attention, not batch-invariant), the CPU's row-invariant
+kernels (kernels/invariant.py, which also multiply GGUF blocks in place and chain the layers in
+one native call) and the GPU path's Triton kernels (kernels/gpu/ops.py). The forward holds one
+and never asks which: what differs between them is here, declared."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
-from probserve.kernels.invariant import PackedWeight
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.experts import Activation, Expert
+from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
+from probserve.kernels.weights import Packed, Source
+
+
+class Experts(Protocol):
+    """A layer's experts as a backend holds them: rows x [T, H] routed to experts ids [T, k]
+    with weights [T, k] -> each token's weighted sum of its experts' outputs."""
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: Activation
+    ) -> torch.Tensor: ...
 
 
 class LayerOps(Protocol):
-    keeps_blocks: bool  # GGUF blocks stay as the file holds them (else: dequantized first)
+    @property
+    def kernel(self) -> str:
+        """Its matrix kernel: "invariant", "dense" (MKL), "onednn", "triton"."""
+        ...
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight: ...
+    @property
+    def keeps_blocks(self) -> bool:
+        """GGUF blocks are multiplied as the file holds them (else dequantized by `pack`)."""
+        ...
 
-    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor: ...
+    @property
+    def reads_rows(self) -> bool:
+        """`rows` reads a packed weight (a tied embedding from the head's copy)."""
+        ...
 
-    def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor: ...
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor the forward keeps, where the operations run (copied once)."""
+        ...
+
+    def pack(self, weight: Source, bias: torch.Tensor | None = None) -> Packed:
+        """A weight (float32, or a file's blocks) held in the form `linear` multiplies: a copy,
+        so the source (perhaps memory-mapped from a file) may be released."""
+        ...
+
+    def linear(self, x: torch.Tensor, w: Packed) -> torch.Tensor: ...
+
+    def rows(self, w: Packed, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a packed weight, float32 (an embedding lookup)."""
+        ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -45,19 +82,30 @@ class LayerOps(Protocol):
         slots: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """RoPE on qkv [T, (nq + 2 nkv) d] (`heads`: nq, nkv, d) at rows `positions` of the cos
+        and sin tables [P, d], k and v written into the caches at `slots`; the rotated q
+        [T, nq, d]."""
+        ...
 
-    def attention(
+    def attend(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        scale: float,
-        tables: torch.Tensor,
-        seq: torch.Tensor,
-        lengths: torch.Tensor,
         block_size: int,
-        window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+        plan: AttentionPlan,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """Causal attention of q [T, nq, d] over a layer's paged cache, as `plan` lays out the
+        step: [T, nq * d]."""
+        ...
+
+    def experts(self, experts: Iterable[Expert], count: int) -> Experts:
+        """A layer's `count` experts held as this backend runs them (taken one at a time)."""
+        ...
+
+    def chain(self, shape: Shape, layers: Sequence[LayerWeights]) -> NativeLayers | None:
+        """Every decoder layer in one native call a step where this backend has one (the CPU's
+        library), else None: the forward calls the operations one by one."""
+        ...

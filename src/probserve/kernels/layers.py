@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from probserve.kernels.build import KernelBuildError, header_constant
-from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight, row_ids
+from probserve.kernels.experts import EachExpert
+from probserve.kernels.weights import Packed, QuantizedWeight, row_ids
 
 MAX_PARTS = header_constant("PS_MAX_PARTS")  # probserve.h's, as layer.cpp has it
 _I = ctypes.c_int64
@@ -86,17 +87,14 @@ class _Step(ctypes.Structure):
     ]
 
 
-Weight = PackedWeight | QuantizedWeight
-
-
 @dataclass
 class MoEWeights:
-    """A mixture of experts as the native call reads it: the router and each expert's
-    [gate | up] and down, as parts; `index`: its place among the model's MoE layers."""
+    """A mixture of experts as the native call reads it: the router's parts and the experts as
+    the host's backends hold them (kernels/experts.py: each expert's [gate | up] and down as
+    parts); `index`: its place among the model's MoE layers."""
 
-    router: Sequence[Weight]
-    gate_up: Sequence[Sequence[Weight]]
-    down: Sequence[Sequence[Weight]]
+    router: Sequence[Packed]
+    experts: object  # the layer's `Experts` (kernels/layer_ops.py): an EachExpert here
     top_k: int
     norm: bool
     index: int
@@ -109,10 +107,10 @@ class LayerWeights:
 
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv: Sequence[Weight]
-    o: Sequence[Weight]
-    gate_up: Sequence[Weight]  # empty for a mixture of experts
-    down: Sequence[Weight]
+    qkv: Sequence[Packed]
+    o: Sequence[Packed]
+    gate_up: Sequence[Packed]  # empty for a mixture of experts
+    down: Sequence[Packed]
     pre_ff: torch.Tensor | None = None
     post_ff: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
@@ -144,7 +142,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _proj(parts: Sequence[Weight]) -> _Proj:
+def _proj(parts: Sequence[Packed]) -> _Proj:
     if not 1 <= len(parts) <= MAX_PARTS:
         raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, not {len(parts)}")
     if len({p.k for p in parts}) != 1:
@@ -177,9 +175,10 @@ def check_struct_sizes(lib: ctypes.CDLL) -> None:
 class NativeLayers:
     """Every decoder layer of a model, run over a step's tokens by one `ps_layers` call."""
 
-    def __init__(self, kernels: InvariantKernels, shape: Shape, layers: Sequence[LayerWeights]):
-        """`layers`: their tensors must outlive this object (the forward holds them)."""
-        self.lib = kernels.lib
+    def __init__(self, lib: ctypes.CDLL, shape: Shape, layers: Sequence[LayerWeights]):
+        """`lib`: the kernels' library (kernels/build.py); `layers`: their tensors must outlive
+        this object (the forward holds them)."""
+        self.lib = lib
         check_struct_sizes(self.lib)
         self.shape = shape
         self._weights = list(layers)  # the tensors the pointers point into
@@ -225,15 +224,17 @@ class NativeLayers:
 
     def _moe(self, mw: MoEWeights) -> _MoE:
         s = self.shape
-        experts = len(mw.gate_up)
+        if not isinstance(mw.experts, EachExpert):
+            raise ValueError("the native layers read the host's experts (EachExpert) only")
+        each = mw.experts.experts
+        experts = len(each)
         router = _proj(mw.router)
-        gate_up = (_Proj * experts)(*(_proj(p) for p in mw.gate_up))
-        down = (_Proj * experts)(*(_proj(p) for p in mw.down))
+        gate_up = (_Proj * experts)(*(_proj(e.gate_up.weights) for e in each))
+        down = (_Proj * experts)(*(_proj(e.down.weights) for e in each))
         self._keep += [gate_up, down]
         inter = gate_up[0].n // 2 if experts else 0
         if (
             router.n != experts
-            or len(mw.down) != experts
             or not 0 < mw.top_k <= experts
             or not 0 < inter <= s.intermediate
             or any(p.n != 2 * inter for p in gate_up)

@@ -1,12 +1,14 @@
-"""The packed forward's linear layers, and the choice of matrix kernel for this machine.
+"""The packed forward's linear layers, each weight held in the one form its backend
+(kernels/layer_ops.py) multiplies, and the choice of torch's matrix kernel for this machine.
 
-Three kernels compute y = x W^T + b in float32, equal to ~1e-5:
-- "dense": `F.linear` on a contiguous weight (MKL's sgemm/sgemv);
+On the host three kernels compute y = x W^T + b in float32, equal to ~1e-5:
+- "dense": `F.linear` on a contiguous weight (MKL's sgemm/sgemv; kernels/torch_ops.py);
 - "onednn": oneDNN's matmul on a weight reordered once into its blocked layout
-  (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`);
-- "invariant": probserve's own (kernels/invariant.cpp) on a weight packed once into panels:
-  each output accumulates over K in order, so a row's result is the same bits whatever the
-  other rows (what `--deterministic` needs; MKL and oneDNN block K differently by row count).
+  (`mkldnn._reorder_linear_weight`, `mkldnn._linear_pointwise`; kernels/torch_ops.py);
+- "invariant": probserve's own (kernels/invariant.cpp) on a weight packed once into panels, or
+  on a file's GGUF blocks packed the same way: each output accumulates over K in order, so a
+  row's result is the same bits whatever the other rows (what `--deterministic` needs; MKL and
+  oneDNN block K differently by row count).
 Which one is faster depends on the machine and the row count: on one 2-core CI machine
 (AVX-512, no VNNI) oneDNN took 21 vs 33 ms for SmolLM2's matrix chain at 1 row and 48 vs 87 ms
 at 32 rows (MKL re-packed the weight on every call); on another (Intel Xeon with AVX-512
@@ -20,76 +22,51 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from probserve.kernels.invariant import InvariantKernels, PackedWeight, QuantizedWeight
 from probserve.kernels.layer_ops import LayerOps
-from probserve.models.gguf_blocks import QuantizedTensor, Weight
+from probserve.kernels.torch_ops import Kernel, TorchOps, onednn_available
+from probserve.kernels.weights import Packed, PackedWeight, QuantizedWeight
+from probserve.models.gguf_blocks import QuantizedTensor, Weight, stack_rows
 
 log = logging.getLogger(__name__)
 
-Kernel = Literal["dense", "onednn", "invariant"]
-PACK_ROWS = 32  # the row count oneDNN's weight layout is chosen for
-
 
 class Linear:
-    """y = x W^T + b with the weight held in the form its kernel wants (a private copy: the
-    source, perhaps memory-mapped from a file, may then be released). A weight in GGUF blocks
-    stays in them with the "invariant" kernel (kernels/quantized.cpp: the same bits as on its
-    float32 copy); the other kernels take it dequantized."""
+    """y = x W^T + b with the weight held as its backend packs it (`LayerOps.pack`: a private
+    copy, so the source, perhaps memory-mapped from a file, may then be released). A weight in
+    GGUF blocks stays in them where the backend multiplies blocks (the row-invariant kernels:
+    the same bits as on its float32 copy); the others take it dequantized."""
 
-    def __init__(
-        self,
-        weight: Weight,
-        bias: torch.Tensor | None = None,
-        kernel: Kernel = "dense",
-        kernels: LayerOps | None = None,
-    ) -> None:
-        """`kernels`: the deterministic operations, for the "invariant" kernel (the CPU's
-        library, which keeps GGUF blocks; or the GPU path's, which takes them dequantized)."""
-        self.kernel: Kernel = kernel
-        if kernel == "onednn" and not onednn_available():
-            self.kernel = "dense"
-        self.kernels = kernels
-        self.packed: PackedWeight | None = None
-        self.quantized: QuantizedWeight | None = None
-        if isinstance(weight, QuantizedTensor):
-            self.out_features, self.in_features = weight.n, weight.k
-            if self.kernel == "invariant" and isinstance(kernels, InvariantKernels):
-                self.quantized = kernels.qpack(weight.blocks, weight.ggml_type, bias)
-                self.w = self.quantized.data
-                self.b = self.quantized.bias
-                return
-            weight = weight.dequantize()
-        weight = weight.detach().float()
-        self.out_features, self.in_features = (int(d) for d in weight.shape)
-        if self.kernel == "invariant":
-            if kernels is None:
-                raise ValueError("the invariant kernel needs its library (InvariantKernels)")
-            self.packed = kernels.pack(weight, bias)
-            self.w = self.packed.panels
-            self.b = self.packed.bias
-        elif self.kernel == "onednn":
-            # reordered once for oneDNN's matmul (blocked for ~32 rows, right for any count)
-            self.w = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-            self.b = None if bias is None else bias.detach().float().clone()
-        else:
-            self.w = weight.clone(memory_format=torch.contiguous_format)
-            self.b = None if bias is None else bias.detach().float().clone()
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, ops: LayerOps) -> None:
+        self.ops = ops
+        self.held = ops.pack(weight, bias)
+        self.out_features, self.in_features = self.held.n, self.held.k
+
+    @property
+    def weights(self) -> list[Packed]:
+        return [self.held]
+
+    @property
+    def quantized(self) -> QuantizedWeight | None:
+        """The weight in GGUF blocks (None: held as float values)."""
+        return self.held if isinstance(self.held, QuantizedWeight) else None
+
+    @property
+    def packed(self) -> PackedWeight | None:
+        """The weight as float values (None: in GGUF blocks)."""
+        return self.held if isinstance(self.held, PackedWeight) else None
+
+    @property
+    def w(self) -> torch.Tensor:
+        """The matrix as held: panels, blocks, or torch's dense or reordered copy."""
+        return self.held.panels if isinstance(self.held, PackedWeight) else self.held.data
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            assert isinstance(self.kernels, InvariantKernels)
-            return self.kernels.qlinear(x, self.quantized)
-        if self.packed is not None:
-            return self.kernels.linear(x, self.packed)  # type: ignore[union-attr]
-        if self.kernel == "onednn":
-            x = x.contiguous()
-            return torch.ops.mkldnn._linear_pointwise(x, self.w, self.b, "none", [], "")
-        return F.linear(x, self.w, self.b)
+        return self.ops.linear(x, self.held)
 
 
 class Joined:
@@ -104,8 +81,30 @@ class Joined:
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
+    @property
+    def weights(self) -> list[Packed]:
+        return [p.held for p in self.parts]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _form(weight: Weight) -> int | None:
+    """A weight's block format (None: float32)."""
+    return weight.ggml_type if isinstance(weight, QuantizedTensor) else None
+
+
+def projection(
+    parts: Sequence[Weight], biases: Sequence[torch.Tensor | None], ops: LayerOps
+) -> Linear | Joined:
+    """One layer of the weights' rows one after another (a fused QKV or gate/up): one weight,
+    or, where the backend keeps blocks and the parts are in different formats, each in its own
+    blocks (`Joined`: never a float32 copy)."""
+    if ops.keeps_blocks and len({_form(w) for w in parts}) > 1:
+        return Joined([Linear(w, b, ops) for w, b in zip(parts, biases, strict=True)])
+    present = [b for b in biases if b is not None]
+    bias = torch.cat(present) if len(present) == len(biases) else None
+    return Linear(stack_rows(parts), bias, ops)
 
 
 def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
@@ -117,10 +116,6 @@ def _time(layer: Linear, rows: int, repeats: int = 5) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def choose_kernel(weight: torch.Tensor) -> Kernel:
     """The faster kernel for `weight` on this machine, timed at 1 and 32 rows (a decode step
     and a batch); the sum decides."""
@@ -128,7 +123,7 @@ def choose_kernel(weight: torch.Tensor) -> Kernel:
         return "dense"
     with torch.inference_mode():
         cost = {
-            kernel: sum(_time(Linear(weight, None, kernel), rows) for rows in (1, 32))
+            kernel: sum(_time(Linear(weight, None, TorchOps(kernel)), rows) for rows in (1, 32))
             for kernel in ("dense", "onednn")
         }
     best: Kernel = "dense" if cost["dense"] <= cost["onednn"] else "onednn"
@@ -139,3 +134,9 @@ def choose_kernel(weight: torch.Tensor) -> Kernel:
         cost["onednn"] * 1e3,
     )
     return best
+
+
+def torch_ops(linear: Kernel | Literal["auto"], sample: Callable[[], torch.Tensor]) -> TorchOps:
+    """Torch's operations with the products `--linear` asks for ("auto": the faster on
+    `sample()`, one of the model's own matrices)."""
+    return TorchOps(choose_kernel(sample()) if linear == "auto" else linear)

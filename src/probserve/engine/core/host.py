@@ -2,19 +2,30 @@
 threads fixed, the model loaded as the configuration asks, its `EngineCore` built and warmed up
 on the thread that steps it, and the source weights released once the runner holds its own
 copy. One place, so both hosts start an engine the same way (an engine inside the server's
-process, over a model its caller holds: `AsyncEngine.over`)."""
+process, over a model its caller holds: `AsyncEngine.over`), and `engine_over`, the one place an
+engine is built over a loaded model, with its draft model's engine where one is asked."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from probserve.engine.config import EngineConfig
+from probserve.engine.config import EngineConfig, Speculative
 from probserve.engine.core.engine import EngineCore
-from probserve.models.loader import ModelSource, loaded_source, tokenizer_class
+from probserve.engine.core.runners.choice import runner_class
+from probserve.engine.core.speculation import DraftProposer
+from probserve.engine.core.speculator import Speculator
+from probserve.models.loader import (
+    LoadedModel,
+    ModelSource,
+    load_model,
+    loaded_source,
+    tokenizer_class,
+)
 from probserve.progress import Stage
 
 log = logging.getLogger(__name__)
@@ -55,10 +66,31 @@ def start_engine(
     started = time.monotonic()
     threads = configure_threads(config.threads)
     source, loaded = loaded_source(spec, config.weights_to_load())
-    core = EngineCore(loaded, config)
+    core = engine_over(loaded, config)
     with Stage(log, "warming up (the runner's buffers and a first request, each start)"):
         warm(core)
     core.runner.release_source_weights()
     tokenizer = tokenizer_class(loaded.tokenizer)
     loaded.model = loaded.weights = None
     return StartedEngine(core, source, tokenizer, threads, time.monotonic() - started)
+
+
+def engine_over(loaded: LoadedModel, config: EngineConfig) -> EngineCore:
+    """The engine over `loaded`, its speculator built first where `--speculative draft:MODEL`
+    asks and the runner checks proposals: the draft model loaded (the same tokenizer, else
+    refused) and given an engine of its own."""
+    if not config.speculative.draft or not runner_class(loaded, config).speculates:
+        return EngineCore(loaded, config)
+    draft = load_model(config.speculative.draft, config.weights_to_load())
+    if draft.vocab_size != loaded.vocab_size or (
+        draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab()
+    ):
+        raise ValueError(
+            f"the draft model {draft.name} has another tokenizer than {loaded.name}: its "
+            "guesses would be other tokens"
+        )
+    own = dataclasses.replace(
+        config, speculative=Speculative("off"), kv_cache_gib=max(0.05, config.kv_cache_gib / 4),
+        max_model_len=0,
+    )  # fmt: skip
+    return EngineCore(loaded, config, Speculator(DraftProposer(EngineCore(draft, own)), config))

@@ -6,13 +6,16 @@ position p score prompt token p + 1 (`score_range`). The first chunk after a pre
 starts at position 0: runners keep each position's final hidden state beside its KV, so a cached
 prompt scores exactly as a fresh one. Runners hand the rows over as `ScoreRows`; `score_step`
 turns a step's rows into logprobs, every sequence's together a slice at a time
-(logprobs.score_positions), and `collect` returns a prompt's once it is complete.
+(logprobs.score_positions), and `collect` returns a prompt's once it is complete. `pooled`:
+a prompt's final hidden states pooled as its request asks (an embedding).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from probserve.engine.core.logprobs import score_positions
@@ -94,3 +97,20 @@ def collect(ch: Chunk) -> TokenLogprobs | None:
 def restart(seq: Sequence) -> None:
     """Forget partial scores (a preempted sequence recomputes its prompt from the start)."""
     seq.prompt_scores.parts.clear()
+
+
+def pooled(
+    hidden: Callable[[Sequence, int, int], torch.Tensor], seq: Sequence
+) -> np.ndarray | None:
+    """The prompt's final hidden states (`hidden`: the runner's, of positions [a, b)) pooled as
+    its request asks (mean: summed in float64 in position order; last; cls: the first),
+    float32; None where none is asked."""
+    how = seq.request.embed
+    if how is None:
+        return None
+    n = seq.num_prompt_tokens
+    if how == "mean":
+        rows = hidden(seq, 0, n).double()
+        return (rows.sum(dim=0) / n).float().numpy()
+    at = n - 1 if how == "last" else 0
+    return hidden(seq, at, at + 1)[0].float().numpy().copy()

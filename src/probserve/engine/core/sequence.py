@@ -8,10 +8,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from probserve.engine.core.speculation import Speculation
-from probserve.engine.types import EngineRequest, TokenLogprobs
+from probserve.engine.types import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    RoutedExperts,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -77,6 +84,25 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    def output(
+        self,
+        finish: FinishReason | None,
+        new_token_ids: tuple[int, ...] = (),
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: TokenLogprobs | None = None,
+        error: str | None = None,
+        routed: RoutedExperts | None = None,
+        prompt_routed: RoutedExperts | None = None,
+        embedding: np.ndarray | None = None,
+    ) -> EngineOutput:
+        """This step's news for its request, with its queue time and cached tokens."""
+        return EngineOutput(
+            self.request_id, new_token_ids=new_token_ids, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, finish_reason=finish, error=error,
+            queue_time=self.queue_time, cached_tokens=self.cached_tokens, routed=routed,
+            prompt_routed=prompt_routed, embedding=embedding,
+        )  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

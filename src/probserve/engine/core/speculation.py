@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,12 @@ from probserve.engine.types import EngineRequest, RequestError, SamplingParams
 
 # (request id, the sequence's tokens, how many to propose) -> the proposals by request id
 Asks = Sequence[tuple[str, list[int], int]]
+
+
+class Proposer(Protocol):
+    def propose_many(self, asks: Asks) -> dict[str, tuple[int, ...]]:
+        """Every ask's proposals (by request id; none for an ask it has no guess for)."""
+        ...
 
 
 @dataclass

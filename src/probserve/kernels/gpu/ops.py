@@ -9,17 +9,20 @@ copied to the device once and reused."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.experts import Expert
 from probserve.kernels.gpu import attention as attention_kernel
 from probserve.kernels.gpu import rows
 from probserve.kernels.gpu.experts import ExpertParts, GroupedExperts
 from probserve.kernels.gpu.matmul import matmul
-from probserve.kernels.invariant import PackedWeight
+from probserve.kernels.layers import LayerWeights, Shape
+from probserve.kernels.weights import Packed, PackedWeight, Source, whole
 
 Precision = Literal["exact", "bf16"]
 
@@ -31,7 +34,9 @@ class DeviceWeight(PackedWeight):
 
 
 class TritonKernels:
-    keeps_blocks = False  # GGUF blocks are dequantized before `pack` (the weights' one form)
+    kernel = "triton"
+    keeps_blocks = False  # GGUF blocks are dequantized by `pack` (the weights' one form)
+    reads_rows = True
 
     def __init__(self, device: torch.device, precision: Precision = "exact") -> None:
         if device.type == "cuda" and device.index is None:  # "cuda" is "cuda:N", the current
@@ -60,20 +65,25 @@ class TritonKernels:
         """An activation or index tensor on the device, contiguous, in `dtype`."""
         return t.to(device=self.device, dtype=dtype).contiguous()
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DeviceWeight:
+    def pack(self, weight: Source, bias: torch.Tensor | None = None) -> DeviceWeight:
+        """The weight on the device in the precision's dtype (a file's blocks dequantized on
+        the host first, a matrix at a time)."""
+        if not isinstance(weight, torch.Tensor):
+            weight = weight.dequantize()
         n, k = weight.shape
         w = weight.detach().to(device=self.device, dtype=self.weight_dtype).contiguous()
         b = None if bias is None else bias.detach().to(self.device, torch.float32).contiguous()
         return DeviceWeight(w, b, int(n), int(k))
 
-    def linear(self, x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: Packed) -> torch.Tensor:
+        w = whole(w)
         lead = x.shape[:-1]
         y = matmul(self._on(x).reshape(-1, w.k), w.panels, w.bias)
         return y.view(*lead, w.n)
 
-    def rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, w: Packed, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight [len(ids), K] (an embedding lookup)."""
-        return w.panels.index_select(0, self._on(ids, torch.int64)).float()
+        return whole(w).panels.index_select(0, self._on(ids, torch.int64)).float()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rows.rms_norm(self._on(x), self.place(weight), eps)
@@ -95,10 +105,20 @@ class TritonKernels:
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
         return rows.softcap(self._on(x), cap)
 
-    def group_experts(self, experts: Iterable[ExpertParts], count: int) -> GroupedExperts:
-        """A layer's `count` experts, each (gate_up, bias, down, bias) as `pack` put them on
-        the device, stacked one at a time and run together (kernels/gpu/experts.py)."""
-        return GroupedExperts.stack(experts, count)
+    def experts(self, experts: Iterable[Expert], count: int) -> GroupedExperts:
+        """A layer's `count` experts, each as `pack` put it on the device, stacked one at a
+        time (its device copies freed before the next is packed) and run together
+        (kernels/gpu/experts.py)."""
+
+        def parts(e: Expert) -> ExpertParts:
+            (gate_up,), (down,) = e.gate_up.weights, e.down.weights
+            gu, dn = whole(gate_up), whole(down)
+            return gu.panels, gu.bias, dn.panels, dn.bias
+
+        return GroupedExperts.stack((parts(e) for e in experts), count)
+
+    def chain(self, shape: Shape, layers: Sequence[LayerWeights]) -> None:
+        return None  # launched one operation at a time (a CUDA graph holds a step's launches)
 
     def route(self, logits: torch.Tensor, k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """A router's choice per row: the k experts of highest softmax probability (float64,
@@ -149,4 +169,20 @@ class TritonKernels:
             self._on(q), k_cache, v_cache, scale, self._on(tables, i64), self._on(seq, i64),
             self._on(lengths, i64), block_size, window, softcap,
             None if sinks is None else self.place(sinks).float().contiguous(),
+        )  # fmt: skip
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_size: int,
+        plan: AttentionPlan,
+        layer: LayerAttention,
+    ) -> torch.Tensor:
+        """`attention` through every token's block table."""
+        tables, seq, lengths = plan.by_table()
+        return self.attention(
+            q, k_cache, v_cache, layer.scale, tables, seq, lengths, block_size, layer.window,
+            layer.softcap, layer.sinks,
         )  # fmt: skip

@@ -1,5 +1,6 @@
-"""The runner contract: scheduled chunks in, the logits rows the step needs out; and the choice
-of runner for a model.
+"""The runner contract: scheduled chunks in, the logits rows the step needs out, and what a
+runner can do (speculate, keep hidden states, warm up); and the choice of runner for a model,
+with its backend (core/backend.py) and KV cache.
 
 `PagedRunner` (paged.py) serves the families of models/family.py with one packed forward
 per step over a paged KV cache; `HFRunner` (hf.py) any other causal LM through
@@ -9,12 +10,12 @@ Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from probserve.engine.core.backend import Backend, resolve
 from probserve.engine.core.row_math import RowMath
+from probserve.engine.info import EngineInfo
 
 if TYPE_CHECKING:
     import torch
@@ -26,14 +27,18 @@ if TYPE_CHECKING:
     from probserve.models.loader import LoadedModel
 
 
-log = logging.getLogger(__name__)
-
-
 class Runner(Protocol):
     prefix_caching: bool
+    speculates: bool  # runs proposed tokens as extra rows (core/speculation.py)
+    keeps_hidden: bool  # keeps each position's final hidden state (`hidden`)
     row_math: RowMath  # the vocabulary reductions its logprobs go through
 
     def run(self, chunks: list[Chunk]) -> RunOutput: ...
+
+    def warm(self) -> None:
+        """Prepare before the first request, on the thread that steps it (the GPU path
+        captures its decode graphs)."""
+        ...
 
     def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """The final-norm hidden states [end - start, H] its forward kept for positions
@@ -51,7 +56,11 @@ class Runner(Protocol):
 
 
 class RunnerClass(Protocol):
+    """A runner's class: what it can do, known before it is built."""
+
     prefix_caching: bool
+    speculates: bool
+    keeps_hidden: bool
 
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int: ...
@@ -62,7 +71,9 @@ class RunnerClass(Protocol):
         this runner returns no routing for this model."""
         ...
 
-    def __call__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> Runner: ...
+    def __call__(
+        self, loaded: LoadedModel, num_blocks: int, config: EngineConfig, backend: Backend
+    ) -> Runner: ...
 
 
 def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
@@ -85,53 +96,14 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     return HFRunner
 
 
-def _effective(loaded: LoadedModel, config: EngineConfig, cls: RunnerClass) -> EngineConfig:
-    """`config`, with `deterministic` kept only where it can run: the paged runner, a model
-    with a static RoPE, and kernels that build on this machine (a warning says why not)."""
-    from probserve.engine.core.runners.paged import PagedRunner
-    from probserve.engine.device import gpu_path
-    from probserve.kernels.build import KernelBuildError, build
-    from probserve.models import ModelLoadError, llama
-
-    paged = cls is PagedRunner
-    if loaded.weights is not None and not paged:
-        raise ValueError("native (quantized) weights run on the paged runner only")
-    if gpu_path(config.device) is not None:  # always batch-invariant, on its own kernels
-        blocker = llama.deterministic_blocker(loaded.model) if paged else "not its family"
-        if not blocker:
-            return dataclasses.replace(config, deterministic=True)
-        if config.device == "cuda":
-            raise ModelLoadError(
-                f"--device cuda: the GPU path runs the paged forward, and {loaded.name} cannot "
-                f"run there ({blocker}); serve it with --device cpu"
-            )
-        log.warning("--device auto: %s runs on the CPU (the GPU path: %s)", loaded.name, blocker)
-        config = dataclasses.replace(config, device="cpu")
-    if not config.deterministic:
-        return config
-    why = None
-    if not paged:
-        why = "the transformers runner has no row-invariant kernels"
-    else:
-        why = llama.deterministic_blocker(loaded.model)
-    if why is None:
-        try:
-            build()
-        except KernelBuildError as exc:
-            why = str(exc)
-    if why is None:
-        return config
-    log.warning("deterministic mode is off for this model: %s", why)
-    return dataclasses.replace(config, deterministic=False)
-
-
 @dataclass(frozen=True)
 class RunnerChoice:
-    """The runner an engine runs, decided once: its class, the configuration it can run
-    (`deterministic` only where it can), and its KV cache in blocks."""
+    """The runner an engine runs, decided once: its class, the configuration, the backend its
+    forward runs on (core/backend.py), and its KV cache in blocks."""
 
     cls: RunnerClass
     config: EngineConfig
+    backend: Backend
     num_blocks: int  # blocks of the KV cache (block 0 the null block: at least 2)
     retain_blocks: int  # released blocks the prefix cache keeps (--prefix-cache-gib)
 
@@ -139,21 +111,51 @@ class RunnerChoice:
     def name(self) -> str:
         return self.cls.__name__  # type: ignore[attr-defined]
 
+    @property
+    def token_capacity(self) -> int:
+        return (self.num_blocks - 1) * self.config.block_size
+
     def build(self, loaded: LoadedModel) -> Runner:
-        return self.cls(loaded, self.num_blocks, self.config)
+        return self.cls(loaded, self.num_blocks, self.config, self.backend)
+
+    def info(self, loaded: LoadedModel, prefix_caching: bool, speculative: str) -> EngineInfo:
+        """What an engine on this runner tells its clients (engine/info.py): the model's
+        figures, the runner's, its KV cache's and its backend's."""
+        model = getattr(loaded.model, "config", None)
+        moe_layers, experts_per_token = self.cls.routing_shape(loaded.model.config)
+        context = self.config.max_model_len or loaded.context_length
+        return EngineInfo(
+            vocab_size=loaded.vocab_size, context_length=context,
+            max_context=min(context, self.token_capacity),
+            eos_token_ids=tuple(sorted(loaded.eos_token_ids)), runner=self.name,
+            kv_cache_tokens=self.token_capacity, prefix_caching=prefix_caching,
+            architecture=str(getattr(model, "model_type", "")), speculative=speculative,
+            embeddings=self.cls.keeps_hidden,
+            hidden_size=int(getattr(model, "hidden_size", 0) or 0),
+            block_size=self.config.block_size, moe_layers=moe_layers,
+            experts_per_token=experts_per_token, **self.backend.facts(),
+        )  # fmt: skip
 
 
 def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
+    from probserve.engine.core.runners.paged import PagedRunner
+
+    if not 0 <= config.max_model_len <= loaded.context_length:
+        raise ValueError(
+            f"--max-model-len {config.max_model_len} is not within the model's context "
+            f"({loaded.context_length} tokens)"
+        )
     cls = runner_class(loaded, config)
-    config = _effective(loaded, config, cls)
+    backend = resolve(loaded, config, paged=cls is PagedRunner)
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
 
     def blocks_in(gib: float) -> int:
         return int(gib * 2**30) // per_block
 
     return RunnerChoice(
-        cls, config, max(2, blocks_in(config.kv_cache_gib)), blocks_in(config.prefix_cache_gib)
-    )
+        cls, config, backend, max(2, blocks_in(config.kv_cache_gib)),
+        blocks_in(config.prefix_cache_gib),
+    )  # fmt: skip
 
 
 def build_runner(loaded: LoadedModel, config: EngineConfig) -> Runner:

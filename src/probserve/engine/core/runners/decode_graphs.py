@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from probserve.models.llama import AttentionPlan, KVCache, LlamaForward
+from probserve.kernels.attention_plan import AttentionPlan
+from probserve.models.llama import KVCache, LlamaForward
 
 log = logging.getLogger(__name__)
 

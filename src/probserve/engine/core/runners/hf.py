@@ -45,7 +45,11 @@ class HFRunner:
     def hidden(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         raise RuntimeError("the transformers runner keeps no hidden states")
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int = 0, config: object = None) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int = 0, config: Any = None, backend: Any = None
+    ) -> None:
+        """(`num_blocks`, `config`, `backend`: the runner contract's; transformers' forward
+        sizes its own caches and runs on the host.)"""
         from transformers import DynamicCache
 
         self.model = model = loaded.model
@@ -55,6 +59,9 @@ class HFRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         self.row_math: RowMath = TorchRowMath()
+
+    def warm(self) -> None:
+        """Nothing to prepare: transformers' forward builds its caches per sequence."""
 
     def release_source_weights(self) -> None:
         """Nothing to drop: transformers' forward runs on the model's own weights."""

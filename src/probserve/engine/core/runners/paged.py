@@ -6,15 +6,17 @@ prompt positions of sequences that score their prompt (cached-prefix positions i
 cached hidden states). Prompt rows leave as hidden states (`ScoreRows`): the scorer turns them into
 logits a slice at a time, so scoring a long cached prompt never holds all its logits at once.
 
-With `deterministic` the forward runs on the row-invariant kernels, attention reads each token's
-keys through its sequence's block table, and the logprobs' reductions go through
-`InvariantRowMath`: a token's numbers do not depend on the rest of the step.
+The forward runs on its backend (core/backend.py), decided before the runner is built. Where
+it is deterministic (the row-invariant kernels, or the GPU path's) attention reads each token's
+keys through its sequence's block table, and the logprobs' reductions go through the backend's
+row math (`InvariantRowMath`, `DeviceRowMath`): a token's numbers do not depend on the rest of
+the step; elsewhere (torch's operations) the step plans torch's attention groups.
 
-On the GPU path (`--device cuda`, engine/device.py) the same forward runs op by op on the
-Triton kernels (kernels/gpu/), the KV cache and the step's tensors on the device; the rows of
-logits stay there, where the logprobs' reductions run (`DeviceRowMath`) and greedy rows are
-chosen (only a row with processors, and the small results, come to the host). Decode steps
-replay a CUDA graph of their batch-size bucket (decode_graphs.py).
+On the GPU path (`--device cuda`) the same forward runs op by op on the Triton kernels
+(kernels/gpu/), the KV cache and the step's tensors on the device; the rows of logits stay
+there, where the logprobs' reductions run and greedy rows are chosen (only a row with
+processors, and the small results, come to the host). Decode steps replay a CUDA graph of
+their batch-size bucket (decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -25,16 +27,15 @@ import torch
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
-from probserve.engine.core.row_math import DeviceRowMath, InvariantRowMath, RowMath, TorchRowMath
+from probserve.engine.core.backend import Backend
+from probserve.engine.core.row_math import RowMath
 from probserve.engine.core.runners.decode_graphs import DecodeGraphs
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
-from probserve.engine.device import gpu_path
 from probserve.engine.types import RoutedExperts
-from probserve.kernels.invariant import InvariantKernels
-from probserve.kernels.layer_ops import LayerOps
+from probserve.kernels.attention_plan import AttentionPlan, PrefillGroup
 from probserve.models.family import family
-from probserve.models.llama import AttentionPlan, KVCache, LlamaForward, PrefillGroup, moe_layers
+from probserve.models.llama import KVCache, LlamaForward, moe_layers
 from probserve.models.loader import LoadedModel
 
 
@@ -64,31 +65,23 @@ class PagedRunner:
         experts, weights = self.cache.routing(slots)
         return RoutedExperts(experts.cpu().numpy(), weights.cpu().numpy())
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, config: EngineConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, config: EngineConfig, backend: Backend
+    ) -> None:
         model = loaded.model
-        gpu = gpu_path(config.device)
-        self.device = gpu or torch.device("cpu")
-        kernels: LayerOps | None = None
-        if gpu is not None:
-            from probserve.kernels.gpu.ops import TritonKernels
-
-            kernels = TritonKernels(gpu, config.precision)
-            # a GGUF file's blocks (loaded.weights) dequantized a matrix at a time by `pack`
-            self.forward = LlamaForward(
-                model, config.linear, kernels, loaded.weights, op_by_op=True
-            )
-            self.row_math: RowMath = DeviceRowMath(gpu)
-        else:
-            limbs = config.products == "limbs"
-            cpu = InvariantKernels(config.block_sums, limbs) if config.deterministic else None
-            self.forward = LlamaForward(model, config.linear, cpu, loaded.weights)
-            self.row_math = InvariantRowMath(cpu) if cpu else TorchRowMath()
+        self.backend = backend
+        self.device = backend.device
+        ops, row_math = backend.build(loaded)
+        self.row_math: RowMath = row_math
+        # a GGUF file's blocks (loaded.weights): kept, or dequantized a matrix at a time
+        self.forward = LlamaForward(model, ops, loaded.weights)
         self.block_size = block_size = config.block_size
         self.graphs: DecodeGraphs | None = None
         # the GPU path's decode steps replay CUDA graphs (decode_graphs.py), their padding rows
         # in a scratch block past the pool's
-        graphs = gpu is not None and config.cuda_graphs
-        self.cache = KVCache.allocate(model.config, num_blocks + int(graphs), block_size, gpu)
+        graphs = backend.graphs
+        blocks = num_blocks + int(graphs)
+        self.cache = KVCache.allocate(model.config, blocks, block_size, self.device)
         self.vocab = self.forward.vocab_size
         if graphs:
             longest = min(
@@ -121,7 +114,7 @@ class PagedRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long)
         plan.max_position = max(ch.end for ch in chunks) - 1
-        if self.forward.kernels is not None:  # every token through its sequence's block table
+        if self.backend.deterministic:  # every token through its sequence's block table
             plan.tables = self._tables(chunks)
             lengths = torch.tensor([c.length for c in chunks])
             plan.token_seq = torch.repeat_interleave(torch.arange(len(chunks)), lengths)

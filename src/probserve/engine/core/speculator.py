@@ -1,0 +1,75 @@
+"""The engine's side of speculative decoding (core/speculation.py): the proposer (prompt lookup,
+or a draft model's engine, which the host builds: core/host.py), the requests' default
+(`--speculative`), the most tokens proposed a step, and the totals (proposed tokens checked,
+kept, kept by place among a step's). After each step, every sequence that drew tokens settles
+its check and asks for its next proposals (`settle`: a grammar's forced tokens first); the
+step's asks are answered together (`propose`), so a draft model runs once a step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from probserve.engine.config import EngineConfig
+from probserve.engine.core.grammar import Grammars
+from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.speculation import Proposer, Speculation
+from probserve.engine.stats import SPEC_POSITIONS
+
+FORCED_MOST = SPEC_POSITIONS  # the most tokens a grammar's fast-forward proposes a step
+Ask = tuple[str, list[int], int]  # (request id, its tokens, how many to propose)
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, config: EngineConfig) -> None:
+        self.proposer = proposer
+        self.default = config.speculative  # requests' default (a request may ask, or not)
+        self.most = config.speculative_tokens
+        self.drafted = self.accepted = 0  # proposed tokens checked, and kept
+        self.per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
+
+    def figures(self) -> dict[str, Any]:
+        """Its totals, as `EngineStats` names them."""
+        return {
+            "spec_draft_tokens": self.drafted,
+            "spec_accepted_tokens": self.accepted,
+            "spec_accepted_per_position": tuple(self.per_position),
+        }
+
+    def settle(
+        self, seq: Sequence, checked: tuple[int, ...], accepted: int, running: bool
+    ) -> Ask | None:
+        """Settle the check of `checked` (`accepted` of them kept); a running sequence's next
+        proposals: with a grammar, the tokens it forces (up to FORCED_MOST), set here; else
+        (or where the grammar forces nothing) the proposer's ask."""
+        spec = seq.speculation
+        if spec is None:
+            asked = seq.request.speculative
+            if not (self.default != "off" if asked is None else asked):
+                return None
+            spec = seq.speculation = Speculation(self.most)
+        if checked:
+            self.drafted += len(checked)
+            self.accepted += accepted
+            for j in range(min(accepted, SPEC_POSITIONS)):
+                self.per_position[j] += 1
+        spec.proposed = checked
+        spec.settle(accepted, self.most)
+        if not running:
+            return None
+        # the drawn token after them; a step checks at most SPEC_POSITIONS
+        room = min(seq.max_total_tokens - seq.num_tokens - 1, SPEC_POSITIONS)
+        if seq.matcher is not None:
+            spec.proposed = Grammars.forced(seq.matcher, min(FORCED_MOST, room))
+            if spec.proposed:
+                return None
+        # (a grammar's masks ahead stop the check at a proposal it refuses)
+        return seq.request_id, seq.token_ids, min(spec.limit, room)
+
+    def propose(self, asks: list[tuple[Sequence, Ask]]) -> None:
+        """The step's proposals, every asking sequence's from one call of the proposer."""
+        if not asks:
+            return
+        got = self.proposer.propose_many([ask for _, ask in asks])
+        for seq, (rid, _, _) in asks:
+            if seq.speculation is not None:
+                seq.speculation.proposed = got.get(rid, ())
