@@ -14,21 +14,18 @@ sequences, and the engine goes on serving.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
-from probserve.engine.core.sampler import SamplerRow
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
-from probserve.engine.core.speculation import NgramProposer
 from probserve.engine.core.speculator import Ask, Speculator
 from probserve.engine.core.step import Chunk, RunOutput
-from probserve.engine.core.verify import Drawn, draw
+from probserve.engine.core.verify import Drawn, draw, sampler_row
 from probserve.engine.grammar import first_line
 from probserve.engine.info import validate
 from probserve.engine.stats import EngineStats
@@ -45,21 +42,10 @@ from probserve.engine.usage import IterationTokens, ProcessUsage
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
-def _joined(parts: list[T], concat: Callable[[list[T]], T]) -> T | None:
-    return None if not parts else parts[0] if len(parts) == 1 else concat(parts)
-
-
-def _sampler_row(seq: Sequence) -> SamplerRow:
-    """What the sampler needs of a sequence for this step's draw."""
-    request = seq.request
-    return SamplerRow(
-        params=request.sampling, logprobs=request.logprobs, seed=seq.seed,
-        prompt_ids=seq.prompt_tensor, output_ids=seq.output_ids, stop_ids=seq.stop_ids,
-        position=seq.num_tokens,
-    )  # fmt: skip
+def _joined(parts: list[TokenLogprobs]) -> TokenLogprobs | None:
+    return None if not parts else parts[0] if len(parts) == 1 else TokenLogprobs.concat(parts)
 
 
 class EngineCore:
@@ -88,7 +74,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         # speculative decoding: on a runner that checks proposals (a request may ask for it, or
         # not, whatever the server's default)
-        self.speculator = _speculator(speculator, config) if choice.cls.speculates else None
+        self.speculator = (
+            (speculator or Speculator.lookup(config)) if choice.cls.speculates else None
+        )
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()
         speculative = str(self.speculator.default) if self.speculator else "off"
@@ -185,7 +173,7 @@ class EngineCore:
         allowed = masks.result()
         if not to_sample:
             return outputs
-        rows = [_sampler_row(ch.seq) for ch in to_sample]
+        rows = [sampler_row(ch.seq) for ch in to_sample]
         grammar = [allowed.get(ch.seq.request_id) for ch in to_sample]
         for row, found in zip(rows, grammar, strict=True):
             row.allowed = found[0] if found else None
@@ -249,7 +237,7 @@ class EngineCore:
             scores = [lp for lp in got.logprobs[: len(tokens)] if lp is not None]
             outputs.append(seq.output(
                 finish, new_token_ids=tuple(tokens),
-                logprobs=_joined(scores, TokenLogprobs.concat),
+                logprobs=_joined(scores),
                 prompt_logprobs=prompt_scores.get(seq.request_id),
                 routed=routed.span(0, len(tokens)) if routed else None,
                 prompt_routed=prompt_routed,
@@ -357,16 +345,3 @@ class EngineCore:
         log.warning("request %s failed: %s", seq.request_id, message)
         self.scheduler.finish(seq)
         return seq.output(FinishReason.ERROR, error=message)
-
-
-def _speculator(given: Speculator | None, config: EngineConfig) -> Speculator:
-    """The speculator handed in, else prompt lookup's (a draft model's engine is the host's to
-    build: core/host.py)."""
-    if given is not None:
-        return given
-    if config.speculative.mode == "draft":
-        raise ValueError(
-            f"--speculative {config.speculative}: the draft model's engine is built by the host "
-            "(core/host.py: engine_over)"
-        )
-    return Speculator(NgramProposer(), config)

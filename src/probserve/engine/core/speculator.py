@@ -12,7 +12,7 @@ from typing import Any
 from probserve.engine.config import EngineConfig
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.sequence import Sequence
-from probserve.engine.core.speculation import Proposer, Speculation
+from probserve.engine.core.speculation import NgramProposer, Proposer, Speculation
 from probserve.engine.stats import SPEC_POSITIONS
 
 FORCED_MOST = SPEC_POSITIONS  # the most tokens a grammar's fast-forward proposes a step
@@ -26,6 +26,18 @@ class Speculator:
         self.most = config.speculative_tokens
         self.drafted = self.accepted = 0  # proposed tokens checked, and kept
         self.per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
+
+    @classmethod
+    def lookup(cls, config: EngineConfig) -> Speculator:
+        """Prompt lookup's: what `--speculative ngram` runs, and what a request's `speculative:
+        true` gets where the server's default is off (a draft model's engine is the host's to
+        build: core/host.py)."""
+        if config.speculative.mode == "draft":
+            raise ValueError(
+                f"--speculative {config.speculative}: the draft model's engine is built by the "
+                "host (core/host.py: engine_over)"
+            )
+        return cls(NgramProposer(), config)
 
     def figures(self) -> dict[str, Any]:
         """Its totals, as `EngineStats` names them."""

@@ -1,6 +1,7 @@
 """The check of speculative proposals (core/speculation.py) in the step: each sequence's rows
 drawn in order by the sampler, a pass a position, the proposals kept while they equal the
-draws plain decoding makes there; what it gives is plain decoding's tokens and logprobs."""
+draws plain decoding makes there; what it gives is plain decoding's tokens and logprobs.
+`sampler_row`: what the sampler needs of a sequence for its draw."""
 
 from __future__ import annotations
 
@@ -12,7 +13,19 @@ import torch
 
 from probserve.engine.core.row_math import RowMath
 from probserve.engine.core.sampler import SamplerRow, sample
+from probserve.engine.core.sequence import Sequence as Seq
 from probserve.engine.types import TokenLogprobs
+
+
+def sampler_row(seq: Seq) -> SamplerRow:
+    """What the sampler needs of a sequence for this step's draw (its grammar's mask is set
+    once computed)."""
+    request = seq.request
+    return SamplerRow(
+        params=request.sampling, logprobs=request.logprobs, seed=seq.seed,
+        prompt_ids=seq.prompt_tensor, output_ids=seq.output_ids, stop_ids=seq.stop_ids,
+        position=seq.num_tokens,
+    )  # fmt: skip
 
 
 @dataclass
