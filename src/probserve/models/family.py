@@ -1,5 +1,6 @@
 """A model family as parameters of the one paged forward (models/llama.py): what differs between
-Llama, Mistral, Qwen2/3, Gemma 2/3 and Phi-3 is read from the configuration once, here.
+Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and the mixtures of experts is read from the
+configuration once, here, through each type's entry of models/families.py:
 
 - Qwen3 and Gemma 3 normalize each query and key head (RMSNorm over the head dimension) before
   RoPE;
@@ -25,16 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-SUPPORTED_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}
-    | {"qwen3_moe", "olmoe", "mixtral", "gpt_oss"}
-)
-# what the paged forward lacks for a mixture-of-experts type it does not run (the refusal's line)
-MISSING = {
-    "qwen2_moe": "its shared expert is not built",
-    "deepseek_v3": "multi-head latent attention and its grouped routing are not built",
-}
-_GEMMA = frozenset({"gemma2", "gemma3_text"})
+from probserve.models.families import MISSING, TYPES, ModelType
+
+SUPPORTED_TYPES = frozenset(TYPES)
 _ACTIVATIONS: dict[str, Literal["silu", "gelu_tanh"]] = {
     "silu": "silu",
     "gelu_pytorch_tanh": "gelu_tanh",
@@ -72,6 +66,8 @@ class Family:
     sparse: tuple[bool, ...] = ()  # each layer: a MoE feed-forward (else the dense MLP)
     qk_norm_full: bool = False  # q and k RMS-normed over the whole projection (OLMoE)
     sinks: bool = False  # a learned sink logit per attention head (gpt-oss)
+    column_experts: bool = False  # its stacked experts stored as x @ W, gate and up columns
+    # interleaved (gpt-oss: models/families.py's column_expert_rows)
     # gpt-oss's clamped SwiGLU in its experts: (clamp(up, +-limit) + 1) * g * sigmoid(alpha g),
     # g = min(gate, limit); None: the family's activation
     swiglu_limit: float | None = None
@@ -102,13 +98,13 @@ def rope_type(config: Any, key: str | None) -> str:
     return str(rope_params(config, key).get("rope_type", "default"))
 
 
-def _windows(config: Any) -> tuple[int | None, ...]:
+def _windows(config: Any, kind: ModelType) -> tuple[int | None, ...]:
     window = getattr(config, "sliding_window", None)
     n = config.num_hidden_layers
     if not window:
         return (None,) * n
     types = getattr(config, "layer_types", None)
-    if config.model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+    if kind.window_asked and not getattr(config, "use_sliding_window", False):
         return (None,) * n
     if types:
         return tuple(int(window) if t == "sliding_attention" else None for t in types)
@@ -118,19 +114,45 @@ def _windows(config: Any) -> tuple[int | None, ...]:
 def family(config: Any) -> Family:
     """The forward's parameters for `config`; raises Unsupported, saying why, for a model the
     paged forward does not reproduce."""
-    kind = getattr(config, "model_type", None)
-    if kind in MISSING:
-        raise Unsupported(f"{kind} does not run on the paged forward: {MISSING[kind]}")
-    if kind not in SUPPORTED_TYPES:
-        raise Unsupported(f"{kind} does not run on the paged forward")
+    name = getattr(config, "model_type", None)
+    if name in MISSING:
+        raise Unsupported(f"{name} does not run on the paged forward: {MISSING[name]}")
+    if name not in TYPES:
+        raise Unsupported(f"{name} does not run on the paged forward")
+    kind = TYPES[name]
     if getattr(config, "clip_qkv", None) is not None:
         raise Unsupported("its clip_qkv (clamped q/k/v) is not one the paged forward has")
-    gemma = kind in _GEMMA
+    gemma = kind.gemma
     act_name = getattr(config, "hidden_activation", None) if gemma else None
     act_name = act_name or getattr(config, "hidden_act", "silu")
     activation = _ACTIVATIONS.get(act_name) if act_name is not None else None
     if activation is None:
         raise Unsupported(f"its activation {act_name!r} is not one the paged forward has")
+    _check(config)
+    d = head_dim(config)
+    return Family(
+        model_type=name,
+        head_dim=d,
+        activation=activation,
+        scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else d**-0.5,
+        norm_plus_one=gemma,
+        embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
+        qk_norm=kind.qk_norm == "head",
+        qk_norm_full=kind.qk_norm == "projection",
+        sandwich=gemma,
+        fused=kind.fused,
+        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
+        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
+        windows=_windows(config, kind),
+        rope_keys=rope_keys(config),
+        column_experts=kind.column_experts,
+        **(kind.experts(config) if kind.experts else {}),
+    )
+
+
+def _check(config: Any) -> None:
+    """What no family of the forward has: a partial rotary embedding, bidirectional
+    attention, layers other than attention."""
     if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise Unsupported("its partial rotary embedding is not one the paged forward has")
     if getattr(config, "use_bidirectional_attention", False):
@@ -138,51 +160,3 @@ def family(config: Any) -> Family:
     types = getattr(config, "layer_types", None) or []
     if any(t not in ("full_attention", "sliding_attention") for t in types):
         raise Unsupported(f"its layer types {sorted(set(types))} are not all attention layers")
-    d = head_dim(config)
-    scale = float(config.query_pre_attn_scalar) ** -0.5 if gemma else d**-0.5
-    return Family(
-        model_type=kind,
-        head_dim=d,
-        activation=activation,
-        scale=scale,
-        norm_plus_one=gemma,
-        embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
-        qk_norm=kind in ("qwen3", "gemma3_text", "qwen3_moe"),
-        qk_norm_full=kind == "olmoe",
-        sandwich=gemma,
-        fused=kind == "phi3",
-        attn_softcap=getattr(config, "attn_logit_softcapping", None) if gemma else None,
-        final_softcap=getattr(config, "final_logit_softcapping", None) if gemma else None,
-        windows=_windows(config),
-        rope_keys=rope_keys(config),
-        **_experts(config),
-    )
-
-
-def _experts(config: Any) -> dict[str, Any]:
-    """A mixture of experts' parameters (Qwen3-MoE, OLMoE, Mixtral, gpt-oss), else none."""
-    kind, n = config.model_type, config.num_hidden_layers
-    if kind not in ("qwen3_moe", "olmoe", "mixtral", "gpt_oss"):
-        return {}
-    local = kind in ("mixtral", "gpt_oss")
-    experts = int(config.num_local_experts if local else config.num_experts)
-    sparse = (True,) * n
-    if kind == "qwen3_moe":
-        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-        dense = set(getattr(config, "mlp_only_layers", None) or ())
-        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
-    width = config.moe_intermediate_size if kind == "qwen3_moe" else config.intermediate_size
-    found = {
-        "experts": experts,
-        "top_k": int(config.num_experts_per_tok),
-        "norm_topk": local or bool(getattr(config, "norm_topk_prob", False)),
-        "expert_intermediate": int(width),
-        "sparse": sparse,
-    }
-    if kind == "gpt_oss":
-        found |= {
-            "sinks": True,
-            "swiglu_limit": float(config.swiglu_limit),
-            "swiglu_alpha": float(getattr(config, "swiglu_alpha", 1.702)),
-        }
-    return found

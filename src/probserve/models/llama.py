@@ -37,6 +37,7 @@ from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
 from probserve.kernels.weights import Packed
+from probserve.models.families import column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gguf_blocks import Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Linear, projection
@@ -168,23 +169,20 @@ class _Tensors:
 
 
 def _expert(t: _Tensors, e: int) -> Expert:
-    """Expert e: from transformers' [E, 2I, H] and [E, H, I] parameters (views; gpt-oss's are
-    [E, H, 2I] with gate and up interleaved, and biased: rows [gate | up] made of them), or a
-    GGUF file's rows of each expert (models/gguf_blocks.py names them per expert)."""
+    """Expert e: from transformers' stacked [E, 2I, H] and [E, H, I] parameters (views; a
+    family whose checkpoints store them as columns has them made rows: models/families.py), or
+    a GGUF file's rows of each expert (models/gguf_blocks.py names them per expert)."""
     if t.has("mlp.experts.gate_up_proj"):
         gate_up = as_float(t["mlp.experts.gate_up_proj"])[e]
         down = as_float(t["mlp.experts.down_proj"])[e]
-        bias = {
-            name: as_float(t[f"mlp.experts.{name}_bias"])[e]
-            for name in ("gate_up_proj", "down_proj")
+        gu_bias, down_bias = (
+            as_float(t[f"mlp.experts.{name}_bias"])[e]
             if t.has(f"mlp.experts.{name}_bias")
-        }
-        gu_bias, down_bias = bias.get("gate_up_proj"), bias.get("down_proj")
-        if t.fam.swiglu_limit is not None:  # gpt-oss: x @ W, columns gate, up, gate, ...
-            gate_up = torch.cat([gate_up.T[0::2], gate_up.T[1::2]]).contiguous()
-            down = down.T.contiguous()
-            if gu_bias is not None:
-                gu_bias = torch.cat([gu_bias[0::2], gu_bias[1::2]])
+            else None
+            for name in ("gate_up_proj", "down_proj")
+        )
+        if t.fam.column_experts:
+            gate_up, gu_bias, down = column_expert_rows(gate_up, gu_bias, down)
         return Expert(Linear(gate_up, gu_bias, t.ops), Linear(down, down_bias, t.ops))
     at = f"mlp.experts.{e}."
     if t.has(f"{at}gate_up_proj.weight"):  # a file's fused [gate | up]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from probserve.models.families import GGUF_UNREADABLE, TYPES
 from probserve.models.gguf_once import without_fields
 from probserve.models.sources import (
     ModelLoadError,
@@ -144,10 +145,10 @@ def _native(
     path = source.quantized_file
     if not path:
         return None
-    with without_fields(_UNREADABLE):
+    with without_fields(GGUF_UNREADABLE):
         config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
     if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
-        config = _experts_config(config, Path(path))
+        config = _gguf_config(config, Path(path))
     generation = None
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
@@ -205,33 +206,25 @@ def write_metadata(source: ModelSource, out: Path) -> None:
 
     kwargs = {"gguf_file": source.gguf_file}
     try:
-        with without_fields(_UNREADABLE):
+        with without_fields(GGUF_UNREADABLE):
             config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
     except _LOAD_ERRORS as exc:
         raise _load_error(source, exc) from exc
-    config = _experts_config(config, Path(source.name_or_path) / str(source.gguf_file))
+    config = _gguf_config(config, Path(source.name_or_path) / str(source.gguf_file))
     config.dtype = torch.float32
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
-# metadata transformers' GGUF loader fails on (read here instead: _experts_config)
-_UNREADABLE = "gpt-oss.rope.scaling."
-# a Llama configuration's fields a Mixtral one does not take
-_NOT_MIXTRAL = ("model_type", "architectures", "transformers_version", "mlp_bias", "pretraining_tp")
-
-
-def _experts_config(config: Any, gguf: Path) -> Any:
-    """What transformers' GGUF configuration leaves out of a mixture of experts: a Qwen3-MoE
-    file's experts' width (`expert_feed_forward_length`) and the renormalised top-k llama.cpp
-    always applies to it; a Mixtral file (arch `llama` with `llama.expert_count`), read as a
-    dense Llama, becomes the Mixtral configuration it is; a gpt-oss file's head size, experts'
-    width and RoPE scaling (YaRN, untruncated as gpt-oss's own configuration has it). Other
+def _gguf_config(config: Any, gguf: Path) -> Any:
+    """What transformers' configuration of a GGUF file leaves out, completed from the file's
+    metadata where its type's entry says how (models/families.py: a Qwen3-MoE file's experts'
+    width, a Mixtral file read as a dense Llama, gpt-oss's head, width, window and RoPE). Other
     configurations come back as they are."""
-    kind = getattr(config, "model_type", None)
-    if kind not in ("qwen3_moe", "llama", "gpt_oss"):
+    kind = TYPES.get(getattr(config, "model_type", None) or "")
+    if kind is None or kind.gguf is None:
         return config
     from gguf import GGUFReader
 
@@ -241,66 +234,14 @@ def _experts_config(config: Any, gguf: Path) -> Any:
         field = fields.get(key)
         return None if field is None else field.contents()
 
-    def value(key: str) -> int | None:
-        found = read(key)
-        return None if found is None else int(found)
-
-    if kind == "gpt_oss":
-        return _gpt_oss_config(config, read)
-
-    if kind == "qwen3_moe":
-        width = value("qwen3moe.expert_feed_forward_length")
-        if width is not None:
-            config.moe_intermediate_size = width
-        config.norm_topk_prob = True
-        return config
-    experts = value("llama.expert_count")
-    if not experts:
-        return config
-    from transformers import MixtralConfig
-
-    fields_of = {k: v for k, v in config.to_dict().items() if k not in _NOT_MIXTRAL}
-    used = value("llama.expert_used_count") or 2
-    return MixtralConfig(**fields_of, num_local_experts=experts, num_experts_per_tok=used)
-
-
-def _gpt_oss_config(config: Any, read: Any) -> Any:
-    """A gpt-oss file's configuration completed from its metadata (`read`: a key's value)."""
-    head = read("gpt-oss.attention.key_length")
-    if head is not None:
-        config.head_dim = int(head)
-    width = read("gpt-oss.expert_feed_forward_length")
-    if width is not None:
-        config.intermediate_size = int(width)
-    window = read("gpt-oss.attention.sliding_window")
-    if window is not None:
-        config.sliding_window = int(window)
-    theta = float(read("gpt-oss.rope.freq_base") or config.rope_parameters.get("rope_theta"))
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    if read("gpt-oss.rope.scaling.type") == "yarn":
-        rope = {
-            "rope_type": "yarn", "rope_theta": theta,
-            "factor": float(read("gpt-oss.rope.scaling.factor")),
-            "original_max_position_embeddings": int(
-                read("gpt-oss.rope.scaling.original_context_length")
-            ),
-            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        }  # fmt: skip
-    config.rope_parameters = rope
-    return config
+    return kind.gguf(config, read)
 
 
 def _unread_by_transformers(config: Any, gguf: Path) -> str | None:
-    """What kind of mixture-of-experts file transformers' GGUF loader misreads (Mixtral: a dense
+    """What kind of file of its type transformers' GGUF loader misreads (Mixtral: a dense
     Llama; gpt-oss: not at all; experts' gate and up in one tensor: left random), or None."""
-    if config.model_type in ("mixtral", "gpt_oss"):
-        return str(config.model_type)
-    if config.model_type == "qwen3_moe":
-        from gguf import GGUFReader
-
-        if any(t.name.endswith("ffn_gate_up_exps.weight") for t in GGUFReader(str(gguf)).tensors):
-            return "fused gate/up experts"
-    return None
+    kind = TYPES.get(config.model_type)
+    return None if kind is None or kind.unread is None else kind.unread(gguf)
 
 
 def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -325,7 +266,8 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
                 f"{gguf.name} is a {unread} file transformers' GGUF loader does not read: it is "
                 "served in its blocks only (--weights native with --deterministic)"
             )
-        extra = {"config": config} if config.model_type == "qwen3_moe" else {}
+        kind = TYPES.get(config.model_type)
+        extra = {"config": config} if kind is not None and kind.passes_config else {}
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **extra
         )

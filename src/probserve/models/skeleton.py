@@ -16,10 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from probserve.models.families import TYPES
 from probserve.models.family import Family, family, head_dim, rope_params, rope_type
-
-# transformers' q/k/v and o projection biases, by model type
-_ATTENTION_BIAS = {"qwen2": (True, False), "mistral": (False, False), "phi3": (False, False)}
 
 
 class Rotary(nn.Module):
@@ -79,7 +77,7 @@ class _Attention(nn.Module):
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
         bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias, o_bias = _ATTENTION_BIAS.get(config.model_type, (bias, bias))
+        qkv_bias, o_bias = TYPES[config.model_type].attention_bias or (bias, bias)
         hidden, heads, kv = (
             config.hidden_size,
             config.num_attention_heads,
@@ -142,7 +140,7 @@ class _MoE(nn.Module):
 
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
-        gpt_oss = fam.swiglu_limit is not None
+        gpt_oss = fam.column_experts
         if gpt_oss:
             self.router = _linear(config.hidden_size, fam.experts, True)
         else:
