@@ -2,13 +2,28 @@
 and handed to every layer's `LayerOps.attend` (kernels/layer_ops.py): each token's cache slot,
 and then either every token's block table (the batch-invariant backends: each token reads its
 own sequence's keys in place) or torch's groups (every decode token in one padded batch, each
-prefill chunk on its own); and a layer's attention constants (`LayerAttention`)."""
+prefill chunk on its own); a layer's attention constants (`LayerAttention`) and paged cache
+(`LayerKV`); and `FlatKernels`, the forward's RoPE and attention for a backend whose kernels
+take their arguments flat."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+# RoPE for a step: the (cos, sin) tables [P, d] and each token's row in them
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's paged cache: K and V [slots, nkv, d], slot s = block * block_size + offset."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -82,3 +97,27 @@ class AttentionPlan:
                 mask = mask & (k_pos > q_pos - window)
             self._masks[(index, window)] = mask
         return self._masks[(index, window)], False
+
+
+class FlatKernels:
+    """`rotate` and `attend` (kernels/layer_ops.py) for a backend whose kernels take their
+    arguments flat (the row-invariant library's, the Triton kernels'): RoPE with the cache
+    write, and attention through every token's block table."""
+
+    rope_cache: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+
+    def rotate(
+        self, qkv: torch.Tensor, heads: tuple[int, int, int], rope: Rope, slots: torch.Tensor,
+        kv: LayerKV,
+    ) -> torch.Tensor:  # fmt: skip
+        return self.rope_cache(qkv, heads, *rope, slots, kv.k, kv.v)
+
+    def attend(
+        self, q: torch.Tensor, kv: LayerKV, plan: AttentionPlan, layer: LayerAttention
+    ) -> torch.Tensor:
+        tables, seq, lengths = plan.by_table()
+        return self.attention(
+            q, kv.k, kv.v, layer.scale, tables, seq, lengths, kv.block_size, layer.window,
+            layer.softcap, layer.sinks,
+        )  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.attention_plan import FlatKernels
 from probserve.kernels.build import header_constant, load
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
@@ -36,7 +36,7 @@ def limb_types(lib: Any) -> frozenset[int]:
     return frozenset(t for t in LIMB_TYPES if lib.ps_limb_block_bytes(FORMATS[t].fmt) > 0)
 
 
-class InvariantKernels:
+class InvariantKernels(FlatKernels):
     """The library's kernels. `block_sums`: the products on GGUF blocks apply each sub-block's
     scale to its sum (quantized.cpp, --block-sums): row-invariant and within float32 rounding of
     the dequantized product, but not its bits. `limbs`: the formats limbs.cpp multiplies in
@@ -326,22 +326,6 @@ class InvariantKernels:
             sinks.data_ptr() if sinks is not None else None,
         )
         return out
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_size: int,
-        plan: AttentionPlan,
-        layer: LayerAttention,
-    ) -> torch.Tensor:
-        """`attention` through every token's block table."""
-        tables, seq, lengths = plan.by_table()
-        return self.attention(
-            q, k_cache, v_cache, layer.scale, tables, seq, lengths, block_size, layer.window,
-            layer.softcap, layer.sinks,
-        )  # fmt: skip
 
     def experts(self, experts: Iterable[Expert], count: int) -> EachExpert:
         return EachExpert(tuple(experts))

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention, LayerKV, Rope
 from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.kernels.weights import Packed, Source
@@ -72,30 +72,16 @@ class LayerOps(Protocol):
         self, logits: torch.Tensor, k: int, norm: bool
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def rope_cache(
-        self,
-        qkv: torch.Tensor,
-        heads: tuple[int, int, int],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """RoPE on qkv [T, (nq + 2 nkv) d] (`heads`: nq, nkv, d) at rows `positions` of the cos
-        and sin tables [P, d], k and v written into the caches at `slots`; the rotated q
-        [T, nq, d]."""
+    def rotate(
+        self, qkv: torch.Tensor, heads: tuple[int, int, int], rope: Rope, slots: torch.Tensor,
+        kv: LayerKV,
+    ) -> torch.Tensor:  # fmt: skip
+        """RoPE on qkv [T, (nq + 2 nkv) d] (`heads`: nq, nkv, d), k and v written into the
+        layer's cache at `slots`; the rotated q [T, nq, d]."""
         ...
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_size: int,
-        plan: AttentionPlan,
-        layer: LayerAttention,
+        self, q: torch.Tensor, kv: LayerKV, plan: AttentionPlan, layer: LayerAttention
     ) -> torch.Tensor:
         """Causal attention of q [T, nq, d] over a layer's paged cache, as `plan` lays out the
         step: [T, nq * d]."""

@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention, LayerKV, Rope
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, Shape
 from probserve.kernels.weights import Packed, PackedWeight, Source, whole
@@ -94,53 +94,41 @@ class TorchOps:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
-    def rope_cache(
-        self,
-        qkv: torch.Tensor,
-        heads: tuple[int, int, int],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def rotate(
+        self, qkv: torch.Tensor, heads: tuple[int, int, int], rope: Rope, slots: torch.Tensor,
+        kv: LayerKV,
+    ) -> torch.Tensor:  # fmt: skip
         (nq, nkv, d), t = heads, qkv.shape[0]
-        c, s = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions)
-        s = s.unsqueeze(1)
+        cos, sin, positions = rope
+        c = cos.index_select(0, positions).unsqueeze(1)
+        s = sin.index_select(0, positions).unsqueeze(1)
         q = qkv[:, : nq * d].view(t, nq, d)
         k = qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-        k_cache.index_copy_(0, slots, k * c + _rotate_half(k) * s)
-        v_cache.index_copy_(0, slots, v)
+        kv.k.index_copy_(0, slots, k * c + _rotate_half(k) * s)
+        kv.v.index_copy_(0, slots, v)
         return q * c + _rotate_half(q) * s
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_size: int,
-        plan: AttentionPlan,
-        layer: LayerAttention,
+        self, q: torch.Tensor, kv: LayerKV, plan: AttentionPlan, layer: LayerAttention
     ) -> torch.Tensor:
         """SDPA over the plan's groups: the decode tokens in one padded batch, each prefill
-        chunk causal on its own (`block_size` unused: the groups name every key's slot)."""
+        chunk causal on its own (the groups name every key's slot)."""
         t, nq, d = q.shape
         out = q.new_empty((t, nq * d))
         if plan.decode_rows is not None and plan.decode_keys is not None:
             b, length = plan.decode_keys.shape
             flat = plan.decode_keys.reshape(-1)
-            keys = k_cache.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
-            vals = v_cache.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
+            keys = kv.k.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
+            vals = kv.v.index_select(0, flat).view(b, length, -1, d).transpose(1, 2)
             qd = q.index_select(0, plan.decode_rows).unsqueeze(2)  # [B, nq, 1, d]
             o = _sdpa(qd, keys, vals, plan.decode_mask_for(layer.window), False, layer)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, nq * d))
         explicit = bool(layer.window or layer.softcap or layer.sinks is not None)
         for i, group in enumerate(plan.prefills):
             qp = q[group.rows].transpose(0, 1).unsqueeze(0)  # [1, nq, n, d]
-            keys = k_cache.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
-            vals = v_cache.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
+            keys = kv.k.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
+            vals = kv.v.index_select(0, group.keys).transpose(0, 1).unsqueeze(0)
             mask, causal = plan.prefill_mask_for(i, layer.window, explicit)
             o = _sdpa(qp, keys, vals, mask, causal, layer)
             out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)

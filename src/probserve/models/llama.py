@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.attention_plan import AttentionPlan, LayerAttention, LayerKV, Rope
 from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
@@ -402,7 +402,7 @@ class LlamaForward:
         h: torch.Tensor,
         li: int,
         layer: _Layer,
-        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        rope: Rope,
         plan: AttentionPlan,
         cache: KVCache,
     ) -> torch.Tensor:
@@ -411,10 +411,10 @@ class LlamaForward:
         qkv = layer.qkv(x)
         if layer.q_norm is not None and layer.k_norm is not None:
             qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-        kc, vc = cache.k[li], cache.v[li]
+        kv = LayerKV(cache.k[li], cache.v[li], cache.block_size)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        q = self.ops.rope_cache(qkv, heads, *rope, plan.slots, kc, vc)
-        attn = layer.o(self.ops.attend(q, kc, vc, cache.block_size, plan, layer.attention))
+        q = self.ops.rotate(qkv, heads, rope, plan.slots, kv)
+        attn = layer.o(self.ops.attend(q, kv, plan, layer.attention))
         if self.family.sandwich:
             assert layer.pre_ff is not None and layer.post_ff is not None
             h = h + self._norm(attn, layer.ln2)
@@ -463,7 +463,7 @@ class LlamaForward:
 
     def _rope(
         self, h: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan
-    ) -> dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    ) -> dict[str | None, Rope]:
         """Each rotary's (cos, sin, rows) for the step: its tables and the tokens' positions, or
         (a dynamic RoPE) the step's own rows, computed at its positions."""
         if plan.max_position is not None:  # no wait on the device to read it back

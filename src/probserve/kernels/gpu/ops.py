@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from probserve.kernels.attention_plan import AttentionPlan, LayerAttention
+from probserve.kernels.attention_plan import FlatKernels
 from probserve.kernels.experts import Expert
 from probserve.kernels.gpu import attention as attention_kernel
 from probserve.kernels.gpu import rows
@@ -33,7 +33,7 @@ class DeviceWeight(PackedWeight):
     precision's dtype, and its float32 bias."""
 
 
-class TritonKernels:
+class TritonKernels(FlatKernels):
     kernel = "triton"
     keeps_blocks = False  # GGUF blocks are dequantized by `pack` (the weights' one form)
     reads_rows = True
@@ -169,20 +169,4 @@ class TritonKernels:
             self._on(q), k_cache, v_cache, scale, self._on(tables, i64), self._on(seq, i64),
             self._on(lengths, i64), block_size, window, softcap,
             None if sinks is None else self.place(sinks).float().contiguous(),
-        )  # fmt: skip
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_size: int,
-        plan: AttentionPlan,
-        layer: LayerAttention,
-    ) -> torch.Tensor:
-        """`attention` through every token's block table."""
-        tables, seq, lengths = plan.by_table()
-        return self.attention(
-            q, k_cache, v_cache, layer.scale, tables, seq, lengths, block_size, layer.window,
-            layer.softcap, layer.sinks,
         )  # fmt: skip
