@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 Read = Callable[[str], Any]  # a GGUF file's metadata field by key (None where it has none)
 
@@ -151,6 +152,8 @@ def column_expert_rows(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """An expert stored as x @ W with gate and up columns interleaved (`column_experts`: gpt-oss)
     as the forward holds one: rows [gate | up] (and their bias) and down's rows."""
+    import torch  # (the API process imports this table, and never loads torch)
+
     rows = torch.cat([gate_up.T[0::2], gate_up.T[1::2]]).contiguous()
     if bias is not None:
         bias = torch.cat([bias[0::2], bias[1::2]])
