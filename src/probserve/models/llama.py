@@ -209,9 +209,8 @@ class _Layer:
         self.pre_ff = t.norm("pre_feedforward_layernorm")
         self.post_ff = t.norm("post_feedforward_layernorm")
         self.q_norm, self.k_norm = t.norm("self_attn.q_norm"), t.norm("self_attn.k_norm")
-        fused = ("self_attn.qkv_proj",)
-        self.qkv = t.linear(*(fused if fam.fused else ("self_attn.q_proj", "self_attn.k_proj",
-                                                       "self_attn.v_proj")))  # fmt: skip
+        q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
+        self.qkv = t.linear("self_attn.qkv_proj") if fam.fused else t.linear(q, k, v)
         self.o = t.linear("self_attn.o_proj")
         self.window, self.rope_key = fam.windows[index], fam.rope_keys[index]
         # gpt-oss: each head's sink logit
