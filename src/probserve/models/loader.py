@@ -259,7 +259,7 @@ def float32_weights(source: ModelSource, kwargs: dict[str, Any]) -> tuple[str, d
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(source.name_or_path)  # completed (_experts_config)
+        config = AutoConfig.from_pretrained(source.name_or_path)  # completed (_gguf_config)
         unread = _unread_by_transformers(config, gguf)
         if unread:
             raise ModelLoadError(
