@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -27,8 +27,7 @@ class Projection(Protocol):
     def weights(self) -> list[Packed]: ...
 
 
-@dataclass(frozen=True)
-class Expert:
+class Expert(NamedTuple):
     """One expert's SwiGLU: rows [gate | up] of 2I, then down."""
 
     gate_up: Projection
