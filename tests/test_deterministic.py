@@ -157,7 +157,7 @@ def test_fused_rope_and_cache_write_equal_torch(kernels: InvariantKernels):
     """One call rotates q and k and writes k and v into their cache slots: the same bits as
     torch's x * cos + rotate_half(x) * sin and index_copy_, which the model runs without the
     kernels; slots and positions outside their tables are refused before any write."""
-    from probserve.models.llama import _rotate_half
+    from probserve.kernels.torch_ops import _rotate_half
 
     g = torch.Generator().manual_seed(5)
     nq, nkv, d, t = 9, 3, 64, 37
