@@ -29,6 +29,7 @@ from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.logprobs import SCORE_CHUNK_ROWS
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.step import Chunk
 from probserve.engine.prefix_hash import block_hash
 from probserve.models import LoadedModel
 from probserve.models.llama import LlamaForward
@@ -533,8 +534,8 @@ def _prompt_flood(sched: Scheduler, count: int, length: int) -> None:
         sched.add(Sequence(req, length, frozenset()))
 
 
-def _step(sched: Scheduler) -> list[str]:
-    """One step: the ids scheduled (prompt-only sequences end when computed, as the engine's
+def _step(sched: Scheduler) -> list[Chunk]:
+    """One step: the chunks scheduled (prompt-only sequences end when computed, as the engine's
     update ends them; a generating one samples token 7)."""
     chunks = sched.schedule()
     sched.computed(chunks)
@@ -543,7 +544,7 @@ def _step(sched: Scheduler) -> list[str]:
             sched.finish(ch.seq)
         elif ch.samples:
             sched.append_token(ch.seq, 7)
-    return [ch.seq.request_id for ch in chunks]
+    return chunks
 
 
 def test_a_prompt_flood_does_not_starve_generation():
@@ -555,22 +556,15 @@ def test_a_prompt_flood_does_not_starve_generation():
     _prompt_flood(sched, 1000, 24)
     for _ in range(3):
         _step(sched)
-    prompt = tuple(range(2, 1002))  # a 1,000-token prompt: two steps' budgets
+    prompt = tuple(range(2, 1002))  # a 1,000-token prompt: two steps' whole budgets
     sched.add(Sequence(EngineRequest("gen", prompt, SamplingParams(max_tokens=4)), 1010,
                        frozenset()))  # fmt: skip
     taken = []
     for _ in range(5):
-        chunks = sched.schedule()
-        mine = [ch for ch in chunks if ch.seq.request_id == "gen"]
-        taken.append(sum(ch.length for ch in mine))
+        chunks = _step(sched)
+        taken.append(sum(ch.length for ch in chunks if ch.seq.request_id == "gen"))
         flood = sum(ch.length for ch in chunks if ch.seq.score_only)
         assert flood > 0, "the flood itself is not starved"
-        sched.computed(chunks)
-        for ch in chunks:
-            if ch.seq.score_only and ch.seq.num_computed >= ch.seq.num_tokens:
-                sched.finish(ch.seq)
-            elif ch.samples:
-                sched.append_token(ch.seq, 7)
     # scheduled at once, half the budget or more each step; its prompt done in four steps and
     # its first token decoded in the fifth (before the fix: [0, 0, 0, 0, 0])
     assert min(taken[:3]) >= 256 and sum(taken[:4]) == 1000, taken
@@ -591,5 +585,5 @@ def test_generation_does_not_starve_prompt_only_requests():
     _prompt_flood(sched, 10, 24)
     done = set()
     for _ in range(6):
-        done |= {rid for rid in _step(sched) if rid.startswith("e")}
+        done |= {ch.seq.request_id for ch in _step(sched) if ch.seq.score_only}
     assert done == {f"e{i}" for i in range(10)}, done
