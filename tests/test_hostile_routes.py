@@ -262,7 +262,7 @@ def test_big_logprobs_answers_do_not_hold_the_loop(served, c: httpx.Client, afte
         "logprob_token_ids": list(range(256)),
     }
 
-    def hostile() -> list[int]:
+    def requests(chat: dict, completion: dict) -> list[int]:
         codes = [c.post("/v1/chat/completions", json=chat).status_code]
         with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
             codes.append(s.status_code)
@@ -270,9 +270,18 @@ def test_big_logprobs_answers_do_not_hold_the_loop(served, c: httpx.Client, afte
         codes.append(c.post("/v1/completions", json=completion).status_code)
         return codes
 
-    codes, worst, _ = watched(served[0], hostile)
+    # the control: the same work for the engine (other prompts of the same length, so nothing
+    # is cached for the measured run), its answers small; on a loaded 2-core machine the
+    # engine's prefill alone slows /health, so the big answers are held to the control's
+    # figure (or the bound, whichever is larger), not to a fixed time alone
+    small_chat = {"messages": [{"role": "user", "content": " x" * 2300}], "max_tokens": 1}
+    small_completion = {"prompt": " x" * 2300, "max_tokens": 1}
+    codes, control, _ = watched(served[0], lambda: requests(small_chat, small_completion))
     assert codes == [200, 200, 200]
-    assert worst < HEALTH_BOUND_S, f"/health took {worst:.2f} s"
+    codes, worst, _ = watched(served[0], lambda: requests(chat, completion))
+    assert codes == [200, 200, 200]
+    bound = max(HEALTH_BOUND_S, 2 * control)
+    assert worst < bound, f"/health took {worst:.2f} s (the control's worst: {control:.2f} s)"
 
 
 def test_dump_json_is_model_dump_json():

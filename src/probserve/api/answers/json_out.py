@@ -15,6 +15,8 @@ from collections.abc import Collection
 from pydantic import BaseModel
 from pydantic_core import to_json
 
+from probserve.api.protocol import TargetRow
+
 PIECE = 2048  # values one serializer call may cover (a position's 256 targets: about 1000)
 
 
@@ -39,7 +41,13 @@ def _small(value: object) -> bool:
     """`value` holds at most PIECE values, nested ones included (counting stops past it)."""
     n, stack = 1, [value]
     while stack:
-        members = _members(stack.pop())
+        value = stack.pop()
+        if isinstance(value, TargetRow):  # written as its entries, one value each
+            n += len(value)
+            if n > PIECE:
+                return False
+            continue
+        members = _members(value)
         if members:
             n += len(members)
             if n > PIECE:
@@ -48,9 +56,16 @@ def _small(value: object) -> bool:
     return True
 
 
+def _entries(value: object) -> object:
+    if isinstance(value, TargetRow):
+        return value.entries()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
 def _dump(value: object, out: list[bytes]) -> None:
     if _small(value):
-        out.append(to_json(value, inf_nan_mode="null"))  # model_dump_json's default
+        # inf_nan_mode: model_dump_json's default; a TargetRow outside a model: its entries
+        out.append(to_json(value, inf_nan_mode="null", fallback=_entries))
     elif isinstance(value, BaseModel):
         sep = b"{"
         for name, field in type(value).model_fields.items():

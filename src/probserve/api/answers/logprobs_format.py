@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from probserve.api.answers.text_stream import Piece
 from probserve.api.answers.tokens import TokenTable
 from probserve.api.protocol import (
@@ -19,7 +21,7 @@ from probserve.api.protocol import (
     CompletionLogprobs,
     ProcessedLogprobs,
     PromptTokenSource,
-    TargetLogprob,
+    TargetRow,
     TopLogprob,
 )
 from probserve.engine import TokenLogprobs
@@ -33,6 +35,13 @@ def finite(x: float) -> float:
     if math.isfinite(x):
         return x
     return -NEG_INF_MARKER if x > 0 else NEG_INF_MARKER
+
+
+def finite_row(values: np.ndarray) -> np.ndarray:
+    """`finite` over a row at once (float64: each float32 value exactly)."""
+    return np.nan_to_num(
+        values.astype(np.float64), nan=NEG_INF_MARKER, posinf=-NEG_INF_MARKER, neginf=NEG_INF_MARKER
+    )
 
 
 def alternatives(lp: TokenLogprobs, j: int, k: int) -> list[tuple[int, float]]:
@@ -63,6 +72,7 @@ class LogprobsFormatter:
         self.legacy_texts: Sequence[str] = table.legacy_texts
         self.chat_texts: Sequence[str] = table.chat_texts
         self.byte_lists: Sequence[list[int] | None] = table.byte_lists
+        self._target_names: dict[tuple[int, ...], list[str]] = {}  # each asked ids' texts
         if as_ids:
             self.legacy_texts = self.chat_texts = _IdNames(False)  # type: ignore[assignment]
             self.byte_lists = _IdNames(True)  # type: ignore[assignment]
@@ -142,14 +152,14 @@ class LogprobsFormatter:
             entries.append(entry)
         return entries
 
-    def targets(self, lp: TokenLogprobs, j: int) -> list[TargetLogprob]:
+    def targets(self, lp: TokenLogprobs, j: int) -> TargetRow:
         """The requested ids' logprobs at row j, in the order they were asked for."""
         assert lp.target_logprobs is not None
-        ids = lp.target_ids
-        return [
-            TargetLogprob.model_construct(id=tid, token=self.chat_texts[tid], logprob=finite(v))
-            for tid, v in zip(ids, lp.target_logprobs[j].tolist(), strict=True)
-        ]
+        ids = tuple(lp.target_ids)
+        names = self._target_names.get(ids)
+        if names is None:
+            names = self._target_names[ids] = [self.chat_texts[t] for t in ids]
+        return TargetRow(ids, names, finite_row(lp.target_logprobs[j]).tolist())
 
     def chat_logprobs(self, pieces: Iterable[Piece], k: int | None) -> ChatLogprobs | None:
         """A chat choice's `logprobs` (None: not asked for)."""

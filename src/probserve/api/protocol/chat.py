@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import AfterValidator, BaseModel, Field, GetCoreSchemaHandler, model_validator
+from pydantic_core import PydanticCustomError, core_schema
 
 from probserve.api.protocol.common import (
     MAX_FEW,
@@ -148,9 +149,46 @@ class TargetLogprob(BaseModel):
     logprob: float
 
 
+class TargetRow:
+    """One position's target-id logprobs (`TargetLogprob`s in JSON), held as the engine's row
+    until the answer is written: a chat answer scoring 2,300 prompt positions x 256 ids holds
+    2,300 of these rather than 588,800 models, whose garbage collection (each pass holding the
+    GIL, so the event loop, in every thread) stalled the server for seconds. `values` are
+    finite (logprobs_format.finite_row)."""
+
+    __slots__ = ("ids", "tokens", "values")
+
+    def __init__(self, ids: Sequence[int], tokens: Sequence[str], values: Sequence[float]):
+        self.ids, self.tokens, self.values = ids, tokens, values
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def entries(self) -> list[dict[str, Any]]:
+        return [
+            {"id": i, "token": t, "logprob": v}
+            for i, t, v in zip(self.ids, self.tokens, self.values, strict=True)
+        ]
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        listed = handler.generate_schema(list[TargetLogprob])
+        return core_schema.json_or_python_schema(
+            json_schema=listed,
+            python_schema=core_schema.union_schema([core_schema.is_instance_schema(cls), listed]),
+            serialization=core_schema.plain_serializer_function_ser_schema(_target_entries),
+        )
+
+
+def _target_entries(value: TargetRow | list[TargetLogprob]) -> list[dict[str, Any]]:
+    if isinstance(value, TargetRow):
+        return value.entries()
+    return [t.model_dump() for t in value]
+
+
 class ChatLogprobEntry(TopLogprob):
     top_logprobs: list[TopLogprob]
-    target_logprobs: list[TargetLogprob] | None = Extension()
+    target_logprobs: TargetRow | None = Extension()
     entropy: float | None = Extension()
     processed_logprob: float | None = Extension()
     processed_top_logprobs: list[TopLogprob] | None = Extension()
@@ -206,7 +244,7 @@ class ChatChoice(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()  # with return_entropy
-    prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
+    prompt_target_logprobs: list[TargetRow | None] | None = Extension()
     continuation: ContinuationScore | None = Extension()
     token_ids: list[int] | None = Extension()  # vLLM's, with return_token_ids
     routed_experts: RoutedList | None = Extension()  # with return_routed_experts
@@ -238,7 +276,7 @@ class ChatChunkChoice(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Extension()
     prompt_token_sources: list[PromptTokenSource] | None = Extension()
     prompt_entropy: list[float | None] | None = Extension()
-    prompt_target_logprobs: list[list[TargetLogprob] | None] | None = Extension()
+    prompt_target_logprobs: list[TargetRow | None] | None = Extension()
     token_ids: list[int] | None = Extension()  # the delta's, with return_token_ids
     routed_experts: RoutedList | None = Extension()  # the delta's tokens'
     prompt_routed_experts: RoutedList | None = Extension()  # in a choice's first chunk
