@@ -216,3 +216,26 @@ def test_usable_cores_without_an_affinity_call(monkeypatch: pytest.MonkeyPatch) 
     assert host.usable_cores() >= 1
     monkeypatch.delattr(os, "sched_getaffinity", raising=False)
     assert host.usable_cores() == (os.cpu_count() or 1)
+
+
+def test_a_draft_model_goes_with_its_model_and_the_draft_mode() -> None:
+    """`--draft-model` pairs with `--model` by position and only with `--speculative draft`;
+    the draft model is a model setting, never part of the engine's configuration."""
+    from probserve.models import ModelLoadError
+
+    args = parse(["serve", "a.gguf", "--model", "b.gguf", "--speculative", "draft",
+                  "--draft-model", "da.gguf", "--draft-model", "db.gguf"])  # fmt: skip
+    settings = ServeSettings.of(args)
+    assert [(m.spec, m.draft) for m in settings.models] == [
+        ("a.gguf", "da.gguf"), ("b.gguf", "db.gguf"),
+    ]  # fmt: skip
+    assert settings.engine.speculative == "draft"
+    assert not [f.name for f in dataclasses.fields(EngineConfig) if "draft" in f.name]
+    for argv in (
+        ["serve", "a.gguf", "--speculative", "draft"],
+        ["serve", "a.gguf", "--model", "b.gguf", "--speculative", "draft", "--draft-model", "d"],
+        ["serve", "a.gguf", "--draft-model", "d"],
+        ["serve", "a.gguf", "--speculative", "ngram", "--draft-model", "d"],
+    ):
+        with pytest.raises(ModelLoadError, match="--draft-model"):
+            ServeSettings.of(parse(argv))

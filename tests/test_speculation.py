@@ -25,7 +25,7 @@ from probserve.engine import (
 )
 from probserve.engine.core.host import engine_over
 from probserve.engine.core.speculation import NgramProposer
-from probserve.models import LoadedModel
+from probserve.models import LoadedModel, load_model
 
 SPEC = LogprobsSpec(top_k=4, mode=LogprobsMode.BOTH, target_ids=(5, 900), entropy=True)
 REPEAT = [int(t) for t in np.random.default_rng(3).integers(10, 40000, size=9)]
@@ -62,8 +62,10 @@ def _numbers(outs: list) -> tuple[list[int], dict[str, bytes]]:
     return tokens, {k: np.concatenate(v).tobytes() for k, v in fields.items()}
 
 
-def _run(model: LoadedModel, reqs: list[EngineRequest], proposer=None, **config) -> dict:
-    core = engine_over(model, EngineConfig(kv_cache_gib=0.05, block_size=4, **config))
+def _run(
+    model: LoadedModel, reqs: list[EngineRequest], proposer=None, draft=None, **config
+) -> dict:
+    core = engine_over(model, EngineConfig(kv_cache_gib=0.05, block_size=4, **config), draft)
     if proposer is not None:
         core.speculator.proposer = proposer
     outs = run_core(core, reqs)
@@ -327,22 +329,28 @@ def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedMod
 
 
 def test_a_draft_models_guesses_change_no_bit(tiny: LoadedModel, tiny_dir, smol, plain: dict):
-    """--speculative draft:MODEL: a draft model with the same tokenizer guesses greedily (its
-    own engine); the same model as its own draft has every greedy guess accepted, a different
-    one (the embedded model) some; the tokens and logprobs the same bits either way. A draft
-    with another tokenizer, or a malformed mode, stops the start."""
-    same = _run(tiny, _requests(), speculative=f"draft:{tiny_dir}")
+    """--speculative draft --draft-model MODEL: a draft model with the same tokenizer guesses
+    greedily (its own engine); the same model as its own draft has every greedy guess
+    accepted; the tokens and logprobs the same bits either way. A draft with another tokenizer,
+    a malformed mode, or a draft mode without its model (or a model without the mode) stops the
+    start."""
+    draft = load_model(str(tiny_dir), EngineConfig().weights_to_load())
+    same = _run(tiny, _requests(), draft=draft, speculative="draft")
     core = same.pop("_core")
     for rid in ("greedy", "sampled", "penalised"):
         assert same[rid] == plain[rid], rid
-    assert core.info.speculative == f"draft:{tiny_dir}"
+    assert core.info.speculative == f"draft:{draft.name}"
     assert 0 < core.speculator.accepted <= core.speculator.drafted
-    greedy_only = _run(tiny, _requests()[:1], speculative=f"draft:{tiny_dir}")
+    greedy_only = _run(tiny, _requests()[:1], draft=draft, speculative="draft")
     greedy_core = greedy_only.pop("_core")
     assert greedy_only["greedy"] == plain["greedy"]
     assert greedy_core.speculator.accepted == greedy_core.speculator.drafted > 0
     with pytest.raises(ValueError, match="must be off, ngram or draft"):
-        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft:"))
+        EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft:"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a draft model"):
+        engine_over(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft"))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        engine_over(tiny, EngineConfig(kv_cache_gib=0.05, speculative="ngram"), draft)
     with pytest.raises(ValueError, match="must be off, ngram or draft"):
         EngineCore(tiny, EngineConfig(kv_cache_gib=0.05, speculative="eagle"))
 
@@ -357,5 +365,6 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny: LoadedModel, tmp_path, 
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     smol.tokenizer.save_pretrained(tmp_path)
+    draft = load_model(str(tmp_path), EngineConfig().weights_to_load())
     with pytest.raises(ValueError, match="another tokenizer"):
-        engine_over(tiny, EngineConfig(kv_cache_gib=0.05, speculative=f"draft:{tmp_path}"))
+        engine_over(tiny, EngineConfig(kv_cache_gib=0.05, speculative="draft"), draft)

@@ -38,6 +38,9 @@ class GenerateFlags:
 
     prompt: str = setting("", "the prompt to complete", positional=True)
     model: str = setting(DEFAULT_MODEL, MODEL_HELP)
+    draft_model: str | None = setting(
+        None, "--speculative draft: the draft model (a smaller one with the same tokenizer)"
+    )
     max_tokens: int = setting(16, "tokens to generate at most")
     temperature: float = setting(0.0, "0: greedy")
     top_p: float = setting(1.0, "nucleus sampling's probability mass")
@@ -71,8 +74,9 @@ async def _generate(args: argparse.Namespace) -> int:
 
     flags, config = from_args(GenerateFlags, args), from_args(EngineConfig, args)
     loaded = load_model(flags.model, config.weights_to_load())
+    draft = load_model(flags.draft_model, config.weights_to_load()) if flags.draft_model else None
     table = TokenTable(loaded.tokenizer, loaded.vocab_size)
-    engine = AsyncEngine.over(loaded, config)
+    engine = AsyncEngine.over(loaded, config, draft=draft)
     record = ModelRecord.of(loaded)
     (prompt,) = build_completion_prompts(record, table, [flags.prompt], engine.info.max_context)
     request = EngineRequest(

@@ -32,7 +32,7 @@ from probserve.models import (
     resolve_model,
 )
 from probserve.models.generation_config import sampling_defaults
-from probserve.settings import ServeSettings
+from probserve.settings import ModelSetting, ServeSettings
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +66,30 @@ def with_chat_template(loaded: M, template: str) -> M:
 
 
 def engine_factory(
-    settings: ServeSettings, spec: str, loaded: LoadedModel | None
+    settings: ServeSettings,
+    spec: str,
+    loaded: LoadedModel | None,
+    draft: str | None = None,
 ) -> Callable[[], EngineClient]:
-    """What builds (unstarted) engines for the model `spec` as the settings ask: a worker
-    process (the default), or an engine on a thread of this process over `loaded` (`--worker
-    inline`)."""
+    """What builds (unstarted) engines for the model `spec` (with `draft`, its draft model
+    where `--speculative draft`) as the settings ask: a worker process (the default), or an
+    engine on a thread of this process over `loaded` (`--worker inline`; the draft model
+    loaded here once)."""
     config, limits = settings.engine, settings.server.client
     log_level, log_format = settings.flags.log_level, settings.flags.log_format
+    inline = config.worker == "inline"
+    inline_draft = load_model(draft, config.weights_to_load()) if inline and draft else None
 
     def make() -> EngineClient:
-        if config.worker == "inline":
+        if inline:
             from probserve.engine import AsyncEngine  # torch, in this process: inline only
 
             assert loaded is not None
-            return AsyncEngine.over(loaded, config, limits)
+            return AsyncEngine.over(loaded, config, limits, inline_draft)
         return WorkerEngine(
             spec,
             config,
+            draft=draft,
             max_pending=limits.max_queued,
             stall_timeout=limits.engine_stall_timeout,
             log_level=log_level,
@@ -109,7 +116,7 @@ def served_record(
 
 
 def start_model(
-    settings: ServeSettings, spec: str, served_name: str | None, loaded: LoadedModel | None
+    settings: ServeSettings, asked: ModelSetting, loaded: LoadedModel | None
 ) -> tuple[ServedModel, Callable[[], EngineClient]]:
     """One model started as the flags ask, with the factory its restarts use.
 
@@ -117,11 +124,12 @@ def start_model(
     models/cache.py); this process then loads the tokenizer alone (or reuses `loaded`'s) and
     learns the model's figures from the worker's Hello. An inline engine runs over `loaded`
     (loaded here if not given)."""
+    spec, served_name = asked.spec, asked.served_name
     inline = settings.engine.worker == "inline"
     if inline and loaded is None:
         loaded = load_model(spec, settings.engine.weights_to_load())
     source = loaded.source if loaded and loaded.source else resolve_model(spec)
-    make = engine_factory(settings, source.spec, loaded)
+    make = engine_factory(settings, source.spec, loaded, asked.draft)
     engine = make()
     try:
         engine.start()
@@ -162,7 +170,7 @@ def build_state(
         for i, asked in enumerate(settings.models):
             template = chat_template_text(asked.chat_template) if asked.chat_template else None
             first = loaded if i == 0 else None
-            model, make = start_model(settings, asked.spec, asked.served_name, first)
+            model, make = start_model(settings, asked, first)
             if template is not None:  # the operator's template, over the model's own or none
                 model.record = with_chat_template(model.record, template)
             models.append(model)

@@ -44,6 +44,12 @@ class ServeFlags:
         metavar="FILE",
         group="model",
     )
+    draft_model: tuple[str, ...] = setting(
+        (),
+        "`--speculative draft`'s draft model for the model of the same position: a smaller "
+        "model with the same tokenizer (any --model spec), loaded beside it",
+        group="model",
+    )
     worker_restarts: int = setting(
         3,
         "restarts of a model's dead engine worker in any 10 minutes before it is given up (the "
@@ -148,6 +154,7 @@ class ModelSetting:
     spec: str
     served_name: str | None = None
     chat_template: str | None = None
+    draft: str | None = None  # --draft-model's, for --speculative draft
 
 
 @dataclass(frozen=True)
@@ -168,14 +175,26 @@ class ServeSettings:
         first = (args.model_tag,) if getattr(args, "model_tag", None) else ()
         specs = (*first, *flags.model) or (DEFAULT_MODEL,)
         names, templates = flags.served_model_name, flags.chat_template
-        for given, what in ((names, "--served-model-name"), (templates, "--chat-template")):
+        drafts, engine = flags.draft_model, from_args(EngineConfig, args)
+        for given, what in (
+            (names, "--served-model-name"), (templates, "--chat-template"),
+            (drafts, "--draft-model"),
+        ):  # fmt: skip
             if len(given) > len(specs):
                 raise ModelLoadError(f"{len(given)} {what} flags for {len(specs)} models")
+        if (engine.speculative == "draft") != (len(drafts) == len(specs)) or (
+            drafts and engine.speculative != "draft"
+        ):
+            raise ModelLoadError(
+                f"--speculative draft takes one --draft-model per model ({len(specs)}); "
+                f"got {len(drafts)} with --speculative {engine.speculative}"
+            )
         models = tuple(
             ModelSetting(
                 spec,
                 names[i] if i < len(names) else None,
                 templates[i] if i < len(templates) else None,
+                drafts[i] if i < len(drafts) else None,
             )
             for i, spec in enumerate(specs)
         )
@@ -187,4 +206,4 @@ class ServeSettings:
             http=from_args(HttpLimits, args),
             client=from_args(ClientLimits, args),
         )
-        return cls(flags, server, from_args(EngineConfig, args), models)
+        return cls(flags, server, engine, models)

@@ -120,7 +120,8 @@ def build_app(cluster: ClusterConfig, engine: EngineConfig, server: ServerConfig
             options["num_replicas"] = m.num_replicas
         # serve.deployment(cls) is a Deployment; ray types it as the decorator factory
         replica = serve.deployment(EngineReplica).options(**options)  # type: ignore[attr-defined]
-        bound = replica.bind(m.model, config, max(m.max_ongoing_requests, server.client.max_queued))
+        most = max(m.max_ongoing_requests, server.client.max_queued)
+        bound = replica.bind(m.model, config, most, m.draft_model)
         names = _names(m)
         entries.append(ModelEntry(names, names[-1], m.model, bound))
     ingress = serve.deployment(serve.ingress()(Ingress)).options(  # type: ignore[attr-defined]

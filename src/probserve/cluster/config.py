@@ -29,6 +29,7 @@ class Autoscaling(_Strict):
 class ModelDeployment(_Strict):
     model: str = "smollm2-135m-instruct"
     served_model_name: str | None = None
+    draft_model: str | None = None  # `speculative: draft`'s draft model (engine's setting)
     num_replicas: int = Field(1, ge=1)  # ignored with autoscaling
     autoscaling: Autoscaling | None = None
     max_ongoing_requests: int = Field(64, ge=1)  # per replica: what its engine batches
@@ -72,7 +73,10 @@ def load_cluster_config(settings: ServeSettings) -> ClusterConfig:
     else:
         models = [
             ModelDeployment(
-                model=m.spec, served_model_name=m.served_name, num_replicas=flags.replicas
+                model=m.spec,
+                served_model_name=m.served_name,
+                draft_model=m.draft,
+                num_replicas=flags.replicas,
             )
             for m in settings.models
         ]

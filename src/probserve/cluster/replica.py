@@ -41,7 +41,9 @@ class ReplicaEvent:
 
 
 class EngineReplica:
-    def __init__(self, spec: str, config: EngineConfig, max_pending: int = 1024) -> None:
+    def __init__(
+        self, spec: str, config: EngineConfig, max_pending: int = 1024, draft: str | None = None
+    ) -> None:
         from probserve.engine import AsyncEngine
         from probserve.engine.core.host import start_engine
 
@@ -52,7 +54,7 @@ class EngineReplica:
             self.engine = AsyncEngine(core, max_pending=max_pending)
             self.engine.start()
 
-        self.tokenizer_class = start_engine(spec, config, warm).tokenizer_class
+        self.tokenizer_class = start_engine(spec, config, warm, draft).tokenizer_class
         self.name = f"{os.uname().nodename}:{os.getpid()}"
         log.info("replica %s of %s ready in %.1f s", self.name, spec, time.monotonic() - started)
 

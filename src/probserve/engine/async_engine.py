@@ -38,12 +38,17 @@ class AsyncEngine(EngineClient):
 
     @classmethod
     def over(
-        cls, loaded: LoadedModel, config: EngineConfig, limits: ClientLimits | None = None
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        limits: ClientLimits | None = None,
+        draft: LoadedModel | None = None,
     ) -> AsyncEngine:
         """An (unstarted) engine over a model its caller holds and may share (`--worker
-        inline`, `probserve generate`, tests): its source weights stay where they are."""
+        inline`, `probserve generate`, tests): its source weights stay where they are.
+        `draft`: the draft model of `--speculative draft`."""
         limits = limits or ClientLimits()
-        core = engine_over(loaded, config)
+        core = engine_over(loaded, config, draft)
         return cls(core, max_pending=limits.max_queued, stall_timeout=limits.engine_stall_timeout)
 
     # ---- lifecycle ------------------------------------------------------------------------

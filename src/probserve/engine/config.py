@@ -11,26 +11,6 @@ from probserve.engine.stats import SPEC_POSITIONS
 from probserve.flags import setting
 
 
-class Speculative(str):
-    """`--speculative`'s value, checked when it is made (the flag's parse, a config file, the
-    worker's copy of the configuration): "off", "ngram", or "draft:MODEL"; `mode` and `draft`
-    read it."""
-
-    def __new__(cls, text: str) -> Speculative:
-        if text not in ("off", "ngram") and not (text.startswith("draft:") and text[6:]):
-            raise ValueError(f"--speculative must be off, ngram or draft:MODEL (got {text!r})")
-        return super().__new__(cls, text)
-
-    @property
-    def mode(self) -> Literal["off", "ngram", "draft"]:
-        return "draft" if self.startswith("draft:") else "off" if self == "off" else "ngram"
-
-    @property
-    def draft(self) -> str:
-        """The draft model's spec ("" unless draft:MODEL)."""
-        return self[len("draft:") :] if self.mode == "draft" else ""
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = setting(64, "sequences decoded together in one batch")
@@ -117,20 +97,21 @@ class EngineConfig:
         "they cannot run)",
     )
 
-    speculative: Speculative = setting(
-        Speculative("off"),
+    speculative: Literal["off", "ngram", "draft"] = setting(
+        "off",
         "speculative decoding: ngram proposes the tokens that followed the latest earlier "
-        "occurrence of the text's last n-gram (prompt lookup); draft:MODEL a smaller model's "
-        "greedy guesses (the same tokenizer); checked in the step as extra rows: every token "
-        "and logprob the same bits as without it (paged runner)",
-        metavar="off|ngram|draft:MODEL",
+        "occurrence of the text's last n-gram (prompt lookup); draft a smaller model's greedy "
+        "guesses (--draft-model, the same tokenizer); checked in the step as extra rows: every "
+        "token and logprob the same bits as without it (paged runner)",
     )
     speculative_tokens: int = setting(
         4, "the most tokens proposed a step (adapting to how many were accepted)"
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative", Speculative(self.speculative))
+        if self.speculative not in ("off", "ngram", "draft"):
+            mode = self.speculative
+            raise ValueError(f"--speculative must be off, ngram or draft (got {mode!r})")
         if not 1 <= self.speculative_tokens <= SPEC_POSITIONS:
             most, got = SPEC_POSITIONS, self.speculative_tokens
             raise ValueError(f"--speculative-tokens must be 1 to {most} (got {got})")

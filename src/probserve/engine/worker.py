@@ -42,6 +42,7 @@ IDLE_POLL_MS = 1000  # how often an idle worker checks that its server is still 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="probserve-worker")
     p.add_argument("--model", required=True, help="a model directory (or any --model spec)")
+    p.add_argument("--draft-model", default=None, help="--speculative draft's draft model")
     p.add_argument("--parent-pid", type=int, default=0, help="the server's pid (default: ours)")
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     p.add_argument("--commands", required=True, help="ZeroMQ address to read commands from")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         from probserve.engine.core.host import start_engine
 
         log.info("loading %s", args.model)
-        engine = start_engine(args.model, config)
+        engine = start_engine(args.model, config, draft=args.draft_model)
         worker = Worker(engine.core, commands, events, parent)
         elapsed = time.monotonic() - started
         log.info("engine worker ready in %.1f s (%d torch threads)", elapsed, engine.threads)

@@ -44,12 +44,13 @@ class WorkerEngine(EngineClient):
         model: str,
         config: EngineConfig | None = None,
         max_pending: int = 1024,
+        draft: str | None = None,
         stall_timeout: float = 120.0,
         log_level: str = "info",
         log_format: str = "text",
     ) -> None:
         super().__init__(max_pending, stall_timeout)
-        self.model = model
+        self.model, self.draft = model, draft  # draft: --speculative draft's model
         self.config = config or EngineConfig()
         self.log_level = log_level
         self.log_format = log_format
@@ -99,6 +100,7 @@ class WorkerEngine(EngineClient):
             self.log_format,
             "--parent-pid",
             str(os.getpid()),
+            *(("--draft-model", self.draft) if self.draft else ()),
         ]
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
         self.pid = self._proc.pid

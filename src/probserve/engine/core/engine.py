@@ -79,7 +79,8 @@ class EngineCore:
         )
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()
-        speculative = str(self.speculator.default) if self.speculator else "off"
+        spec = self.speculator
+        speculative = spec.proposer.name if spec and spec.default != "off" else "off"
         self.info = choice.info(loaded, self.pool.prefix_caching, speculative)
 
     @property

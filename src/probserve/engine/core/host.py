@@ -3,7 +3,8 @@ threads fixed, the model loaded as the configuration asks, its `EngineCore` buil
 on the thread that steps it, and the source weights released once the runner holds its own
 copy. One place, so both hosts start an engine the same way (an engine inside the server's
 process, over a model its caller holds: `AsyncEngine.over`), and `engine_over`, the one place an
-engine is built over a loaded model, with its draft model's engine where one is asked."""
+engine is built over a loaded model, with its draft model's engine where one is asked (the
+draft model is its caller's to load, beside the served one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from probserve.engine.config import EngineConfig, Speculative
+from probserve.engine.config import EngineConfig
 from probserve.engine.core.engine import EngineCore
 from probserve.engine.core.runners.choice import runner_class
 from probserve.engine.core.speculation import DraftProposer
@@ -58,15 +59,20 @@ def configure_threads(threads: int) -> int:
 
 
 def start_engine(
-    spec: str | None, config: EngineConfig, warm: Callable[[EngineCore], None] = EngineCore.warmup
+    spec: str | None,
+    config: EngineConfig,
+    warm: Callable[[EngineCore], None] = EngineCore.warmup,
+    draft: str | None = None,
 ) -> StartedEngine:
-    """Load `spec`, build its engine, `warm` it (build the runner and run a first request: on
-    the thread that will step it; an AsyncEngine's start does it on its own thread), then drop
-    the transformers model and the file's blocks: the runner holds what it needs."""
+    """Load `spec` (and `draft`, the draft model `--speculative draft` guesses with), build its
+    engine, `warm` it (build the runner and run a first request: on the thread that will step
+    it; an AsyncEngine's start does it on its own thread), then drop the transformers model and
+    the file's blocks: the runner holds what it needs."""
     started = time.monotonic()
     threads = configure_threads(config.threads)
-    source, loaded = loaded_source(spec, config.weights_to_load())
-    core = engine_over(loaded, config)
+    weights = config.weights_to_load()
+    source, loaded = loaded_source(spec, weights)
+    core = engine_over(loaded, config, load_model(draft, weights) if draft else None)
     with Stage(log, "warming up (the runner's buffers and a first request, each start)"):
         warm(core)
     core.runner.release_source_weights()
@@ -75,13 +81,19 @@ def start_engine(
     return StartedEngine(core, source, tokenizer, threads, time.monotonic() - started)
 
 
-def engine_over(loaded: LoadedModel, config: EngineConfig) -> EngineCore:
-    """The engine over `loaded`, its speculator built first where `--speculative draft:MODEL`
-    asks and the runner checks proposals: the draft model loaded (the same tokenizer, else
-    refused) and given an engine of its own."""
-    if not config.speculative.draft or not runner_class(loaded, config).speculates:
+def engine_over(
+    loaded: LoadedModel, config: EngineConfig, draft: LoadedModel | None = None
+) -> EngineCore:
+    """The engine over `loaded`, its speculator built first where `--speculative draft` asks
+    and the runner checks proposals: the draft model (its caller loaded it: the same
+    tokenizer, else refused) given an engine of its own."""
+    if (config.speculative == "draft") != (draft is not None):
+        raise ValueError(
+            "--speculative draft needs a draft model (--draft-model), and a draft model needs "
+            f"--speculative draft (got --speculative {config.speculative})"
+        )
+    if draft is None or not runner_class(loaded, config).speculates:
         return EngineCore(loaded, config)
-    draft = load_model(config.speculative.draft, config.weights_to_load())
     if draft.vocab_size != loaded.vocab_size or (
         draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab()
     ):
@@ -90,7 +102,7 @@ def engine_over(loaded: LoadedModel, config: EngineConfig) -> EngineCore:
             "guesses would be other tokens"
         )
     own = dataclasses.replace(
-        config, speculative=Speculative("off"), kv_cache_gib=max(0.05, config.kv_cache_gib / 4),
+        config, speculative="off", kv_cache_gib=max(0.05, config.kv_cache_gib / 4),
         max_model_len=0,
     )  # fmt: skip
     return EngineCore(loaded, config, Speculator(DraftProposer(EngineCore(draft, own)), config))

@@ -32,6 +32,11 @@ Asks = Sequence[tuple[str, list[int], int]]
 
 
 class Proposer(Protocol):
+    @property
+    def name(self) -> str:
+        """What `/health`'s `speculative` calls it ("ngram", "draft:MODEL")."""
+        ...
+
     def propose_many(self, asks: Asks) -> dict[str, tuple[int, ...]]:
         """Every ask's proposals (by request id; none for an ask it has no guess for)."""
         ...
@@ -62,6 +67,10 @@ class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
+    @property
+    def name(self) -> str:
+        return "ngram"
+
     def propose_many(self, asks: Asks) -> dict[str, tuple[int, ...]]:
         return {rid: self.propose(tokens, k) for rid, tokens, k in asks}
 
@@ -91,6 +100,10 @@ class DraftProposer:
     def __init__(self, core: Any) -> None:
         self.core = core
         self._ids = itertools.count()
+
+    @property
+    def name(self) -> str:
+        return f"draft:{self.core.loaded.name}"
 
     def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
         return self.propose_many([("one", tokens, k)])["one"]

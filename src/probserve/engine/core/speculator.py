@@ -32,7 +32,7 @@ class Speculator:
         """Prompt lookup's: what `--speculative ngram` runs, and what a request's `speculative:
         true` gets where the server's default is off (a draft model's engine is the host's to
         build: core/host.py)."""
-        if config.speculative.mode == "draft":
+        if config.speculative == "draft":
             raise ValueError(
                 f"--speculative {config.speculative}: the draft model's engine is built by the "
                 "host (core/host.py: engine_over)"
