@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from probserve.models import gemma4
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,6 +41,10 @@ class ModelType:
     # loader misreads (None: it reads them)
     passes_config: bool = False  # transformers' float32 GGUF load takes the completed
     # configuration (its own reading lacks the experts' width)
+    # a type whose layers differ (Gemma 4: models/gemma4.py): its `Family` fields read from
+    # its configuration, and what the forward lacks for a configuration (None: nothing)
+    own: Callable[[Any], dict[str, Any]] | None = None
+    missing: Callable[[Any], str | None] | None = None
 
 
 def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
@@ -167,6 +173,7 @@ TYPES: dict[str, ModelType] = {
     "qwen3": ModelType(qk_norm="head", window_asked=True),
     "gemma2": ModelType(gemma=True),
     "gemma3_text": ModelType(gemma=True, qk_norm="head"),
+    "gemma4_text": ModelType(own=gemma4.family_fields, missing=gemma4.missing),
     "phi3": ModelType(fused=True, attention_bias=(False, False)),
     "qwen3_moe": ModelType(
         qk_norm="head", experts=_qwen3_moe_experts, gguf=_qwen3_moe_gguf, unread=_fused_experts,

@@ -18,7 +18,10 @@ configuration once, here, through each type's entry of models/families.py:
   of its k largest logits (the renormalised top k of the full softmax: the same function), its
   experts biased with a clamped SwiGLU ((clamp(up) + 1) * g * sigmoid(1.702 g), g = min(gate,
   7)), attention with biases and a learned sink logit per head, alternating 128-token windows
-  and YaRN RoPE.
+  and YaRN RoPE;
+- Gemma 4 (text): layers of their own shapes, some reading another layer's KV cache, per-layer
+  input embeddings (models/gemma4.py reads its configuration, models/gemma4_layer.py runs what
+  its layer adds).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from probserve.models.families import MISSING, TYPES, ModelType
+from probserve.models.gemma4 import Gemma4Layout
 
 SUPPORTED_TYPES = frozenset(TYPES)
 _ACTIVATIONS: dict[str, Literal["silu", "gelu_tanh"]] = {
@@ -35,7 +39,7 @@ _ACTIVATIONS: dict[str, Literal["silu", "gelu_tanh"]] = {
 }
 # RoPE variants whose cos/sin depend on the position alone (models/skeleton.py's `Rotary`;
 # longrope's short/long factor is chosen per position there); dynamic rescales with the batch
-STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "longrope"})
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn", "longrope", "proportional"})
 
 
 class Unsupported(ValueError):
@@ -72,6 +76,7 @@ class Family:
     # g = min(gate, limit); None: the family's activation
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    gemma4: Gemma4Layout | None = None  # Gemma 4's layers (models/gemma4.py)
 
 
 def head_dim(config: Any) -> int:
@@ -120,6 +125,11 @@ def family(config: Any) -> Family:
     if name not in TYPES:
         raise Unsupported(f"{name} does not run on the paged forward")
     kind = TYPES[name]
+    lacks = kind.missing(config) if kind.missing else None
+    if lacks:
+        raise Unsupported(f"{name} does not run on the paged forward: {lacks}")
+    if kind.own is not None:
+        return Family(model_type=name, **kind.own(config))
     if getattr(config, "clip_qkv", None) is not None:
         raise Unsupported("its clip_qkv (clamped q/k/v) is not one the paged forward has")
     gemma = kind.gemma

@@ -39,6 +39,7 @@ from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
 from probserve.kernels.weights import Packed
 from probserve.models.families import column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
+from probserve.models.gemma4_layer import Gemma4Layers
 from probserve.models.gguf_blocks import Weight, as_float, stack_rows
 from probserve.models.linear import Joined, Linear, projection
 from probserve.models.moe import MoE
@@ -75,10 +76,11 @@ class KVCache:
     final-norm hidden state, so prompt logprobs of cached prefixes are recomputed exactly. A
     mixture of experts' cache also keeps each position's routing in its MoE layers (`experts`,
     `expert_weights`: the k experts its row was sent to and their weights), which a request
-    that asks for its routed experts reads back (prefix-cached positions included)."""
+    that asks for its routed experts reads back (prefix-cached positions included). Where
+    its layers differ in shape (Gemma 4), K and V are one tensor per cache layer."""
 
-    k: torch.Tensor  # [layers, slots, kv_heads, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor | list[torch.Tensor]  # [layers, slots, kv_heads, head_dim]
+    v: torch.Tensor | list[torch.Tensor]
     hidden: torch.Tensor  # [slots, hidden_size]
     block_size: int
     experts: torch.Tensor | None = None  # int16 [slots, moe_layers, top_k]
@@ -86,11 +88,10 @@ class KVCache:
 
     @staticmethod
     def bytes_per_token(config: Any) -> int:
-        kvh = config.num_key_value_heads
-        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = sum(kvh * d for kvh, d in kv_shapes(config))
         moe_layers, top_k = _routing_shape(config)
         routing = (2 + 4) * moe_layers * top_k
-        return 4 * (2 * config.num_hidden_layers * kvh * d + config.hidden_size) + routing
+        return 4 * (2 * kv + config.hidden_size) + routing
 
     @staticmethod
     def allocate(
@@ -99,23 +100,22 @@ class KVCache:
         """Memory is taken from the OS as blocks are first written (torch.empty), except block
         0, the null block: zeros, never handed out, where masked key positions point. `device`:
         where it lives (the GPU path's device; default the host)."""
-        kvh = config.num_key_value_heads
-        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         slots = num_blocks * block_size
-        shape = (config.num_hidden_layers, slots, kvh, d)
-        cache = KVCache(
-            torch.empty(shape, device=device),
-            torch.empty(shape, device=device),
-            torch.empty(slots, config.hidden_size, device=device),
-            block_size,
-        )
+        shapes = kv_shapes(config)
+        k: torch.Tensor | list[torch.Tensor]
+        v: torch.Tensor | list[torch.Tensor]
+        if len(set(shapes)) == 1:
+            k, v = (torch.empty((len(shapes), slots, *shapes[0]), device=device) for _ in "kv")
+        else:  # one tensor per cache layer
+            k, v = ([torch.empty((slots, *s), device=device) for s in shapes] for _ in "kv")
+        cache = KVCache(k, v, torch.empty(slots, config.hidden_size, device=device), block_size)
         moe_layers, top_k = _routing_shape(config)
         if moe_layers:
             routing = (slots, moe_layers, top_k)
             cache.experts = torch.zeros(routing, dtype=torch.int16, device=device)
             cache.expert_weights = torch.zeros(routing, device=device)
-        cache.k[:, :block_size].zero_()
-        cache.v[:, :block_size].zero_()
+        for layer in [*cache.k, *cache.v]:
+            layer[:block_size].zero_()
         cache.hidden[:block_size].zero_()
         return cache
 
@@ -123,6 +123,19 @@ class KVCache:
         """The routing kept at `slots`: experts int16 [n, moe_layers, k], weights float32."""
         assert self.experts is not None and self.expert_weights is not None
         return self.experts.index_select(0, slots), self.expert_weights.index_select(0, slots)
+
+
+def kv_shapes(config: Any) -> list[tuple[int, int]]:
+    """(KV heads, head size) of each layer the cache keeps: every layer, or (Gemma 4) each that
+    writes its own K/V."""
+    try:
+        layout = family(config).gemma4
+    except Unsupported:
+        layout = None
+    if layout is not None:
+        return layout.cache_shapes()
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [(int(config.num_key_value_heads), int(d))] * int(config.num_hidden_layers)
 
 
 def moe_layers(config: Any) -> tuple[int, ...]:
@@ -209,8 +222,9 @@ class _Layer:
         self.pre_ff = t.norm("pre_feedforward_layernorm")
         self.post_ff = t.norm("post_feedforward_layernorm")
         self.q_norm, self.k_norm = t.norm("self_attn.q_norm"), t.norm("self_attn.k_norm")
-        q, k, v = "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"
-        self.qkv = t.linear("self_attn.qkv_proj") if fam.fused else t.linear(q, k, v)
+        # (a Gemma 4 layer reading another's cache has no k/v, one whose values are its keys no v)
+        qkv = [f"self_attn.{n}_proj" for n in "qkv" if t.has(f"self_attn.{n}_proj.weight")]
+        self.qkv = t.linear("self_attn.qkv_proj") if fam.fused else t.linear(*qkv)
         self.o = t.linear("self_attn.o_proj")
         self.window, self.rope_key = fam.windows[index], fam.rope_keys[index]
         # gpt-oss: each head's sink logit
@@ -291,13 +305,21 @@ class LlamaForward:
         cfg = model.config
         self.ops = ops
         self.family = fam = family(cfg)
-        if weights is None:
-            weights = dict(model.named_parameters(remove_duplicate=False))
+        if weights is None:  # (Gemma 4's layer scalars are buffers)
+            weights = dict(model.named_buffers()) | dict(
+                model.named_parameters(remove_duplicate=False)
+            )
         self.model = model
         self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = fam.head_dim
         self.eps = float(cfg.rms_norm_eps)
+        self.gemma4: Gemma4Layers | None = None
+        if fam.gemma4 is not None:
+            self.gemma4 = Gemma4Layers(
+                weights, fam.gemma4, self.num_heads, int(cfg.hidden_size), self.eps, ops
+            )
+        else:
+            self.num_kv_heads = cfg.num_key_value_heads
         self.layers = [
             _Layer(cfg, i, _Tensors(weights, i, fam, ops)) for i in range(cfg.num_hidden_layers)
         ]
@@ -315,8 +337,10 @@ class LlamaForward:
             glu = partial(ops.gpt_oss_glu, alpha=fam.swiglu_alpha, limit=fam.swiglu_limit)
             self._expert_act = glu
         keys = list(self.rotary)
-        described = [layer.described(keys.index(layer.rope_key)) for layer in self.layers]
-        self.native = None if op_by_op else ops.chain(self._shape(), described)
+        self.native = None
+        if not op_by_op and self.gemma4 is None:  # (Gemma 4's layers run op by op)
+            described = [layer.described(keys.index(layer.rope_key)) for layer in self.layers]
+            self.native = ops.chain(self._shape(), described)
 
     def _head(self, head: Weight, embed: Weight) -> None:
         """The head, and the embedding: a tied one is read from the head's own copy (dense,
@@ -345,14 +369,19 @@ class LlamaForward:
         cfg = model.config
         self.rotary: dict[str | None, Any] = {}
         self._dynamic: set[str | None] = set()
+        dims: dict[str | None, int] = {}
         for key in set(self.family.rope_keys):
+            # Gemma 4: each layer type's view of the configuration (its head size)
+            source = cfg.per_layer_config[key] if self.gemma4 is not None else cfg
+            dims[key] = self.head_dim
             if rope_type(cfg, key) in STATIC_ROPE:
-                self.rotary[key] = Rotary(cfg, key)
+                self.rotary[key] = Rotary(source, key)
+                dims[key] = 2 * self.rotary[key].inv_freq.numel()
             else:
                 self.rotary[key] = model.model.rotary_emb
                 self._dynamic.add(key)
-        self._rope_cos = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
-        self._rope_sin = {key: torch.empty((0, self.head_dim)) for key in self.rotary}
+        self._rope_cos = {key: torch.empty((0, dims[key])) for key in self.rotary}
+        self._rope_sin = {key: torch.empty((0, dims[key])) for key in self.rotary}
 
     def _shape(self) -> Shape:
         fam = self.family
@@ -381,7 +410,9 @@ class LlamaForward:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope = self._rope(h, positions, plan)
+        per_layer = self.gemma4.inputs(input_ids, h) if self.gemma4 is not None else None
         if self.native is not None:
+            assert isinstance(cache.k, torch.Tensor) and isinstance(cache.v, torch.Tensor)
             routed = None
             if cache.experts is not None and cache.expert_weights is not None:
                 routed = (cache.experts, cache.expert_weights)
@@ -392,6 +423,8 @@ class LlamaForward:
         else:
             for li, layer in enumerate(self.layers):
                 h = self._layer(h, li, layer, rope[layer.rope_key], plan, cache)
+                if self.gemma4 is not None:
+                    h = self.gemma4.after(h, li, per_layer)
         out = self._norm(h, self.norm)
         cache.hidden.index_copy_(0, plan.slots, out)
         return out
@@ -407,12 +440,16 @@ class LlamaForward:
     ) -> torch.Tensor:
         """One decoder layer over the step's rows h, its K/V written at their slots."""
         x = self._norm(h, layer.ln1)
-        qkv = layer.qkv(x)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-        kv = LayerKV(cache.k[li], cache.v[li], cache.block_size)
-        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        q = self.ops.rotate(qkv, heads, rope, plan.slots, kv)
+        if self.gemma4 is not None:  # its own shapes, perhaps another layer's cache
+            kv = self.gemma4.kv(li, cache.k, cache.v, cache.block_size)
+            q = self.gemma4.queries(x, li, layer, rope, plan.slots, kv)
+        else:
+            qkv = layer.qkv(x)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+            kv = LayerKV(cache.k[li], cache.v[li], cache.block_size)
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+            q = self.ops.rotate(qkv, heads, rope, plan.slots, kv)
         attn = layer.o(self.ops.attend(q, kv, plan, layer.attention))
         if self.family.sandwich:
             assert layer.pre_ff is not None and layer.post_ff is not None
