@@ -37,7 +37,7 @@ from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
 from probserve.kernels.weights import Packed
-from probserve.models.families import column_expert_rows
+from probserve.models.families import TYPES, column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gemma4_layer import Gemma4Layers
 from probserve.models.gguf_blocks import Weight, as_float, stack_rows
@@ -55,6 +55,13 @@ def supports(model: Any) -> bool:
     except Unsupported:
         return False
     return True
+
+
+def paged_only(model: Any) -> bool:
+    """A type no other runner serves (Gemma 4: transformers' runner sizes one head for every
+    layer): where the paged forward lacks a part of it, the model is refused."""
+    kind = TYPES.get(getattr(model.config, "model_type", None) or "")
+    return kind is not None and kind.missing is not None
 
 
 def deterministic_blocker(model: Any) -> str | None:

@@ -93,6 +93,10 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
         return PagedRunner
+    if config.runner == "auto" and llama.paged_only(loaded.model):
+        raise ModelLoadError(
+            f"{loaded.name} cannot be served: {llama.deterministic_blocker(loaded.model)}"
+        )
     return HFRunner
 
 

@@ -1,0 +1,154 @@
+"""Gemma 4 (text) on the paged forward (models/gemma4.py, models/gemma4_layer.py) against
+transformers' own float32 forward: tiny random `Gemma4ForCausalLM` models saved to a directory
+and served from it as a user's would be, with sliding and full layers of different head sizes
+(the full ones' proportional RoPE), the last layers reading an earlier layer's KV cache,
+per-layer input embeddings, layer scalars, v norms and a final soft-cap; one also with keys as
+values and fewer KV heads on its full layers (attention_k_eq_v), and double-wide MLPs in its
+shared layers. Prompt and generated logprobs within 1e-4 on both paths (deterministic kernels and
+torch), greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token step
+budget, and from the prefix cache; a shared layer holds no cache of its own; a Gemma 4 the
+forward lacks a part of is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_core
+from reference import full_logprobs
+from test_families import _numbers, _prompt, _request
+
+from probserve.engine import EngineConfig, EngineCore
+from probserve.models import LoadedModel, ModelLoadError
+from probserve.models.family import family
+from probserve.models.llama import KVCache
+from probserve.models.loader import load_model
+
+WINDOW = 6  # shorter than the prompts: the sliding layers drop keys
+TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+
+
+def _config(kind: str, vocab: int, **extra: Any) -> Any:
+    from transformers import Gemma4TextConfig
+
+    common = {
+        "vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+        "sliding_window": WINDOW, "layer_types": TYPES, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 8, "final_logit_softcapping": 5.0,
+        "max_position_embeddings": 256, "eos_token_id": 2, "pad_token_id": 0,
+    }  # fmt: skip
+    if kind == "k_eq_v":  # the full layers: keys as values, one KV head; wide shared MLPs
+        common |= {
+            "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+            "use_double_wide_mlp": True,
+        }  # fmt: skip
+    return Gemma4TextConfig(**(common | extra))
+
+
+def _saved(config: Any, where: Path, tokenizer: Any) -> Path:
+    """A random model of `config` saved to `where`, its norms, scalars and embeddings away from
+    their initial ones."""
+    from transformers import Gemma4ForCausalLM
+
+    torch.manual_seed(11)
+    hf = Gemma4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:  # Gemma 4's norms are w (not 1 + w)
+                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
+            else:
+                param.normal_(0.0, 0.08)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(torch.rand_like(buffer) + 0.5)
+    hf.save_pretrained(where)
+    tokenizer.save_pretrained(where)
+    return where
+
+
+@pytest.fixture(scope="module", params=["shared", "k_eq_v"])
+def model(
+    request: pytest.FixtureRequest, smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+) -> LoadedModel:
+    config = _config(request.param, smol.vocab_size)
+    where = _saved(config, tmp_path_factory.mktemp(f"gemma4-{request.param}"), smol.tokenizer)
+    loaded = load_model(str(where))
+    loaded.model.config._attn_implementation = "eager"  # the reference's plain attention
+    return loaded
+
+
+def test_the_layout_is_transformers(model: LoadedModel):
+    """Each layer's head size and KV heads, and the cache layer a shared one reads: the last
+    earlier layer of its type that writes (transformers' kv_sharing_modes' "store")."""
+    config = model.model.config
+    shape = family(config).gemma4
+    assert shape is not None
+    modes = config.kv_sharing_modes
+    assert shape.writes == tuple(m != "reuse" for m in modes)
+    stores = {config.layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
+    for i, attention in enumerate(model.model.model.layers):
+        assert shape.head_dims[i] == attention.self_attn.head_dim
+        source = stores[config.layer_types[i]] if modes[i] == "reuse" else i
+        assert shape.cache_layer[i] == sum(shape.writes[:source])
+    # one cache layer per layer that writes, none for a shared one
+    cache = KVCache.allocate(config, 3, 4)
+    assert isinstance(cache.k, list) and len(cache.k) == sum(shape.writes) == 4
+    assert [tuple(k.shape[1:]) for k in cache.k] == shape.cache_shapes()
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic: bool):
+    core = EngineCore(
+        model, EngineConfig(deterministic=deterministic, kv_cache_gib=0.02, block_size=4)
+    )
+    assert core.info.runner == "PagedRunner" and core.info.deterministic == deterministic
+    ids = _prompt(1, 23)
+    outs = run_core(core, [_request(ids, "r")])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    ref = full_logprobs(model.model, ids + gen)
+    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    got = np.asarray(prompt.logprobs, dtype=np.float64)
+    assert list(prompt.token_ids) == ids[1:]
+    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+    assert np.abs(got - want).max() < 1e-4
+    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
+    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
+    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
+    assert len(gen) == 8 and np.abs(lps - want).max() < 1e-4
+    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+
+
+def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
+    canary = _prompt(2, 19)
+    fresh = EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+    alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
+    core = EngineCore(
+        model,
+        EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_batched_tokens=7),
+    )
+    others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
+    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
+    again = run_core(core, [_request(canary, "again")])["again"]  # its prefix cached
+    assert core.stats().prefix_cache_hits > 0
+    assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+
+
+def test_a_gemma4_the_forward_lacks_a_part_of_is_refused_in_one_line(
+    smol: LoadedModel, tmp_path: Path
+):
+    """Its mixture-of-experts block is not built: the engine refuses it, saying so in one
+    line, rather than serving it some other way."""
+    config = _config(
+        "shared", smol.vocab_size, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=16,
+    )  # fmt: skip
+    loaded = load_model(str(_saved(config, tmp_path, smol.tokenizer)))
+    with pytest.raises(ModelLoadError) as refused:
+        EngineCore(loaded, EngineConfig(kv_cache_gib=0.02))
+    line = str(refused.value)
+    assert "\n" not in line and "mixture-of-experts block" in line and "gemma4_text" in line
