@@ -3,8 +3,8 @@ transformers' own float32 forward: tiny random `Gemma4ForCausalLM` models saved 
 and served from it as a user's would be, with sliding and full layers of different head sizes
 (the full ones' proportional RoPE), the last layers reading an earlier layer's KV cache,
 per-layer input embeddings, layer scalars, v norms and a final soft-cap; one also with keys as
-values and fewer KV heads on its full layers (attention_k_eq_v), and double-wide MLPs in its
-shared layers. Prompt and generated logprobs within 1e-4 on both paths (deterministic kernels and
+values and fewer KV heads on its full layers (attention_k_eq_v), double-wide MLPs in its
+shared layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on both paths (deterministic kernels and
 torch), greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token step
 budget, and from the prefix cache; a shared layer holds no cache of its own; a Gemma 4 the
 forward lacks a part of is refused in one line."""
@@ -42,10 +42,11 @@ def _config(kind: str, vocab: int, **extra: Any) -> Any:
         "hidden_size_per_layer_input": 8, "final_logit_softcapping": 5.0,
         "max_position_embeddings": 256, "eos_token_id": 2, "pad_token_id": 0,
     }  # fmt: skip
-    if kind == "k_eq_v":  # the full layers: keys as values, one KV head; wide shared MLPs
+    if kind == "k_eq_v":  # the full layers: keys as values, one KV head; wide shared MLPs; no
+        # per-layer inputs
         common |= {
             "attention_k_eq_v": True, "num_global_key_value_heads": 1,
-            "use_double_wide_mlp": True,
+            "use_double_wide_mlp": True, "hidden_size_per_layer_input": 0,
         }  # fmt: skip
     return Gemma4TextConfig(**(common | extra))
 
@@ -152,3 +153,13 @@ def test_a_gemma4_the_forward_lacks_a_part_of_is_refused_in_one_line(
         EngineCore(loaded, EngineConfig(kv_cache_gib=0.02))
     line = str(refused.value)
     assert "\n" not in line and "mixture-of-experts block" in line and "gemma4_text" in line
+
+
+def test_its_gguf_blocks_are_not_read_as_one_shape(smol: LoadedModel):
+    """The weightless skeleton a GGUF file's blocks are read into has one head size: a Gemma 4
+    configuration is refused there (the loader then loads the file's float32 weights)."""
+    from probserve.models.family import Unsupported
+    from probserve.models.skeleton import Skeleton
+
+    with pytest.raises(Unsupported, match="GGUF blocks are not read"):
+        Skeleton(_config("shared", smol.vocab_size))

@@ -1,5 +1,6 @@
 """The paged forward of the decoder families probserve runs (Llama, Mistral, Qwen2/3, SmolLM,
-Gemma 2/3, Phi-3, the mixtures of experts: their differences are parameters, models/family.py)
+Gemma 2/3/4, Phi-3, the mixtures of experts: their differences are parameters, models/family.py;
+what Gemma 4's layer adds: models/gemma4_layer.py)
 over a paged KV cache, on one backend's operations (kernels/layer_ops.py), which it never asks
 about: torch's, the row-invariant kernels', or the GPU path's.
 

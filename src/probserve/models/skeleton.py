@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from probserve.models.families import TYPES
-from probserve.models.family import Family, family, head_dim, rope_params, rope_type
+from probserve.models.family import (
+    Family,
+    Unsupported,
+    family,
+    head_dim,
+    rope_params,
+    rope_type,
+)
 
 
 class Rotary(nn.Module):
@@ -166,6 +173,8 @@ class _Body(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         fam = family(config)
+        if fam.gemma4 is not None:  # (the loader then has transformers load its float32 weights)
+            raise Unsupported("Gemma 4's layers differ in shape: its GGUF blocks are not read")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
         self.layers = nn.ModuleList(_Layer(config, fam, i) for i in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
