@@ -3,14 +3,16 @@ transformers' own float32 forward: tiny random `Gemma4ForCausalLM` models saved 
 and served from it as a user's would be, with sliding and full layers of different head sizes
 (the full ones' proportional RoPE), the last layers reading an earlier layer's KV cache,
 per-layer input embeddings, layer scalars, v norms and a final soft-cap; one also with keys as
-values and fewer KV heads on its full layers (attention_k_eq_v), double-wide MLPs in its
-shared layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on both paths (deterministic kernels and
-torch), greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token step
-budget, and from the prefix cache; a shared layer holds no cache of its own; a Gemma 4 the
+values and fewer KV heads on its full layers (attention_k_eq_v), double-wide MLPs in its shared
+layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on both paths
+(deterministic kernels and torch), no further from a float64 forward than twice transformers'
+float32 one, greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token
+step budget, and from the prefix cache; a shared layer holds no cache of its own; a Gemma 4 the
 forward lacks a part of is refused in one line."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +124,19 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
     assert len(gen) == 8 and np.abs(lps - want).max() < 1e-4
     assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+    # no further from a float64 forward than twice transformers' float32 one is (RMS over every
+    # prompt and generated token: tests/test_exactness.py's rule)
+    tokens = ids + gen
+    truth = full_logprobs(copy.deepcopy(model.model).double(), tokens)
+    ours = np.concatenate([got, lps])
+    at = [(j, tokens[j + 1]) for j in range(len(tokens) - 1)]
+    f64 = np.array([float(truth[j, t]) for j, t in at])
+    f32 = np.array([float(ref[j, t]) for j, t in at])
+    assert _rms(ours - f64) <= 2 * _rms(f32 - f64)
+
+
+def _rms(errors: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(errors**2)))
 
 
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
