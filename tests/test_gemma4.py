@@ -7,8 +7,9 @@ values and fewer KV heads on its full layers (attention_k_eq_v), double-wide MLP
 layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on both paths
 (deterministic kernels and torch), no further from a float64 forward than twice transformers'
 float32 one, greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token
-step budget, and from the prefix cache; a shared layer holds no cache of its own; a Gemma 4 the
-forward lacks a part of is refused in one line."""
+step budget, from the prefix cache, with speculation (accepted and rejected proposals) and
+after preemption; a shared layer holds no cache of its own; a Gemma 4 the forward lacks a part
+of is refused in one line, and its GGUF blocks are not read as one shape."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from conftest import run_core
 from reference import full_logprobs
 from test_families import _numbers, _prompt, _request
+from test_speculation import _numbers as _flat
 
 from probserve.engine import EngineConfig, EngineCore
 from probserve.models import LoadedModel, ModelLoadError
@@ -152,6 +154,49 @@ def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedM
     again = run_core(core, [_request(canary, "again")])["again"]  # its prefix cached
     assert core.stats().prefix_cache_hits > 0
     assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+
+
+class _Misguided:
+    """Proposes each request's true continuation with its last proposed token wrong: the rest
+    accepted, that one rejected."""
+
+    def __init__(self, full: dict[tuple[int, ...], list[int]]) -> None:
+        self.full = full
+
+    def propose_many(self, asks: list) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for rid, tokens, k in asks:
+            full = next(f for p, f in self.full.items() if tuple(tokens[: len(p)]) == p)
+            guess = full[len(tokens) : len(tokens) + k]
+            out[rid] = (*guess[:-1], guess[-1] + 1) if guess else ()
+        return out
+
+
+def test_speculation_and_preemption_change_no_bit(model: LoadedModel):
+    """Speculation's proposals (their rows through the shared layers, accepted and rejected
+    ones), and preemption in a cache too small for every sequence (recomputed), leave every
+    token and logprob the bits each request has alone."""
+    prompts = [_prompt(20 + i, 16) for i in range(4)]
+    det = {"deterministic": True, "block_size": 4}
+
+    def requests() -> list:
+        return [_request(p, f"s{i}", 12) for i, p in enumerate(prompts)]
+
+    alone = {}
+    for r in requests():
+        core = EngineCore(model, EngineConfig(kv_cache_gib=0.02, **det))
+        alone[r.request_id] = _flat(run_core(core, [r])[r.request_id])
+    spec = EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="ngram", **det))
+    full = {tuple(p): p + alone[f"s{i}"][0] for i, p in enumerate(prompts)}
+    spec.speculator.proposer = _Misguided(full)
+    outs = run_core(spec, requests())
+    assert 0 < spec.speculator.accepted < spec.speculator.drafted
+    assert {rid: _flat(o) for rid, o in outs.items()} == alone
+    tokens = 48 * KVCache.bytes_per_token(model.model.config)  # 4 requests of 28 tokens
+    tight = EngineCore(model, EngineConfig(kv_cache_gib=tokens / 2**30, **det))
+    outs = run_core(tight, requests())
+    assert tight.scheduler.num_preemptions > 0
+    assert {rid: _flat(o) for rid, o in outs.items()} == alone
 
 
 def test_a_gemma4_the_forward_lacks_a_part_of_is_refused_in_one_line(
