@@ -96,8 +96,10 @@ def test_the_layout_is_transformers(model: LoadedModel):
     modes = config.kv_sharing_modes
     assert shape.writes == tuple(m != "reuse" for m in modes)
     stores = {config.layer_types[i]: i for i, m in enumerate(modes) if m == "store"}
-    for i, attention in enumerate(model.model.model.layers):
-        assert shape.head_dims[i] == attention.self_attn.head_dim
+    for i, layer in enumerate(model.model.model.layers):
+        assert shape.head_dims[i] == layer.self_attn.head_dim
+        groups = layer.self_attn.num_key_value_groups
+        assert shape.kv_heads[i] == config.num_attention_heads // groups
         source = stores[config.layer_types[i]] if modes[i] == "reuse" else i
         assert shape.cache_layer[i] == sum(shape.writes[:source])
     # one cache layer per layer that writes, none for a shared one
