@@ -45,6 +45,8 @@ class ModelType:
     # its configuration, and what the forward lacks for a configuration (None: nothing)
     own: Callable[[Any], dict[str, Any]] | None = None
     missing: Callable[[Any], str | None] | None = None
+    paged_only: bool = False  # no other runner serves it (transformers' sizes one head for
+    # every layer): where the forward lacks a part of it, the model is refused
 
 
 def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
@@ -173,7 +175,9 @@ TYPES: dict[str, ModelType] = {
     "qwen3": ModelType(qk_norm="head", window_asked=True),
     "gemma2": ModelType(gemma=True),
     "gemma3_text": ModelType(gemma=True, qk_norm="head"),
-    "gemma4_text": ModelType(own=gemma4.family_fields, missing=gemma4.missing),
+    "gemma4_text": ModelType(
+        own=gemma4.family_fields, missing=gemma4.missing, paged_only=True
+    ),
     "phi3": ModelType(fused=True, attention_bias=(False, False)),
     "qwen3_moe": ModelType(
         qk_norm="head", experts=_qwen3_moe_experts, gguf=_qwen3_moe_gguf, unread=_fused_experts,

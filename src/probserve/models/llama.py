@@ -59,10 +59,10 @@ def supports(model: Any) -> bool:
 
 
 def paged_only(model: Any) -> bool:
-    """A type no other runner serves (Gemma 4: transformers' runner sizes one head for every
-    layer): where the paged forward lacks a part of it, the model is refused."""
+    """A type no other runner serves (models/families.py): where the paged forward lacks a
+    part of it, the model is refused."""
     kind = TYPES.get(getattr(model.config, "model_type", None) or "")
-    return kind is not None and kind.missing is not None
+    return kind is not None and kind.paged_only
 
 
 def deterministic_blocker(model: Any) -> str | None:
