@@ -175,9 +175,7 @@ TYPES: dict[str, ModelType] = {
     "qwen3": ModelType(qk_norm="head", window_asked=True),
     "gemma2": ModelType(gemma=True),
     "gemma3_text": ModelType(gemma=True, qk_norm="head"),
-    "gemma4_text": ModelType(
-        own=gemma4.family_fields, missing=gemma4.missing, paged_only=True
-    ),
+    "gemma4_text": ModelType(own=gemma4.family_fields, missing=gemma4.missing, paged_only=True),
     "phi3": ModelType(fused=True, attention_bias=(False, False)),
     "qwen3_moe": ModelType(
         qk_norm="head", experts=_qwen3_moe_experts, gguf=_qwen3_moe_gguf, unread=_fused_experts,
