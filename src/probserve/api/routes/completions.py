@@ -117,9 +117,13 @@ async def _stream(
     if usage.final:
         yield event(
             CompletionResponse(
-                id=run.id, created=run.created, model=model, choices=[], usage=run.usage,
+                id=run.id,
+                created=run.created,
+                model=model,
+                choices=[],
+                usage=run.usage,
                 system_fingerprint=run.state.system_fingerprint,
-            )  # fmt: skip
+            )
         )
 
 
