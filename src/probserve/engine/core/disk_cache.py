@@ -201,6 +201,9 @@ class DiskCache:
         and counted where the blocks waiting already take PENDING_BYTES (unless `wait`)."""
         if self._closed:
             return
+        with contextlib.suppress(OSError):  # on disk already (read back, or another server's)
+            os.utime(self.path(h))  # used now
+            return
         arrays = self.blocks.read(block)
         size = sum(a.nbytes for a in arrays.values())
         with self._lock:
