@@ -209,3 +209,12 @@ def test_fingerprint_changes_with_the_products(native: LoadedModel):
     assert floats.info.fingerprint is not None and limbs.info.fingerprint is not None
     assert floats.info.fingerprint.model_digest == limbs.info.fingerprint.model_digest
     assert floats.info.system_fingerprint != limbs.info.system_fingerprint
+
+
+def test_an_unusable_directory_leaves_the_engine_serving(tiny: LoadedModel, cold, tmp_path: Path):
+    """--prefix-cache-dir naming a file: a warning, no disk cache, the same answers."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    core = _engine(tiny, blocker)
+    assert core.disk is None
+    assert _bits(run_core(core, [_request()])["r"]) == cold

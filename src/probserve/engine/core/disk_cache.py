@@ -222,6 +222,8 @@ class DiskCache:
         for block, h, tokens in pool.cached_blocks():
             if time.monotonic() > deadline:
                 break
+            while self._pending > PENDING_BYTES and time.monotonic() < deadline:
+                time.sleep(0.01)  # the writer behind: no more than that many copies held
             if not self.has(h):
                 self.spill(block, h, tokens, wait=True)
         self._closed = True
@@ -353,7 +355,15 @@ def attach(
     (None where no directory is given or the pool caches nothing)."""
     if not directory or not pool.prefix_caching:
         return None
-    disk = DiskCache(Path(directory).expanduser(), int(gib * 2**30), fingerprint, KVBlocks(cache))
+    try:
+        disk = DiskCache(
+            Path(directory).expanduser(), int(gib * 2**30), fingerprint, KVBlocks(cache)
+        )
+    except OSError as exc:
+        log.warning(
+            "--prefix-cache-dir %s cannot be used (%s): no prefix cache on disk", directory, exc
+        )
+        return None
     pool.disk = disk
     log.info(
         "prefix cache on disk: %s (%d blocks of this fingerprint, %.2f of %.2f GiB used)",
