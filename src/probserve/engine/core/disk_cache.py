@@ -83,11 +83,16 @@ class KVBlocks:
         }
 
     def read(self, block: int) -> Arrays:
-        return {name: t.cpu().numpy().copy() for name, t in self._views(block).items()}
+        return {
+            name: np.array(t.cpu().numpy(), order="C") for name, t in self._views(block).items()
+        }
 
     def write(self, block: int, arrays: Mapping[str, np.ndarray]) -> None:
         for name, t in self._views(block).items():
-            t.copy_(torch.from_numpy(arrays[name]))
+            if t.device.type == "cpu":  # numpy's copy: one thread, no parallel region to wait on
+                t.numpy()[...] = arrays[name]
+            else:
+                t.copy_(torch.from_numpy(arrays[name]))
 
 
 def encode(fingerprint: str, h: BlockHash, tokens: tuple[int, ...], arrays: Arrays) -> bytes:
