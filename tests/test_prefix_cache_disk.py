@@ -218,3 +218,33 @@ def test_an_unusable_directory_leaves_the_engine_serving(tiny: LoadedModel, cold
     core = _engine(tiny, blocker)
     assert core.disk is None
     assert _bits(run_core(core, [_request()])["r"]) == cold
+
+
+@pytest.mark.slow
+def test_a_server_restart_restores_the_prefix_bit_for_bit(smol: LoadedModel, tmp_path: Path):
+    """The embedded model in its worker process: the blocks are written when the server stops
+    (the worker's shutdown), and the next server answers the same request from them with the
+    same logprobs, prompt and generated, to the last bit of their JSON."""
+    import httpx
+    from server_util import running_server
+
+    text = " ".join(f"tool_{i}(path, mode) returns the stats of a file;" for i in range(30))
+    body = {
+        "model": "smollm2-135m-instruct", "prompt": text, "max_tokens": 4, "temperature": 0,
+        "logprobs": 3, "echo": True,
+    }  # fmt: skip
+    answers, cached, health = [], [], []
+    for _ in range(2):
+        with running_server(smol, "--prefix-cache-dir", str(tmp_path)) as url:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            health.append(httpx.get(f"{url}/health", timeout=30).json())
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        answers.append(r["choices"][0])
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= 16 * ((r["usage"]["prompt_tokens"] - 1) // 16) > 0
+    assert answers[0] == answers[1]
+    assert health[1]["prefix_cache_disk_hits"] == cached[1] // 16
+    assert health[0]["system_fingerprint"] == health[1]["system_fingerprint"]
+    hits = [ln for ln in metrics.splitlines() if ln.startswith("probserve:prefix_cache_disk_hits")]
+    assert hits and float(hits[0].split()[-1]) == cached[1] // 16
+    assert _block_files(tmp_path)
