@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -151,3 +153,28 @@ def test_prompt_logprobs_extension(http):
     plp = r["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
     assert all(2 <= len(e) <= 3 for e in plp[1:])
+
+
+def test_system_fingerprint_on_every_answer_and_stable(http):
+    """Chat and completions, whole and streamed (every chunk), carry the engine's numerics
+    fingerprint, the one /health and /v1/models report, the same on every request."""
+    health = http.get("/health").json()
+    fp = health["system_fingerprint"]
+    assert isinstance(fp, str) and fp.startswith("fp_")
+    assert len(health["numerics"]["model_digest"]) == 64
+    cards = http.get("/v1/models").json()["data"]
+    assert {c["system_fingerprint"] for c in cards} == {fp}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    text = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    for route, body in (("/v1/chat/completions", chat), ("/v1/completions", text)):
+        for _ in range(2):
+            assert http.post(route, json=body).json()["system_fingerprint"] == fp
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with http.stream("POST", route, json=streamed) as r:
+            events = [
+                json.loads(line[6:])
+                for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        assert len(events) >= 3
+        assert all(e["system_fingerprint"] == fp for e in events)

@@ -104,13 +104,14 @@ class AsyncEngine(EngineClient):
                 while not (self._stopping or self._adds or self._aborts or core.has_work()):
                     self._wake.wait()
                 if self._stopping:
-                    return
+                    break
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
             outputs = core.apply(adds, aborts)
             if core.has_work():
                 outputs += core.safe_step()
             self._deliver(outputs, core.stats())
+        core.close()
 
     def _fatal(self, exc: BaseException) -> None:
         reason = f"engine stopped: {type(exc).__name__}: {exc}"

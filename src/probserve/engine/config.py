@@ -36,6 +36,18 @@ class EngineConfig:
         "memory the prefix cache may keep resident for finished requests' blocks beyond what "
         "requests in flight use, in GiB (within --kv-cache-gib; more keeps more prefixes)",
     )
+    prefix_cache_dir: str | None = setting(
+        None,
+        "a directory where full prefix-cache blocks are kept on disk as memory evicts them and "
+        "at shutdown, read back after a restart (the same bits; only by an engine with the same "
+        "numerics fingerprint; docs/operations.md)",
+        metavar="DIR",
+    )
+    prefix_cache_disk_gib: float = setting(
+        8.0,
+        "the most the --prefix-cache-dir blocks may take on disk, in GiB (every fingerprint's; "
+        "the least recently used deleted past it)",
+    )
     runner: Literal["auto", "paged", "hf"] = setting(
         "auto", "auto: the paged runner where it applies (models/family.py), else transformers'"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from probserve.engine.fingerprint import NumericsFingerprint
 from probserve.engine.types import EngineRequest, LogprobsSpec, RequestError
 
 POOLINGS = ("mean", "last", "cls")  # how an embedding pools a prompt's final hidden states
@@ -41,6 +42,13 @@ class EngineInfo:
     # the C++ kernels' instruction path, as the loaded library reports it ("avx512-vnni",
     # "avx512", "avx2"); "" where the forward runs on none (torch's float32, the GPU path)
     kernel_isa: str = ""
+    # what the numbers depend on (engine/fingerprint.py); its `id` is every answer's
+    # system_fingerprint (None: an engine that reports none)
+    fingerprint: NumericsFingerprint | None = None
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        return None if self.fingerprint is None else self.fingerprint.id
 
 
 def validate(req: EngineRequest, info: EngineInfo) -> int:

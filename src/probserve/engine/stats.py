@@ -32,6 +32,15 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up (a total since start)
     prefix_cache_hits: int = 0  # prompt tokens found
     preemptions: int = 0  # sequences preempted (recomputed later)
+    # the prefix cache on disk (--prefix-cache-dir; engine/core/disk_cache.py): blocks read back,
+    # written, files skipped (torn, truncated, foreign: never served), deleted for the budget,
+    # dropped (the writer behind, or a write failed), and the bytes its directory holds
+    prefix_cache_disk_hits: int = 0
+    prefix_cache_disk_writes: int = 0
+    prefix_cache_disk_skipped: int = 0
+    prefix_cache_disk_evictions: int = 0
+    prefix_cache_disk_dropped: int = 0
+    prefix_cache_disk_bytes: int = 0
     spec_draft_tokens: int = 0  # speculative tokens proposed and checked (a total)
     spec_accepted_tokens: int = 0  # of those, the ones kept
     # the ones kept by their place among a step's proposals (0: the first proposed)

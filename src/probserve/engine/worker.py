@@ -105,9 +105,11 @@ class Worker:
         while True:
             adds, aborts, stop = self._read(0 if core.has_work() else IDLE_POLL_MS)
             if stop:
+                core.close()
                 return
             if os.getppid() != self.parent:
                 log.warning("the server process has gone: exiting")
+                core.close()
                 return
             if not (adds or aborts or core.has_work()):
                 continue

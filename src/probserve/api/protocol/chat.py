@@ -289,4 +289,5 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = Extension()  # the first chunk's, with return_token_ids

@@ -52,6 +52,7 @@ class ModelCard(BaseModel):
     kernel_isa: str | None = None
     routed_experts: RoutedShape | None = None  # a mixture of experts: what routing holds
     speculative: str | None = None  # requests' default speculative decoding ("off", "ngram")
+    system_fingerprint: str | None = None  # the numerics fingerprint answers carry
 
 
 class ModelList(BaseModel):

@@ -127,6 +127,7 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
         )
     resp = ChatCompletionResponse(
         id=run.id, created=run.created, model=model, choices=choices, usage=run.usage,
+        system_fingerprint=run.state.system_fingerprint,
         prompt_token_ids=list(run.plan.prompts[0].ids) if ids else None,
     )  # fmt: skip
     return dump_json(resp)
@@ -145,6 +146,7 @@ def _chunk(
         model=model,
         choices=choices,
         usage=usage,
+        system_fingerprint=run.state.system_fingerprint,
         prompt_token_ids=prompt_ids,
     )
 

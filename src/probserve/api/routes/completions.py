@@ -93,8 +93,9 @@ def _answer(run: Run, shape: CompletionShape, model: str) -> bytes:
                 )
             )
     resp = CompletionResponse(
-        id=run.id, created=run.created, model=model, choices=choices, usage=run.usage
-    )
+        id=run.id, created=run.created, model=model, choices=choices, usage=run.usage,
+        system_fingerprint=run.state.system_fingerprint,
+    )  # fmt: skip
     return dump_json(resp)
 
 
@@ -116,7 +117,12 @@ async def _stream(
     if usage.final:
         yield event(
             CompletionResponse(
-                id=run.id, created=run.created, model=model, choices=[], usage=run.usage
+                id=run.id,
+                created=run.created,
+                model=model,
+                choices=[],
+                usage=run.usage,
+                system_fingerprint=run.state.system_fingerprint,
             )
         )
 
@@ -131,6 +137,7 @@ def _chunk(
         id=run.id,
         created=run.created,
         model=model,
+        system_fingerprint=run.state.system_fingerprint,
         choices=[
             CompletionChoice(
                 index=index,

@@ -3,6 +3,7 @@ probes at the server root: GET /tokenizer_info, POST /tokenize, POST /detokenize
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -42,6 +43,9 @@ def model_health(model: ServedModel, max_tokens_default: int) -> dict[str, objec
     info = model.info  # None when a worker died before saying hello
     if info is not None:
         body.update(serving_facts(info))
+        # what the fingerprint was made of (engine/fingerprint.py)
+        fp = info.fingerprint
+        body["numerics"] = dataclasses.asdict(fp) if fp is not None else None
     if reason is not None:
         body["reason"] = reason
     return body
@@ -89,6 +93,7 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
         "products": info.products,
         "kernel_isa": info.kernel_isa,
         "speculative": info.speculative,
+        "system_fingerprint": info.system_fingerprint,
         "routed_experts": (
             {"layers": list(info.moe_layers), "experts_per_token": info.experts_per_token}
             if info.moe_layers

@@ -112,6 +112,11 @@ GAUGES = (
         "Part of the KV cache's reserved memory ever written, so resident (1 = all of it).",
         "kv_cache_resident",
     ),
+    (
+        "probserve:prefix_cache_disk_bytes",
+        "Bytes of KV blocks in the --prefix-cache-dir directory (every fingerprint's).",
+        "prefix_cache_disk_bytes",
+    ),
 )
 COUNTERS = (
     ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -124,6 +129,19 @@ COUNTERS = (
      "spec_accepted_tokens"),
     ("probserve:engine_cpu_seconds", "CPU time the engine's process has used.",
      "process_cpu_seconds"),
+    ("probserve:prefix_cache_disk_hits", "KV blocks read back from the prefix cache on disk.",
+     "prefix_cache_disk_hits"),
+    ("probserve:prefix_cache_disk_writes", "KV blocks written to the prefix cache on disk.",
+     "prefix_cache_disk_writes"),
+    ("probserve:prefix_cache_disk_skipped",
+     "Files of the prefix cache's directory skipped: torn, truncated, foreign (never served).",
+     "prefix_cache_disk_skipped"),
+    ("probserve:prefix_cache_disk_evictions",
+     "KV block files deleted to keep the directory within --prefix-cache-disk-gib.",
+     "prefix_cache_disk_evictions"),
+    ("probserve:prefix_cache_disk_dropped",
+     "KV blocks not written (the writer behind, or the write failed).",
+     "prefix_cache_disk_dropped"),
 )  # fmt: skip
 
 

@@ -58,6 +58,13 @@ class Serving:
         return info
 
     @property
+    def system_fingerprint(self) -> str | None:
+        """The engine's numerics fingerprint (engine/fingerprint.py), every answer's
+        `system_fingerprint`; None before the engine's hello."""
+        info = self.model.info
+        return None if info is None else info.system_fingerprint
+
+    @property
     def max_context(self) -> int:
         """The tokens one sequence may hold, as the engine said in its hello (503 before)."""
         return int(self.info.max_context)

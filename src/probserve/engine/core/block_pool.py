@@ -12,6 +12,9 @@ least recently released cached block is reused before an untouched one. Resident
 then the most that requests in flight ever held plus that retention, not the whole pool (a
 first-in first-out free list, or a cache that keeps every released block until the pool is
 full, ends by touching all of it).
+
+With a disk cache (disk_cache.py, `disk`), an evicted block is handed to it before its space is
+reused, and a lookup the memory misses asks it for the block before giving up.
 """
 
 from __future__ import annotations
@@ -19,8 +22,19 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from probserve.engine.prefix_hash import BlockHash
+
+
+class BlockStore(Protocol):
+    """Where evicted blocks go and missed ones come from (disk_cache.py: DiskCache)."""
+
+    def spill(self, block: int, h: BlockHash, tokens: tuple[int, ...]) -> None: ...
+
+    def has(self, h: BlockHash) -> bool: ...
+
+    def restore(self, block: int, h: BlockHash, tokens: tuple[int, ...]) -> bool: ...
 
 
 class BlockPool:
@@ -45,6 +59,7 @@ class BlockPool:
         self._tokens_of: dict[int, tuple[int, ...]] = {}
         self._by_hash: dict[BlockHash, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.disk: BlockStore | None = None  # a second level below memory (disk_cache.py)
 
     def num_available(self) -> int:
         return len(self._free) + len(self._evictable)
@@ -75,6 +90,8 @@ class BlockPool:
 
     def _evict(self) -> int:
         block, _ = self._evictable.popitem(last=False)
+        if self.disk is not None:
+            self.disk.spill(block, self._hash_of[block], self._tokens_of[block])
         self._forget(block)
         return block
 
@@ -89,12 +106,33 @@ class BlockPool:
     def lookup(self, h: BlockHash, tokens: Sequence[int]) -> int | None:
         """A cached block holding exactly `tokens` after the chain `h`, now referenced."""
         block = self._by_hash.get(h)
+        if block is None and self.disk is not None and self.disk.has(h):
+            return self._restored(h, tuple(tokens))
         if block is None or self._tokens_of.get(block) != tuple(tokens):
             return None
         if self._ref[block] == 0:
             self._evictable.pop(block, None)
         self._ref[block] += 1
         return block
+
+    def _restored(self, h: BlockHash, tokens: tuple[int, ...]) -> int | None:
+        """A fresh block holding `h` read from the disk cache, registered and referenced."""
+        assert self.disk is not None
+        block = self.allocate()
+        if block is None:
+            return None
+        if not self.disk.restore(block, h, tokens):
+            self.release(block)
+            return None
+        self.register(block, h, tokens)
+        return block
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """Every cached block (block, hash, tokens): those in use, then the released ones, the
+        most recently released first."""
+        released = list(reversed(self._evictable))
+        used = [b for b in self._hash_of if b not in self._evictable]
+        return [(b, self._hash_of[b], self._tokens_of[b]) for b in used + released]
 
     def register(self, block: int, h: BlockHash, tokens: Sequence[int]) -> None:
         if not self.prefix_caching or h in self._by_hash or block in self._hash_of:

@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from probserve.engine.config import EngineConfig
-from probserve.engine.core import prompt_scoring
+from probserve.engine.core import disk_cache, prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
@@ -39,6 +39,7 @@ from probserve.engine.types import (
     TokenLogprobs,
 )
 from probserve.engine.usage import IterationTokens, ProcessUsage
+from probserve.models.llama import KVCache
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,12 @@ class EngineCore:
         spec = self.speculator
         speculative = spec.proposer.name if spec and spec.default != "off" else "off"
         self.info = choice.info(loaded, self.pool.prefix_caching, speculative)
+        # the prefix cache's second level (--prefix-cache-dir), keyed by the fingerprint
+        fingerprint = self.info.system_fingerprint or ""
+        self.disk = disk_cache.attach(
+            self.pool, config.prefix_cache_dir, config.prefix_cache_disk_gib, fingerprint,
+            self._kv_cache,
+        )  # fmt: skip
 
     @property
     def runner(self) -> Runner:
@@ -95,6 +102,11 @@ class EngineCore:
                 "on" if self.info.deterministic else "off", self.info.weights,
             )  # fmt: skip
         return self._runner
+
+    def _kv_cache(self) -> KVCache:
+        """The paged runner's KV cache (the only runner that caches prefixes)."""
+        cache: KVCache = self.runner.cache  # type: ignore[attr-defined]
+        return cache
 
     def warmup(self) -> None:
         """Build the runner (and let it prepare: the GPU path captures its decode graphs) and
@@ -156,6 +168,7 @@ class EngineCore:
             process_resident_memory_bytes=rss,
             process_cpu_seconds=cpu,
             **(self.speculator.figures() if self.speculator else {}),
+            **(self.disk.figures() if self.disk else {}),
         )
 
     # ---- the step -------------------------------------------------------------------------
@@ -330,6 +343,12 @@ class EngineCore:
             self.scheduler.finish(seq)
             outs.append(seq.output(FinishReason.ERROR, error=message))
         return outs
+
+    def close(self) -> None:
+        """At shutdown, on the thread that steps: the prefix cache's blocks written to disk
+        (with --prefix-cache-dir)."""
+        if self.disk is not None:
+            self.disk.close(self.pool)
 
     # ---- helpers --------------------------------------------------------------------------
     def _grammar_limit(self, seq: Sequence, matcher: Any) -> EngineOutput:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from probserve.engine.core.backend import Backend, resolve
 from probserve.engine.core.row_math import RowMath
+from probserve.engine.fingerprint import NumericsFingerprint
 from probserve.engine.info import EngineInfo
 
 if TYPE_CHECKING:
@@ -137,7 +138,23 @@ class RunnerChoice:
             embeddings=self.cls.keeps_hidden,
             hidden_size=int(getattr(model, "hidden_size", 0) or 0),
             block_size=self.config.block_size, moe_layers=moe_layers,
-            experts_per_token=experts_per_token, **self.backend.facts(),
+            experts_per_token=experts_per_token, fingerprint=self.fingerprint(loaded),
+            **self.backend.facts(),
+        )  # fmt: skip
+
+    def fingerprint(self, loaded: LoadedModel) -> NumericsFingerprint:
+        """What this engine's numbers depend on (engine/fingerprint.py): the weights' digest
+        (hashed once per file, models/digest.py), the runner, its backend and the block size."""
+        from probserve.models.digest import model_digest
+
+        facts = self.backend.facts()
+        deterministic = bool(facts["deterministic"])
+        return NumericsFingerprint(
+            model_digest=model_digest(loaded), runner=self.name, device=str(facts["device"]),
+            kernel_isa=str(facts["kernel_isa"]), products=str(facts["products"]),
+            block_sums=bool(facts["block_sums"]), precision=str(facts["precision"]),
+            weights=str(facts["weights"]), block_size=self.config.block_size,
+            deterministic=deterministic, linear="" if deterministic else self.backend.linear,
         )  # fmt: skip
 
 
