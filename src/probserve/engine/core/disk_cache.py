@@ -71,7 +71,13 @@ class KVBlocks:
     def _views(self, block: int) -> dict[str, torch.Tensor]:
         c = self._cache()
         s = slice(block * c.block_size, (block + 1) * c.block_size)
-        views = {"k": c.k[:, s], "v": c.v[:, s], "hidden": c.hidden[s]}
+        views: dict[str, torch.Tensor] = {}
+        for name, kv in (("k", c.k), ("v", c.v)):
+            if isinstance(kv, list):  # one tensor per cache layer (layers of other shapes)
+                views |= {f"{name}{i}": layer[s] for i, layer in enumerate(kv)}
+            else:
+                views[name] = kv[:, s]
+        views["hidden"] = c.hidden[s]
         if c.experts is not None and c.expert_weights is not None:
             views["experts"], views["expert_weights"] = c.experts[s], c.expert_weights[s]
         return views
