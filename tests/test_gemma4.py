@@ -225,3 +225,17 @@ def test_its_gguf_blocks_are_not_read_as_one_shape(smol: LoadedModel):
 
     with pytest.raises(Unsupported, match="GGUF blocks are not read"):
         Skeleton(_config("shared", smol.vocab_size))
+
+
+def test_transformers_runner_serves_it_too(model: LoadedModel):
+    """`--runner hf` (transformers' own forward) sizes its cache from each layer's shapes (the
+    global head_dim is refused) and gives the paged forward's greedy tokens."""
+    ids = _prompt(1, 23)
+    hf = EngineCore(model, EngineConfig(runner="hf", kv_cache_gib=0.02, block_size=4))
+    paged = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4))
+    assert hf.info.runner == "HFRunner"
+    tokens = [
+        [t for o in run_core(core, [_request(ids, "r")])["r"] for t in o.new_token_ids]
+        for core in (hf, paged)
+    ]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 8
