@@ -19,6 +19,7 @@ from typing import Any
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import disk_cache, prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
+from probserve.engine.core.figures import engine_stats
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
 from probserve.engine.core.scheduler import Scheduler
@@ -103,8 +104,7 @@ class EngineCore:
             )  # fmt: skip
         return self._runner
 
-    def _kv_cache(self) -> KVCache:
-        """The paged runner's KV cache (the only runner that caches prefixes)."""
+    def _kv_cache(self) -> KVCache:  # the paged runner's (the one runner caching prefixes)
         cache: KVCache = self.runner.cache  # type: ignore[attr-defined]
         return cache
 
@@ -146,30 +146,13 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._deferred)
 
     def stats(self) -> EngineStats:
-        """The engine's figures (engine/stats.py): its queues, the KV pool, the prefix cache,
-        speculation's totals, the steps' tokens and its process's memory and CPU."""
-        sched = self.scheduler
-        usable = max(1, self.pool.num_blocks - 1)
-        seqs = (*sched.running, *sched.waiting)
-        rss, cpu = self.process_usage.stats()
-        steps = self.iteration_tokens
-        return EngineStats(
-            waiting=len(sched.waiting) + len(self._deferred),  # and those a grammar holds
-            running=len(sched.running),
-            held_caches=sum(1 for s in seqs if s.block_table or s.runner_state is not None),
-            kv_cache_usage=self.pool.num_in_use() / usable,
-            kv_cache_resident=(self.pool.num_touched() - 1) / usable,
-            prefix_cache_queries=sched.prefix_query_tokens,
-            prefix_cache_hits=sched.prefix_hit_tokens,
-            preemptions=sched.num_preemptions,
-            iteration_tokens=steps.cumulative(),
-            iteration_tokens_sum=steps.total,
-            iteration_tokens_count=steps.steps,
-            process_resident_memory_bytes=rss,
-            process_cpu_seconds=cpu,
-            **(self.speculator.figures() if self.speculator else {}),
-            **(self.disk.figures() if self.disk else {}),
-        )
+        """The engine's figures (core/figures.py)."""
+        totals = self.speculator.figures() if self.speculator else {}
+        totals |= self.disk.figures() if self.disk else {}
+        return engine_stats(
+            self.scheduler, self.pool, len(self._deferred), self.process_usage,
+            self.iteration_tokens, totals,
+        )  # fmt: skip
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
