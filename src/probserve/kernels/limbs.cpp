@@ -55,11 +55,13 @@
 // Q6_K, two chunks, bits 2j and 2j + 1 of chunk t's bytes bits 4 and 5 of chunk 4t + j's. The
 // file's bytes, moved (Q8_0's shifted by 128; the K-quants' 6-bit scales a byte each: Q4_K and
 // Q5_K hold 4 more bytes a column per 256 k's than the file).
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
 #include "probserve.h"
 #include "simd.h"
+#include "tiles.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PS_LIMBS_BUILT 1
@@ -358,6 +360,8 @@ void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float*
     for (; m0 < M; ++m0) limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
 }
 
+#include "limbs_amx.h"
+
 #else  // the AVX2 path
 
 #include "limbs_avx2.h"
@@ -443,6 +447,31 @@ void limb_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, 
 
 #endif  // PS_LIMBS_BUILT
 
+// How a call multiplies: vpdpbusd (or the AVX2 path), AMX tiles, or the tiles' emulation
+enum LimbTiles : int { TILES_NONE = 0, TILES_AMX = 1, TILES_EMULATED = 2 };
+
+// the fewest rows a call takes to the tiles when it may: below, the vpdpbusd path is as fast
+// (measured on an Intel Xeon with AMX, docs/benchmarks.md); either gives the same bits
+constexpr int64_t TILE_ROWS = 16;
+
+// the tiles the automatic choice (ps_limb_linear) takes for many rows, asked once a process:
+// PROBSERVE_LIMB_TILES=off none, =emulate the emulation (the AMX kernels' code on any CPU), else
+// (unset or "auto") AMX where the CPU has it and Linux grants the tile state; none on the AVX2
+// path (kernels/build.py checks the variable's value before it loads the library)
+inline int chosen_tiles() {
+#ifdef PS_LIMBS_ZMM
+    static const int tiles = [] {
+        const char* v = std::getenv("PROBSERVE_LIMB_TILES");
+        if (v && std::strcmp(v, "off") == 0) return static_cast<int>(TILES_NONE);
+        if (v && std::strcmp(v, "emulate") == 0) return static_cast<int>(TILES_EMULATED);
+        return static_cast<int>(amx_usable() ? TILES_AMX : TILES_NONE);
+    }();
+    return tiles;
+#else
+    return TILES_NONE;
+#endif
+}
+
 // the format's template instance (F a LimbFormat), or `none` for any other id
 template <class Fn, class None>
 inline auto by_format(int fmt, Fn&& fn, None&& none) {
@@ -462,6 +491,12 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 }  // namespace
 
 extern "C" {
+
+// the tiles ps_limb_linear takes for batches of ps_limb_tile_rows() rows or more: 0 none
+// (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's emulation
+int ps_limb_tiles() { return chosen_tiles(); }
+
+int64_t ps_limb_tile_rows() { return TILE_ROWS; }
 
 // the limbs' instruction path this build took: 512 (AVX-512 VNNI: vpdpbusd on 16 columns' lanes),
 // 256 (AVX2: vpmaddubsw + vpmaddwd), 0 (none)
@@ -487,15 +522,41 @@ int64_t ps_limb_block_bytes(int fmt) {
 #endif
 }
 
+// out[M, N] = x[M, K] . w^T + bias on the path `tiles` (a LimbTiles) names, whatever the row
+// count; 0 when done, -1 (out untouched) where this build or CPU has no such path: AMX where
+// amx_usable() is false, either tile path on the AVX2 build, or no limbs for `fmt`
+int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed,
+                      int64_t N, const float* bias, float* out) {
+#ifdef PS_LIMBS_BUILT
+    if (ps_limb_block_bytes(fmt) < 0) return -1;
+    if (tiles == TILES_NONE) {
+        by_format(fmt, [&](auto f) { limb_linear<decltype(f)::value>(x, M, K, packed, N, bias, out); }, [] {});
+        return 0;
+    }
+#ifdef PS_LIMBS_ZMM
+    if (tiles == TILES_AMX && amx_usable()) {
+        by_format(fmt, [&](auto f) { limb_linear_tiles<decltype(f)::value, AmxTiles>(x, M, K, packed, N, bias, out); },
+                  [] {});
+        return 0;
+    }
+    if (tiles == TILES_EMULATED) {
+        by_format(fmt, [&](auto f) { limb_linear_tiles<decltype(f)::value, EmuTiles>(x, M, K, packed, N, bias, out); },
+                  [] {});
+        return 0;
+    }
+#endif
+#endif
+    (void)tiles, (void)fmt, (void)x, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out;
+    return -1;
+}
+
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
-// bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or null
+// bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
+// null. Batches of TILE_ROWS rows or more on the tiles ps_limb_tiles() names, fewer on vpdpbusd:
+// the same bits either way
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
-#ifdef PS_LIMBS_BUILT
-    by_format(fmt, [&](auto f) { limb_linear<decltype(f)::value>(x, M, K, packed, N, bias, out); }, [] {});
-#else
-    (void)fmt, (void)x, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out;
-#endif
+    ps_limb_linear_on(M >= TILE_ROWS ? chosen_tiles() : TILES_NONE, fmt, x, M, K, packed, N, bias, out);
 }
 
 // rows `ids` of a weight in the limb layout, dequantized (a tied embedding's lookup)
