@@ -43,17 +43,35 @@ struct TileScratch {
     alignas(64) int32_t sums[LIMBS][TROWS][16];
 };
 
-// limb I of rows m0.. over the group's k's from k0 (A tile) times the B tile, into C tile I
+// the limbs as the A tiles read them: for limb i, tile pass (16 rows) p and block of 32 k's kb,
+// the 16 rows' 32 bytes together (512 bytes at ((i * passes + p) * nb + kb) * 512)
+struct TiledLimbs {
+    std::vector<int8_t> a;
+    int64_t passes, nb;
+    TiledLimbs(const RowLimbs& R, int64_t padded) : a(LIMBS * padded * R.K), passes(padded / TROWS), nb(R.nb) {}
+    // pass p's rows of limb i, from R
+    void fill(const RowLimbs& R, int64_t i, int64_t p) {
+        for (int64_t kb = 0; kb < nb; ++kb)
+            for (int64_t r = 0; r < TROWS; ++r)
+                std::memcpy(at(i, p, kb) + r * 32, R.l[i].data() + (p * TROWS + r) * R.K + kb * 32, 32);
+    }
+    int8_t* at(int64_t i, int64_t p, int64_t kb) { return a.data() + ((i * passes + p) * nb + kb) * 512; }
+    const int8_t* at(int64_t i, int64_t p, int64_t kb) const {
+        return a.data() + ((i * passes + p) * nb + kb) * 512;
+    }
+};
+
+// limb I of pass p's rows over the group's k's (A tile) times the B tile, into C tile I
 template <int I, class Tiles>
-inline void limb_tile(Tiles& t, const RowLimbs& R, int64_t m0, int64_t k0) {
+inline void limb_tile(Tiles& t, const TiledLimbs& T, int64_t p, int64_t kb, int64_t off) {
     constexpr int A = I % 2 ? T_A1 : T_A0;
-    t.template load<A>(R.l[I].data() + m0 * R.K + k0, R.K);
+    t.template load<A>(T.at(I, p, kb) + off, 32);
     t.template dp<true, false, I, A, T_B>();
 }
 
 // rows m0..m0 + rows - 1 (rows <= 16) of the limbs times half h of one packed panel
 template <int F, class Tiles>
-void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, int64_t m0, int64_t rows, const uint8_t* panel,
+void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m0, int64_t rows, const uint8_t* panel,
                int64_t h, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     constexpr int G = L::groups, CG = 8 / G, GK = 32 / G;  // chunks and k's a group
@@ -80,11 +98,11 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, int64_t m0, int64_t
                 t.template zero<1>();
                 t.template zero<2>();
                 t.template zero<3>();
-                const int64_t k0 = kb * 32 + g * GK;
-                limb_tile<0>(t, R, m0, k0);
-                limb_tile<1>(t, R, m0, k0);
-                limb_tile<2>(t, R, m0, k0);
-                limb_tile<3>(t, R, m0, k0);
+                const int64_t p = m0 / TROWS, off = g * GK;
+                limb_tile<0>(t, TL, p, kb, off);
+                limb_tile<1>(t, TL, p, kb, off);
+                limb_tile<2>(t, TL, p, kb, off);
+                limb_tile<3>(t, TL, p, kb, off);
                 t.template store<0>(sc.sums[0], 64);
                 t.template store<1>(sc.sums[1], 64);
                 t.template store<2>(sc.sums[2], 64);
@@ -142,11 +160,18 @@ void limb_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* pack
     const TileConfig cfg = limb_tiles<F>();
     on_team(M * N * K > (1 << 18), [&] {
         RowLimbs* shared = nullptr;
-#pragma omp single copyprivate(shared)
-        shared = new RowLimbs(padded, K);  // zero limbs past row M
+        TiledLimbs* tiled = nullptr;
+#pragma omp single copyprivate(shared, tiled)
+        {
+            shared = new RowLimbs(padded, K);  // zero limbs past row M
+            tiled = new TiledLimbs(*shared, padded);
+        }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) row_limbs(x, m, *shared);
+#pragma omp for schedule(static)
+        for (int64_t ip = 0; ip < LIMBS * tiled->passes; ++ip) tiled->fill(*shared, ip % LIMBS, ip / LIMBS);
         const RowLimbs& R = *shared;
+        const TiledLimbs& TL = *tiled;
         std::unique_ptr<Tiles> tiles(new Tiles());
         std::unique_ptr<TileScratch> sc(new TileScratch());
         tiles->config(cfg);
@@ -157,11 +182,14 @@ void limb_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* pack
             const int64_t ncols = std::min<int64_t>(LP, N - p * LP);
             for (int64_t m0 = 0; m0 < M; m0 += TROWS)
                 for (int64_t h = 0; h < 2; ++h)
-                    tile_half<F>(*tiles, *sc, R, m0, std::min<int64_t>(TROWS, M - m0), panel, h, b, out + p * LP, N,
+                    tile_half<F>(*tiles, *sc, R, TL, m0, std::min<int64_t>(TROWS, M - m0), panel, h, b, out + p * LP, N,
                                  ncols);
         }
         tiles->release();
 #pragma omp single
-        delete shared;  // every thread is past the loop's barrier
+        {
+            delete tiled;  // every thread is past the loop's barrier
+            delete shared;
+        }
     });
 }
