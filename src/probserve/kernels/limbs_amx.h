@@ -40,7 +40,7 @@ TileConfig limb_tiles() {
 // a thread's buffers: one sub-block's quants a byte each (B tiles), the four C tiles' sums
 struct TileScratch {
     alignas(64) uint8_t quants[8 * 64];
-    alignas(64) int32_t sums[LIMBS][TROWS][16];
+    alignas(64) int32_t sums[2][LIMBS][TROWS][16];  // two passes' (tile_half's pipeline)
 };
 
 // the limbs as the A tiles read them: for limb i, tile pass (16 rows) p and block of 32 k's kb,
@@ -69,15 +69,59 @@ inline void limb_tile(Tiles& t, const TiledLimbs& T, int64_t p, int64_t kb, int6
     t.template dp<true, false, I, A, T_B>();
 }
 
-// rows m0..m0 + rows - 1 (rows <= 16) of the limbs times half h of one packed panel
+// the sums of one pass (sums[i]: C tile i, 16 rows x 16 columns) added to the rows' y: group g
+// of block kb, its scales s and offsets o; from the sums on, limb_micro's arithmetic, operation
+// for operation
+template <int F>
+inline void add_pass(const int32_t (*sums)[TROWS][16], const RowLimbs& R, int64_t m0, int64_t rows, int64_t kb,
+                     int g, const __m512d* s, const __m512d* o, __m512d (*y)[2]) {
+    using L = LimbLayout<F>;
+    constexpr int G = L::groups;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = (m0 + r) * R.nb + kb;
+        const __m512d e = _mm512_set1_pd(R.scale[at]);
+        __m512i a[LIMBS];
+        for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_load_si512(sums[i][r]);
+        const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
+        const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
+        __m512d l01, h01, l23, h23;
+        i32_pd(a01, l01, h01);
+        i32_pd(a23, l23, h23);
+        const __m512d big = _mm512_set1_pd(65536.0);
+        const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
+        const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
+        __m512d u0, u1;
+        if constexpr (L::offset != 0) {
+            const __m512d os = _mm512_set1_pd(S * L::offset);
+            u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[0]);
+            u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[1]);
+        } else {
+            const __m512d Sv = _mm512_set1_pd(S);
+            u0 = _mm512_fmadd_pd(Sv, o[0], _mm512_mul_pd(t0, s[0]));
+            u1 = _mm512_fmadd_pd(Sv, o[1], _mm512_mul_pd(t1, s[1]));
+        }
+        y[r][0] = _mm512_fmadd_pd(u0, e, y[r][0]);
+        y[r][1] = _mm512_fmadd_pd(u1, e, y[r][1]);
+    }
+}
+
+// rows m0..m0 + rows - 1 (rows <= 16) of the limbs times half h of one packed panel. The passes
+// are pipelined: a pass's tile instructions are issued before the previous pass's sums are
+// scaled (two buffers of sums), so the tiles and the vector units work at once; each row's y
+// still takes the passes in order
 template <int F, class Tiles>
-void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m0, int64_t rows, const uint8_t* panel,
-               int64_t h, const float* bias, float* out, int64_t ldo, int64_t ncols) {
+void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m0, int64_t rows,
+               const uint8_t* panel, int64_t h, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     constexpr int G = L::groups, CG = 8 / G, GK = 32 / G;  // chunks and k's a group
-    const int64_t K = R.K, nb = R.nb;
+    const int64_t K = R.K, pass = m0 / TROWS;
     __m512d y[TROWS][2];
     for (int64_t r = 0; r < rows; ++r) y[r][0] = y[r][1] = _mm512_setzero_pd();
+    int cur = 0;  // the buffer of sums this pass stores
+    bool pending = false;  // the other buffer holds the previous pass's sums, not yet added
+    int64_t prev_kb = 0;
+    int prev_g = 0;
+    __m512d prev_s[2], prev_o[2];
     for (int64_t b = 0; b < K / L::QK; ++b) {
         const uint8_t* blk = panel + b * L::block;
         for (int64_t j = 0; j < L::subs; ++j) {
@@ -98,45 +142,24 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                 t.template zero<1>();
                 t.template zero<2>();
                 t.template zero<3>();
-                const int64_t p = m0 / TROWS, off = g * GK;
-                limb_tile<0>(t, TL, p, kb, off);
-                limb_tile<1>(t, TL, p, kb, off);
-                limb_tile<2>(t, TL, p, kb, off);
-                limb_tile<3>(t, TL, p, kb, off);
-                t.template store<0>(sc.sums[0], 64);
-                t.template store<1>(sc.sums[1], 64);
-                t.template store<2>(sc.sums[2], 64);
-                t.template store<3>(sc.sums[3], 64);
-                for (int64_t r = 0; r < rows; ++r) {
-                    const int64_t at = (m0 + r) * nb + kb;
-                    const __m512d e = _mm512_set1_pd(R.scale[at]);
-                    __m512i a[LIMBS];
-                    for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_load_si512(sc.sums[i][r]);
-                    // from here limb_micro's arithmetic, operation for operation
-                    const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
-                    const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
-                    __m512d l01, h01, l23, h23;
-                    i32_pd(a01, l01, h01);
-                    i32_pd(a23, l23, h23);
-                    const __m512d big = _mm512_set1_pd(65536.0);
-                    const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
-                    const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
-                    __m512d u0, u1;
-                    if constexpr (L::offset != 0) {
-                        const __m512d os = _mm512_set1_pd(S * L::offset);
-                        u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[g][0]);
-                        u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[g][1]);
-                    } else {
-                        const __m512d Sv = _mm512_set1_pd(S);
-                        u0 = _mm512_fmadd_pd(Sv, o[g][0], _mm512_mul_pd(t0, s[g][0]));
-                        u1 = _mm512_fmadd_pd(Sv, o[g][1], _mm512_mul_pd(t1, s[g][1]));
-                    }
-                    y[r][0] = _mm512_fmadd_pd(u0, e, y[r][0]);
-                    y[r][1] = _mm512_fmadd_pd(u1, e, y[r][1]);
-                }
+                limb_tile<0>(t, TL, pass, kb, g * GK);
+                limb_tile<1>(t, TL, pass, kb, g * GK);
+                limb_tile<2>(t, TL, pass, kb, g * GK);
+                limb_tile<3>(t, TL, pass, kb, g * GK);
+                t.template store<0>(sc.sums[cur][0], 64);
+                t.template store<1>(sc.sums[cur][1], 64);
+                t.template store<2>(sc.sums[cur][2], 64);
+                t.template store<3>(sc.sums[cur][3], 64);
+                if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_g, prev_s, prev_o, y);
+                pending = true;
+                prev_kb = kb;
+                prev_g = g;
+                prev_s[0] = s[g][0], prev_s[1] = s[g][1], prev_o[0] = o[g][0], prev_o[1] = o[g][1];
+                cur ^= 1;
             }
         }
     }
+    if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_g, prev_s, prev_o, y);
     const int64_t c0 = h * 16;
     if (c0 >= ncols) return;
     const int64_t n = std::min<int64_t>(16, ncols - c0);
