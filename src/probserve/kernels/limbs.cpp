@@ -361,6 +361,7 @@ void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float*
 }
 
 #include "limbs_amx.h"
+static_assert(TROWS == 16, "ps_limb_linear's TILE_PASS");
 
 #else  // the AVX2 path
 
@@ -450,9 +451,11 @@ void limb_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, 
 // How a call multiplies: vpdpbusd (or the AVX2 path), AMX tiles, or the tiles' emulation
 enum LimbTiles : int { TILES_NONE = 0, TILES_AMX = 1, TILES_EMULATED = 2 };
 
-// the fewest rows a call takes to the tiles when it may: below, the vpdpbusd path is as fast
-// (measured on an Intel Xeon with AMX, docs/benchmarks.md); either gives the same bits
-constexpr int64_t TILE_ROWS = 16;
+// the fewest rows worth a tile pass (16 rows, padded with zero rows): a pass costs about as much
+// for any number of rows up to 16, and below this many the vpdpbusd path is as fast (measured on
+// an Intel Xeon with AMX, docs/benchmarks.md); either path gives the same bits
+constexpr int64_t TILE_ROWS = 12;
+constexpr int64_t TILE_PASS = 16;  // rows a tile pass (limbs_amx.h's TROWS)
 
 // the tiles the automatic choice (ps_limb_linear) takes for many rows, asked once a process:
 // PROBSERVE_LIMB_TILES=off none, =emulate the emulation (the AMX kernels' code on any CPU), else
@@ -492,8 +495,9 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 
 extern "C" {
 
-// the tiles ps_limb_linear takes for batches of ps_limb_tile_rows() rows or more: 0 none
-// (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's emulation
+// the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows()
+// rows or more: 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
+// emulation
 int ps_limb_tiles() { return chosen_tiles(); }
 
 int64_t ps_limb_tile_rows() { return TILE_ROWS; }
@@ -552,11 +556,18 @@ int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, 
 
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
 // bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
-// null. Batches of TILE_ROWS rows or more on the tiles ps_limb_tiles() names, fewer on vpdpbusd:
-// the same bits either way
+// null. On the tiles ps_limb_tiles() names: the rows in whole passes of 16, and the rest too
+// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
-    ps_limb_linear_on(M >= TILE_ROWS ? chosen_tiles() : TILES_NONE, fmt, x, M, K, packed, N, bias, out);
+    const int tiles = chosen_tiles();
+    const int64_t whole = M % TILE_PASS >= TILE_ROWS ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
+    if (tiles == TILES_NONE || whole == 0) {
+        ps_limb_linear_on(TILES_NONE, fmt, x, M, K, packed, N, bias, out);
+        return;
+    }
+    ps_limb_linear_on(tiles, fmt, x, whole, K, packed, N, bias, out);
+    if (whole < M) ps_limb_linear_on(TILES_NONE, fmt, x + whole * K, M - whole, K, packed, N, bias, out + whole * N);
 }
 
 // rows `ids` of a weight in the limb layout, dequantized (a tied embedding's lookup)
