@@ -454,7 +454,7 @@ enum LimbTiles : int { TILES_NONE = 0, TILES_AMX = 1, TILES_EMULATED = 2 };
 // the fewest rows worth a tile pass (16 rows, padded with zero rows): a pass costs about as much
 // for any number of rows up to 16, and below this many the vpdpbusd path is as fast (measured on
 // an Intel Xeon with AMX, docs/benchmarks.md); either path gives the same bits
-constexpr int64_t TILE_ROWS = 12;
+constexpr int64_t TILE_ROWS = 10;
 constexpr int64_t TILE_PASS = 16;  // rows a tile pass (limbs_amx.h's TROWS)
 
 // the tiles the automatic choice (ps_limb_linear) takes for many rows, asked once a process:
