@@ -4,7 +4,7 @@ process: each tree's kernels/*.cpp built with the same flags into a library of i
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
 block-sum product as a third contender and `--limbs` its integer-limb product (limbs.cpp, on the
 layout `pack_limbs` makes; every format, AVX-512 VNNI or AVX2), as the server chooses it (AMX tiles
-from 16 rows where the CPU has them) and, where that differs, forced to vpdpbusd; `--copies N`
+from 10 rows where the CPU has them) and, where that differs, forced to vpdpbusd; `--copies N`
 runs each round over N copies of the weight in turn, so that with more bytes than the L3 holds
 every product reads its blocks from memory.
 
@@ -149,7 +149,7 @@ def main() -> None:
             limb_copies = [limb] + [limb.copy() for _ in range(args.copies - 1)]
             limb_fmt = fmt + header_constant("PS_LIMBS")
             contenders.append(("now --products limbs", now.ps_qlinear, limb_fmt, limb_copies))
-            if int(now.ps_limb_tiles()):  # the server's choice: tiles from 16 rows; vpdpbusd too
+            if int(now.ps_limb_tiles()):  # the server's choice: tiles from 10 rows; vpdpbusd too
                 vnni = functools.partial(now.ps_limb_linear_on, 0)
                 contenders.append(("now --products limbs on vpdpbusd", vnni, fmt, limb_copies))
         for rows in args.rows:

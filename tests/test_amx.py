@@ -115,7 +115,7 @@ np.savez(sys.argv[2], isa=np.array(isa_path(kernels.lib)), out=out)
 def test_emulate_in_the_environment_takes_every_batch_to_the_emulation(
     limbs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """PROBSERVE_LIMB_TILES=emulate: a process's batches of 16 rows or more run the emulated
+    """PROBSERVE_LIMB_TILES=emulate: a process's batches of 10 rows or more run the emulated
     tiles (as the engine's do: kernel_isa says so) with the bytes this process computes; a value
     that is not a choice is refused when the library loads."""
     packed, x = _case(limbs, LIMB_FORMATS[0], 67)
