@@ -92,7 +92,8 @@ def test_the_choice_is_reported_and_needs_amx(limbs):
     assert int(lib.ps_limb_tile_rows()) == 10
     if os.environ.get("PROBSERVE_LIMB_TILES") in (None, "", "auto"):
         assert int(lib.ps_limb_tiles()) == (AMX if _has_amx(limbs) else VNNI)
-    assert isa_path(lib).endswith("+amx") == (int(lib.ps_limb_tiles()) == AMX)
+    assert isa_path(lib, limbs=True).endswith("+amx") == (int(lib.ps_limb_tiles()) == AMX)
+    assert "amx" not in isa_path(lib)  # float products: no tiles
     packed, x = _case(limbs, LIMB_FORMATS[0], 66)
     assert _bytes(limbs.qlinear(x, packed)) == _bytes(limbs.limb_product(x, packed, VNNI))
 
@@ -107,7 +108,7 @@ data = np.load(sys.argv[1])
 w = QuantizedWeight(torch.from_numpy(data["data"]), torch.from_numpy(data["bias"]),
                     int(data["fmt"]), int(data["n"]), int(data["k"]))
 out = kernels.qlinear(torch.from_numpy(data["x"]), w).numpy()
-np.savez(sys.argv[2], isa=np.array(isa_path(kernels.lib)), out=out)
+np.savez(sys.argv[2], isa=np.array(isa_path(kernels.lib, limbs=True)), out=out)
 """
 
 

@@ -283,7 +283,7 @@ def test_limbs_on_the_avx2_path_are_the_same_bits(limbs, tmp_path: Path):
     # the override was taken: the library the subprocess ran says it is the AVX2 build, and
     # this process's says it is not (else the two could be one build, compared with itself)
     assert str(got["isa"]) == "avx2"
-    assert isa_path(limbs.lib).startswith("avx512-vnni")
+    assert isa_path(limbs.lib) == "avx512-vnni"
     for qtype in LIMB_FORMATS:
         assert got[str(qtype.value)].tobytes() == want[qtype].tobytes(), qtype.name
 

@@ -199,16 +199,17 @@ def build() -> Path:
     return path
 
 
-def isa_path(lib: ctypes.CDLL) -> str:
+def isa_path(lib: ctypes.CDLL, limbs: bool = False) -> str:
     """The instruction path a loaded library runs, as it says itself (not as asked):
     "avx512-vnni" (AVX-512 float kernels, integer limbs on VNNI), "avx512" (AVX-512, limbs on
-    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces); with
-    "+amx" where batches of many rows take the limbs to AMX tiles, "+amx-emulated" to their
-    emulation (PROBSERVE_LIMB_TILES=emulate)."""
+    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces). With
+    `limbs` (products in integer limbs), "+amx" where batches of many rows take them to AMX
+    tiles, "+amx-emulated" to the tiles' emulation (PROBSERVE_LIMB_TILES=emulate)."""
     if int(lib.ps_lanes()) == 8:
         return "avx2"
     base = "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
-    return base + {0: "", 1: "+amx", 2: "+amx-emulated"}[int(lib.ps_limb_tiles())]
+    tiles = int(lib.ps_limb_tiles()) if limbs else 0
+    return base + {0: "", 1: "+amx", 2: "+amx-emulated"}[tiles]
 
 
 def load() -> ctypes.CDLL:
