@@ -36,7 +36,8 @@
 //
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
-// of one stream), not in batched products (docs/benchmarks.md measures both; AMX's tiles would).
+// of one stream), not in batched products (docs/benchmarks.md measures both): batches of 10 rows
+// or more go to AMX tiles where the CPU has them (limbs_amx.h: the same sums, the same bits).
 // On AVX2 (three instructions for 32 byte products) it is slower than the float path at every
 // row count: there it buys accuracy only.
 //
