@@ -3,13 +3,15 @@ process: each tree's kernels/*.cpp built with the same flags into a library of i
 `ps_qlinear` on the same packed blocks and rows, the libraries alternated round by round (so
 the machine's drift falls on both), the median of each reported. `--block-sums` adds this tree's
 block-sum product as a third contender and `--limbs` its integer-limb product (limbs.cpp, on the
-layout `pack_limbs` makes; every format, AVX-512 VNNI or AVX2); `--copies N`
+layout `pack_limbs` makes; every format, AVX-512 VNNI or AVX2), as the server chooses it (AMX tiles
+from 10 rows where the CPU has them) and, where that differs, forced to vpdpbusd; `--copies N`
 runs each round over N copies of the weight in turn, so that with more bytes than the L3 holds
 every product reads its blocks from memory.
 
     .venv/bin/python bench/kernel_race.py --before HEAD~1 --shape 5632 2048 --rows 1 16 --block-sums
     .venv/bin/python bench/kernel_race.py --format Q4_1 --shape 576 576 --rows 1 --copies 300
     .venv/bin/python bench/kernel_race.py --before HEAD --shape 5632 2048 --rows 1 4 16 256 --limbs
+    .venv/bin/python bench/kernel_race.py --before HEAD --shape 2048 2048 --rows 8 16 32 --limbs
 
 Run alone on the machine (see docs/benchmarks.md).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import json
 import statistics
@@ -129,11 +132,14 @@ def main() -> None:
         }
         for copies in packs.values():
             copies += [copies[0].copy() for _ in range(args.copies - 1)]
-        contenders = [(name, lib, fmt, packs[name]) for name, (lib, _) in trees.items()]
+        # (name, the product's function, its format argument, the weight's copies)
+        contenders: list[tuple[str, Callable[..., Any], int, list[np.ndarray]]] = [
+            (name, lib.ps_qlinear, fmt, packs[name]) for name, (lib, _) in trees.items()
+        ]
         if args.block_sums:
             now = trees["now"][0]
             flag = int(now.ps_block_sums_flag())
-            contenders.append(("now --block-sums", now, fmt + flag, packs["now"]))
+            contenders.append(("now --block-sums", now.ps_qlinear, fmt + flag, packs["now"]))
         if args.limbs:
             from probserve.kernels.build import header_constant
             from probserve.kernels.qlayout import LIMB_PANEL, pack_limbs
@@ -141,31 +147,36 @@ def main() -> None:
             now = trees["now"][0]
             limb = np.ascontiguousarray(pack_limbs(blocks, qtype.value, LIMB_PANEL))
             limb_copies = [limb] + [limb.copy() for _ in range(args.copies - 1)]
-            contenders.append(
-                ("now --products limbs", now, fmt + header_constant("PS_LIMBS"), limb_copies)
-            )
+            limb_fmt = fmt + header_constant("PS_LIMBS")
+            contenders.append(("now --products limbs", now.ps_qlinear, limb_fmt, limb_copies))
+            if int(now.ps_limb_tiles()):  # the server's choice: tiles from 10 rows; vpdpbusd too
+                vnni = functools.partial(now.ps_limb_linear_on, 0)
+                contenders.append(("now --products limbs on vpdpbusd", vnni, fmt, limb_copies))
         for rows in args.rows:
             x = rng.standard_normal((rows, k), dtype=np.float32)
             times: dict[str, list[float]] = {name: [] for name, *_ in contenders}
             outs = {}
             for r in range(args.rounds):
                 order = contenders if r % 2 == 0 else contenders[::-1]
-                for name, lib, f, copies in order:
+                for name, product, f, copies in order:
                     out = np.empty((rows, n), dtype=np.float32)
                     calls = [
                         (f, x.ctypes.data, rows, k, c.ctypes.data, n, None, out.ctypes.data)
                         for c in copies
                     ]
                     for call in calls:  # warm
-                        lib.ps_qlinear(*call)
+                        product(*call)
                     count, start = 0, time.perf_counter()
                     while time.perf_counter() - start < args.seconds:
                         for call in calls:
-                            lib.ps_qlinear(*call)
+                            product(*call)
                         count += len(calls)
                     times[name].append((time.perf_counter() - start) / count)
                     outs[name] = out
             same = outs["now"].tobytes() == outs["before"].tobytes()
+            limbs_same = {
+                o.tobytes() for name, o in outs.items() if name.startswith("now --products limbs")
+            }
             base = statistics.median(times["before"])
             for name, series in times.items():
                 med = statistics.median(series)
@@ -174,6 +185,7 @@ def main() -> None:
                     "copies": args.copies, "ms": round(1e3 * med, 3),
                     "gweights_s": round(n * k / med / 1e9, 2),
                     "vs_before": round(base / med, 3), "bits_equal_before": same,
+                    "limb_paths_bits_equal": len(limbs_same) <= 1,
                 }))  # fmt: skip
 
 

@@ -2,7 +2,8 @@
 weights, the deterministic kernels) against a float64 forward of the same dequantized weights,
 on every kernel ISA path this CPU can run (the narrower forced with PROBSERVE_KERNEL_ISA=avx2)
 and with each product (--products float, and limbs: in integer limbs on AVX-512 VNNI or AVX2,
-which the test checks /health's fact says).
+which the test checks /health's fact says; batches of many rows on AMX tiles where the CPU has
+them, and on AVX-512 also through the tiles' emulation, PROBSERVE_LIMB_TILES=emulate).
 probserve must be at most 2x as far from float64 as transformers' float32 forward is (its worst
 over the summation orders its BLAS takes at 1, 2 and 4 threads), 1.5x over every token's error
 pooled (root-mean-square), and within 1e-4 of that float32 reference (docs/logprobs.md,
@@ -33,11 +34,15 @@ def _paths() -> list[tuple[str, str]]:
     paths = [("native", "float"), ("native", "limbs")]
     if " avx512f" in _flags():
         paths += [("avx2", "float"), ("avx2", "limbs")]
+    if " avx512_vnni" in _flags():
+        paths += [("emulate", "limbs")]  # the AMX kernels' code on the tiles' emulation
     return paths
 
 
 def _truth(isa: str, products: str) -> list[dict]:
     env = {**os.environ, "PROBSERVE_KERNEL_ISA": isa, "OMP_NUM_THREADS": "2"}
+    if isa == "emulate":
+        env.update(PROBSERVE_KERNEL_ISA="native", PROBSERVE_LIMB_TILES="emulate")
     done = subprocess.run(
         [sys.executable, str(HERE / "float64_truth.py"), products],
         env=env, capture_output=True, text=True, timeout=900, check=False,
@@ -48,11 +53,17 @@ def _truth(isa: str, products: str) -> list[dict]:
     return rows
 
 
-def _isa_path(isa: str) -> set[str]:
+def _isa_path(isa: str, products: str) -> set[str]:
     """What the kernels must report for a forced path: the override taken, never ignored."""
     if isa == "avx2":
         return {"avx2"}
-    return {"avx512-vnni"} if " avx512_vnni" in _flags() else {"avx512", "avx2"}
+    if isa == "emulate":
+        return {"avx512-vnni+amx-emulated"}
+    if " avx512_vnni" not in _flags():
+        return {"avx512", "avx2"}
+    # the limbs on AMX where the CPU has it (Linux grants the tile state: limbs.cpp asks)
+    amx = products == "limbs" and " amx_int8" in _flags()
+    return {"avx512-vnni+amx"} if amx else {"avx512-vnni"}
 
 
 def _rms(errors: list[float]) -> float:
@@ -66,7 +77,7 @@ def test_logprobs_are_as_close_to_float64_as_float32_is(isa: str, products: str)
         short = {k: v for k, v in row.items() if not k.endswith("_errors")}
         print(f"\nFIGURES {isa} {products} {short}")
         assert row["products"] == products, short
-        assert row["kernel_isa"] in _isa_path(isa), short
+        assert row["kernel_isa"] in _isa_path(isa, products), short
         # before the chained sums (2026-12-04): counting 1.20e-4 (AVX-512) and 1.17e-4 (AVX2)
         # against the reference's 4.2e-5. The reference is the worst of its summation orders
         # (float64_truth.REFERENCE_THREADS): on an Intel Xeon its counting error was 9.3e-6 on

@@ -40,7 +40,13 @@ SOURCES = (
     HERE / "layer.cpp",
     HERE / "route.cpp",
 )  # one library
-HEADERS = (HERE / "simd.h", HERE / "probserve.h", HERE / "limbs_avx2.h")
+HEADERS = (
+    HERE / "simd.h",
+    HERE / "probserve.h",
+    HERE / "limbs_avx2.h",
+    HERE / "limbs_amx.h",
+    HERE / "tiles.h",
+)
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -48,6 +54,11 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 # both paths where the machine has both); unset or "native": the widest the CPU has
 ISA_ENV = "PROBSERVE_KERNEL_ISA"
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
+# PROBSERVE_LIMB_TILES: where batches of many rows take the integer limbs (limbs.cpp reads it
+# once a process): "auto" (unset) AMX where the CPU has it, "off" never, "emulate" AMX's exact
+# emulation (tiles.h: the AMX kernels' code on any AVX-512 CPU; slow, for tests)
+TILES_ENV = "PROBSERVE_LIMB_TILES"
+TILES = ("auto", "off", "emulate")
 
 
 def flags() -> tuple[str, ...]:
@@ -188,17 +199,24 @@ def build() -> Path:
     return path
 
 
-def isa_path(lib: ctypes.CDLL) -> str:
+def isa_path(lib: ctypes.CDLL, limbs: bool = False) -> str:
     """The instruction path a loaded library runs, as it says itself (not as asked):
     "avx512-vnni" (AVX-512 float kernels, integer limbs on VNNI), "avx512" (AVX-512, limbs on
-    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces)."""
+    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces). With
+    `limbs` (products in integer limbs), "+amx" where batches of many rows take them to AMX
+    tiles, "+amx-emulated" to the tiles' emulation (PROBSERVE_LIMB_TILES=emulate)."""
     if int(lib.ps_lanes()) == 8:
         return "avx2"
-    return "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
+    base = "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
+    tiles = int(lib.ps_limb_tiles()) if limbs else 0
+    return base + {0: "", 1: "+amx", 2: "+amx-emulated"}[tiles]
 
 
 def load() -> ctypes.CDLL:
     """The kernels library with its functions' argument types declared."""
+    tiles = os.environ.get(TILES_ENV) or "auto"
+    if tiles not in TILES:
+        raise KernelBuildError(f"{TILES_ENV}={tiles!r}: expected one of {', '.join(TILES)}")
     lib = ctypes.CDLL(str(build()))
     for name, (restype, argtypes) in header_signatures().items():
         fn = getattr(lib, name)

@@ -108,6 +108,18 @@ class InvariantKernels(FlatKernels):
         limbs: row-invariant, closer to the float64 product)."""
         return self._product(x, w, lambda *a: self.lib.ps_qlinear(w.fmt, *a))
 
+    def limb_product(self, x: torch.Tensor, w: QuantizedWeight, tiles: int) -> torch.Tensor | None:
+        """x [..., K] times a weight in the limb layout on the path `tiles` names whatever the
+        row count (limbs.cpp's LimbTiles: 0 vpdpbusd or AVX2, 1 AMX, 2 AMX's emulation), or
+        None where this library or CPU has no such path; `qlinear` chooses by row count."""
+        done: list[int] = []
+
+        def call(*args: Any) -> None:
+            done.append(int(self.lib.ps_limb_linear_on(tiles, w.fmt - PS_LIMBS, *args)))
+
+        out = self._product(x, w, call)
+        return out if done == [0] else None
+
     def qrows(self, w: QuantizedWeight, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of a quantized weight, dequantized (an embedding lookup)."""
         ids = row_ids(ids, w.n)

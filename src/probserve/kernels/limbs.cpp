@@ -36,7 +36,8 @@
 //
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
-// of one stream), not in batched products (docs/benchmarks.md measures both; AMX's tiles would).
+// of one stream), not in batched products (docs/benchmarks.md measures both): batches of 10 rows
+// or more go to AMX tiles where the CPU has them (limbs_amx.h: the same sums, the same bits).
 // On AVX2 (three instructions for 32 byte products) it is slower than the float path at every
 // row count: there it buys accuracy only.
 //
@@ -55,11 +56,13 @@
 // Q6_K, two chunks, bits 2j and 2j + 1 of chunk t's bytes bits 4 and 5 of chunk 4t + j's. The
 // file's bytes, moved (Q8_0's shifted by 128; the K-quants' 6-bit scales a byte each: Q4_K and
 // Q5_K hold 4 more bytes a column per 256 k's than the file).
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
 #include "probserve.h"
 #include "simd.h"
+#include "tiles.h"
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PS_LIMBS_BUILT 1
@@ -358,6 +361,9 @@ void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float*
     for (; m0 < M; ++m0) limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
 }
 
+#include "limbs_amx.h"
+static_assert(TROWS == 16, "ps_limb_linear's TILE_PASS");
+
 #else  // the AVX2 path
 
 #include "limbs_avx2.h"
@@ -443,6 +449,33 @@ void limb_rows(const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T, 
 
 #endif  // PS_LIMBS_BUILT
 
+// How a call multiplies: vpdpbusd (or the AVX2 path), AMX tiles, or the tiles' emulation
+enum LimbTiles : int { TILES_NONE = 0, TILES_AMX = 1, TILES_EMULATED = 2 };
+
+// the fewest rows worth a tile pass (16 rows, padded with zero rows): a pass costs about as much
+// for any number of rows up to 16, and below this many the vpdpbusd path is as fast (measured on
+// an Intel Xeon with AMX, docs/benchmarks.md); either path gives the same bits
+constexpr int64_t TILE_ROWS = 10;
+constexpr int64_t TILE_PASS = 16;  // rows a tile pass (limbs_amx.h's TROWS)
+
+// the tiles the automatic choice (ps_limb_linear) takes for many rows, asked once a process:
+// PROBSERVE_LIMB_TILES=off none, =emulate the emulation (the AMX kernels' code on any CPU), else
+// (unset or "auto") AMX where the CPU has it and Linux grants the tile state; none on the AVX2
+// path (kernels/build.py checks the variable's value before it loads the library)
+inline int chosen_tiles() {
+#ifdef PS_LIMBS_ZMM
+    static const int tiles = [] {
+        const char* v = std::getenv("PROBSERVE_LIMB_TILES");
+        if (v && std::strcmp(v, "off") == 0) return static_cast<int>(TILES_NONE);
+        if (v && std::strcmp(v, "emulate") == 0) return static_cast<int>(TILES_EMULATED);
+        return static_cast<int>(amx_usable() ? TILES_AMX : TILES_NONE);
+    }();
+    return tiles;
+#else
+    return TILES_NONE;
+#endif
+}
+
 // the format's template instance (F a LimbFormat), or `none` for any other id
 template <class Fn, class None>
 inline auto by_format(int fmt, Fn&& fn, None&& none) {
@@ -462,6 +495,13 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 }  // namespace
 
 extern "C" {
+
+// the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows()
+// rows or more: 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
+// emulation
+int ps_limb_tiles() { return chosen_tiles(); }
+
+int64_t ps_limb_tile_rows() { return TILE_ROWS; }
 
 // the limbs' instruction path this build took: 512 (AVX-512 VNNI: vpdpbusd on 16 columns' lanes),
 // 256 (AVX2: vpmaddubsw + vpmaddwd), 0 (none)
@@ -487,15 +527,50 @@ int64_t ps_limb_block_bytes(int fmt) {
 #endif
 }
 
+// out[M, N] = x[M, K] . w^T + bias on the path `tiles` (a LimbTiles) names, whatever the row
+// count; 0 when done, -1 (out untouched) where this build or CPU has no such path: AMX where
+// amx_usable() is false, either tile path on the AVX2 build, or no limbs for `fmt`
+int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed,
+                      int64_t N, const float* bias, float* out) {
+#ifdef PS_LIMBS_BUILT
+    if (ps_limb_block_bytes(fmt) < 0) return -1;
+    if (tiles == TILES_NONE) {
+        by_format(fmt, [&](auto f) { limb_linear<decltype(f)::value>(x, M, K, packed, N, bias, out); }, [] {});
+        return 0;
+    }
+#ifdef PS_LIMBS_ZMM
+    if (tiles == TILES_AMX && amx_usable()) {
+        by_format(fmt, [&](auto f) { limb_linear_tiles<decltype(f)::value, AmxTiles>(x, M, K, packed, N, bias, out); },
+                  [] {});
+        return 0;
+    }
+    if (tiles == TILES_EMULATED) {
+        by_format(fmt, [&](auto f) { limb_linear_tiles<decltype(f)::value, EmuTiles>(x, M, K, packed, N, bias, out); },
+                  [] {});
+        return 0;
+    }
+#endif
+#endif
+    (void)tiles, (void)fmt, (void)x, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out;
+    return -1;
+}
+
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
-// bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or null
+// bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
+// null. On the tiles ps_limb_tiles() names: the rows in whole passes of 16, and the rest too
+// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Not
+// Q6_K: its groups of 16 k's take two tile passes a sub-block, and the tiles measured no faster
+// than vpdpbusd at 16 and 32 rows, slower below (docs/benchmarks.md)
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
-#ifdef PS_LIMBS_BUILT
-    by_format(fmt, [&](auto f) { limb_linear<decltype(f)::value>(x, M, K, packed, N, bias, out); }, [] {});
-#else
-    (void)fmt, (void)x, (void)M, (void)K, (void)packed, (void)N, (void)bias, (void)out;
-#endif
+    const int tiles = fmt == L6_K ? static_cast<int>(TILES_NONE) : chosen_tiles();
+    const int64_t whole = M % TILE_PASS >= TILE_ROWS ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
+    if (tiles == TILES_NONE || whole == 0) {
+        ps_limb_linear_on(TILES_NONE, fmt, x, M, K, packed, N, bias, out);
+        return;
+    }
+    ps_limb_linear_on(tiles, fmt, x, whole, K, packed, N, bias, out);
+    if (whole < M) ps_limb_linear_on(TILES_NONE, fmt, x + whole * K, M - whole, K, packed, N, bias, out + whole * N);
 }
 
 // rows `ids` of a weight in the limb layout, dequantized (a tied embedding's lookup)

@@ -125,11 +125,15 @@ int ps_block_sums_flag();
 void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
               float* out);
 
-// ---- limbs.cpp: the linear layers on GGUF blocks in integer limbs (AVX-512 VNNI or AVX2) -----
+// ---- limbs.cpp: the linear layers on GGUF blocks in integer limbs (AMX, AVX-512 VNNI or AVX2) 
 int ps_limbs_isa();
+int ps_limb_tiles();
+int64_t ps_limb_tile_rows();
 int64_t ps_limb_block_bytes(int fmt);
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out);
+int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed,
+                      int64_t N, const float* bias, float* out);
 void ps_limb_rows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
                   float* out);
 

@@ -131,10 +131,11 @@ def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool) -> Backend:
     from probserve.kernels.build import isa_path, load
 
     share = loaded.weights_in_blocks
+    products = _products(loaded, config)
     return Backend(
         host, False, True, block_sums=config.block_sums and share > 0,
-        products=_products(loaded, config), weights=loaded.weights_format,
-        weights_in_blocks=round(share, 4), kernel_isa=isa_path(load()),
+        products=products, weights=loaded.weights_format, weights_in_blocks=round(share, 4),
+        kernel_isa=isa_path(load(), limbs=products == "limbs"),
     )  # fmt: skip
 
 

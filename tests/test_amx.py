@@ -1,0 +1,139 @@
+"""The integer limbs on AMX tiles (kernels/limbs_amx.h, tiles.h): on any AVX-512 CPU the AMX
+kernels' code runs through the tiles' exact emulation and must give the vpdpbusd path's bytes for
+every format and row count; on a CPU with AMX-INT8 the instructions must give the emulation's
+bytes; and the automatic choice (tiles from ps_limb_tile_rows() rows) is what the library says
+(/health's kernel_isa) and what PROBSERVE_LIMB_TILES asks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from test_quantized import LIMB_FORMATS, SHAPES, random_blocks
+
+from probserve.kernels.build import KernelBuildError, isa_path, load
+from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.weights import QuantizedWeight
+
+VNNI, AMX, EMULATED = 0, 1, 2  # limbs.cpp's LimbTiles
+
+
+@pytest.fixture(scope="module")
+def limbs() -> InvariantKernels:
+    kernels = InvariantKernels(limbs=True)
+    if not kernels.limb_types:
+        pytest.skip("no AVX2 here: limbs.cpp multiplies no format")
+    return kernels
+
+
+def _case(
+    limbs: InvariantKernels, qtype: gguf.GGMLQuantizationType, seed: int
+) -> tuple[QuantizedWeight, torch.Tensor]:
+    """A random weight of 37 columns (a panel and a part of one) with a bias, and 40 rows of x
+    with a block of tiny values, a row of zeros, an outlier and a NaN."""
+    qk = gguf.GGML_QUANT_SIZES[qtype][0]
+    n, k = SHAPES[qk][0]
+    rng = np.random.default_rng(seed + qtype.value)
+    raw = random_blocks(qtype, n, k, rng)
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    x[3, :32] *= 1e-30
+    x[5, :] = 0.0
+    x[17, 7] *= 3e5
+    x[22, 40] = float("nan")
+    return limbs.qpack(raw, qtype.value, bias), x
+
+
+def _bytes(t: torch.Tensor | None) -> bytes:
+    assert t is not None
+    return t.numpy().tobytes()
+
+
+@pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
+def test_emulated_tiles_give_the_vpdpbusd_bits_at_every_row_count(limbs, qtype):
+    """Rows 1..40 (one tile pass, part of one, several) through the emulated AMX kernel: the
+    bytes of the vpdpbusd path's product, which is row-invariant (tests/test_quantized.py)."""
+    packed, x = _case(limbs, qtype, 64)
+    if limbs.limb_product(x[:1], packed, EMULATED) is None:
+        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
+    want = _bytes(limbs.limb_product(x, packed, VNNI))
+    row = len(want) // 40
+    for rows in range(1, 41):
+        got = _bytes(limbs.limb_product(x[:rows], packed, EMULATED))
+        assert got == want[: rows * row], (qtype.name, rows)
+
+
+def _has_amx(limbs: InvariantKernels) -> bool:
+    packed, x = _case(limbs, LIMB_FORMATS[0], 1)
+    return limbs.limb_product(x[:1], packed, AMX) is not None
+
+
+@pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
+def test_amx_instructions_give_the_emulations_bits(limbs, qtype):
+    """The real tdpbsud, tileloadd and tilestored against their emulation, byte for byte."""
+    if not _has_amx(limbs):
+        pytest.skip("this CPU has no AMX-INT8, or Linux refused this process the tile state")
+    packed, x = _case(limbs, qtype, 65)
+    for rows in (1, 15, 16, 17, 40):
+        want = _bytes(limbs.limb_product(x[:rows], packed, EMULATED))
+        assert _bytes(limbs.limb_product(x[:rows], packed, AMX)) == want, (qtype.name, rows)
+
+
+def test_the_choice_is_reported_and_needs_amx(limbs):
+    """The library's automatic choice: AMX exactly where this CPU can run it (kernel_isa says
+    "+amx"), and batches from the row threshold on take it with the vpdpbusd path's bits."""
+    lib = limbs.lib
+    assert int(lib.ps_limb_tile_rows()) == 10
+    if os.environ.get("PROBSERVE_LIMB_TILES") in (None, "", "auto"):
+        assert int(lib.ps_limb_tiles()) == (AMX if _has_amx(limbs) else VNNI)
+    assert isa_path(lib, limbs=True).endswith("+amx") == (int(lib.ps_limb_tiles()) == AMX)
+    assert "amx" not in isa_path(lib)  # float products: no tiles
+    packed, x = _case(limbs, LIMB_FORMATS[0], 66)
+    assert _bytes(limbs.qlinear(x, packed)) == _bytes(limbs.limb_product(x, packed, VNNI))
+
+
+EMULATE = """
+import sys, numpy as np, torch
+from probserve.kernels.build import isa_path
+from probserve.kernels.invariant import InvariantKernels
+from probserve.kernels.weights import QuantizedWeight
+kernels = InvariantKernels(limbs=True)
+data = np.load(sys.argv[1])
+w = QuantizedWeight(torch.from_numpy(data["data"]), torch.from_numpy(data["bias"]),
+                    int(data["fmt"]), int(data["n"]), int(data["k"]))
+out = kernels.qlinear(torch.from_numpy(data["x"]), w).numpy()
+np.savez(sys.argv[2], isa=np.array(isa_path(kernels.lib, limbs=True)), out=out)
+"""
+
+
+@pytest.mark.slow
+def test_emulate_in_the_environment_takes_every_batch_to_the_emulation(
+    limbs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """PROBSERVE_LIMB_TILES=emulate: a process's batches of 10 rows or more run the emulated
+    tiles (as the engine's do: kernel_isa says so) with the bytes this process computes; a value
+    that is not a choice is refused when the library loads."""
+    packed, x = _case(limbs, LIMB_FORMATS[0], 67)
+    if limbs.limb_product(x[:1], packed, EMULATED) is None:
+        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
+    assert packed.bias is not None
+    np.savez(
+        tmp_path / "in.npz", data=packed.data.numpy(), bias=packed.bias.numpy(), fmt=packed.fmt,
+        n=packed.n, k=packed.k, x=x.numpy(),
+    )  # fmt: skip
+    env = {**os.environ, "PROBSERVE_LIMB_TILES": "emulate", "OMP_NUM_THREADS": "2"}
+    args = [sys.executable, "-c", EMULATE, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.load(tmp_path / "out.npz")
+    assert str(got["isa"]).endswith("+amx-emulated")
+    assert got["out"].tobytes() == _bytes(limbs.limb_product(x, packed, VNNI))
+    monkeypatch.setenv("PROBSERVE_LIMB_TILES", "sometimes")
+    with pytest.raises(KernelBuildError, match="PROBSERVE_LIMB_TILES='sometimes'"):
+        load()
