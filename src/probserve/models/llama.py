@@ -49,13 +49,18 @@ from probserve.models.skeleton import Rotary
 ROPE_BLOCK = 1024  # positions per block of the cos/sin tables
 
 
-def supports(model: Any) -> bool:
-    """True for models of a family this forward reproduces exactly (models/family.py)."""
+def fit(model: Any) -> tuple[bool, str | None]:
+    """Whether this forward runs `model` (a family it reproduces exactly: models/family.py),
+    and why it cannot run it deterministically (None: it can), from one reading of its family."""
     try:
-        family(model.config)
-    except Unsupported:
-        return False
-    return True
+        fam = family(model.config)
+    except Unsupported as exc:
+        return False, f"{type(model).__name__}: {exc}"
+    for key in set(fam.rope_keys):
+        rope = rope_type(model.config, key)
+        if rope not in STATIC_ROPE:
+            return True, f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
+    return True, None
 
 
 def paged_only(model: Any) -> bool:
@@ -67,15 +72,7 @@ def paged_only(model: Any) -> bool:
 
 def deterministic_blocker(model: Any) -> str | None:
     """Why this model cannot run the deterministic forward (None: it can)."""
-    try:
-        fam = family(model.config)
-    except Unsupported as exc:
-        return f"{type(model).__name__}: {exc}"
-    for key in set(fam.rope_keys):
-        rope = rope_type(model.config, key)
-        if rope not in STATIC_ROPE:
-            return f"its RoPE variant {rope!r} rescales with the batch's longest sequence"
-    return None
+    return fit(model)[1]
 
 
 @dataclass

@@ -104,16 +104,18 @@ class Backend:
         return ops, TorchRowMath()
 
 
-def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool) -> Backend:
+def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool, blocker: str | None) -> Backend:
     """`config`'s backend for `loaded` on the runner chosen (`paged`: the paged runner, the only
-    one with kernels of its own): the GPU path where it is asked and the model runs there; else
-    the host, deterministic only where it can run (the paged runner, a model with a static
-    RoPE, and kernels that build on this machine; a warning says why not)."""
+    one with kernels of its own; `blocker`: why the paged forward cannot run it
+    deterministically, None where it can): the GPU path where it is asked and the model runs
+    there; else the host, deterministic only where it can run (the paged runner, a model with a
+    static RoPE, and kernels that build on this machine; a warning says why not)."""
     if loaded.weights is not None and not paged:
         raise ValueError("native (quantized) weights run on the paged runner only")
+    if not paged:
+        blocker = "the transformers runner has no row-invariant kernels"
     gpu = gpu_path(config.device)
     if gpu is not None:
-        blocker = _blocker(loaded) if paged else "not its family"
         if not blocker:
             held = "bfloat16" if config.precision == "bf16" else "float32"
             return Backend(
@@ -126,7 +128,7 @@ def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool) -> Backend:
             )
         log.warning("--device auto: %s runs on the CPU (the GPU path: %s)", loaded.name, blocker)
     host = torch.device("cpu")
-    if not (config.deterministic and _invariant(loaded, paged)):
+    if not (config.deterministic and _invariant(blocker)):
         return Backend(host, False, False, linear=config.linear)
     from probserve.kernels.build import isa_path, load
 
@@ -139,17 +141,11 @@ def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool) -> Backend:
     )  # fmt: skip
 
 
-def _blocker(loaded: LoadedModel) -> str | None:
-    from probserve.models import llama
-
-    return llama.deterministic_blocker(loaded.model)
-
-
-def _invariant(loaded: LoadedModel, paged: bool) -> bool:
+def _invariant(blocker: str | None) -> bool:
     """Whether the row-invariant kernels run this model here (a warning says why not)."""
     from probserve.kernels.build import KernelBuildError, build
 
-    why = _blocker(loaded) if paged else "the transformers runner has no row-invariant kernels"
+    why = blocker
     if why is None:
         try:
             build()

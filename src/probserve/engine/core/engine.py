@@ -4,8 +4,8 @@ The scheduler owns the sequences' bookkeeping (what is computed, which blocks ar
 sequence ends); the runner, chosen with its backend before the engine is built
 (runners/choice.py), turns chunks into logits rows; the sampler picks tokens and computes their
 logprobs (verify.py: proposals checked in order); prompt scoring (prompt_scoring.py) collects a
-prompt's own logprobs; the speculator (speculator.py), handed in by the host where it runs a
-draft model, settles each sequence's proposals and asks for the next.
+prompt's own logprobs; the speculator (speculator.py: prompt lookup, or the draft model's
+proposer the host's `drafter` builds) settles each sequence's proposals and asks for the next.
 `apply()` and `safe_step()` are what a host loop calls (the inline thread or the worker process):
 an exception one request causes fails that request alone, one raised by a step fails the step's
 sequences, and the engine goes on serving.
@@ -14,16 +14,17 @@ sequences, and the engine goes on serving.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import disk_cache, prompt_scoring
-from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.figures import engine_stats
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
+from probserve.engine.core.speculation import Proposer
 from probserve.engine.core.speculator import Ask, Speculator
 from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.core.verify import Drawn, draw, sampler_row
@@ -55,11 +56,12 @@ class EngineCore:
         self,
         loaded: LoadedModel,
         config: EngineConfig | None = None,
-        speculator: Speculator | None = None,
+        drafter: Callable[[], Proposer] | None = None,
     ) -> None:
-        """An engine over `loaded`. `speculator`: speculative decoding's (a draft model's engine:
-        core/host.py builds it); default: prompt lookup, what `--speculative ngram` runs and a
-        request's `speculative: true` gets where the server's default is off."""
+        """An engine over `loaded`. `drafter`: builds a draft model's proposer (its own engine:
+        core/host.py), called only where the runner chosen checks proposals; without one,
+        prompt lookup's: what `--speculative ngram` runs and a request's `speculative: true`
+        gets where the server's default is off."""
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.choice = choice = choose_runner(loaded, config)
@@ -69,16 +71,14 @@ class EngineCore:
         # the runner (weights packed, KV cache allocated) is built by the thread that steps the
         # engine: torch runs markedly slower on a thread other than the one that first used it
         self._runner: Runner | None = None
-        caching = config.prefix_caching and choice.cls.prefix_caching
-        self.pool = BlockPool(
-            choice.num_blocks, config.block_size, caching, retain_blocks=choice.retain_blocks
-        )
+        self.pool = choice.block_pool()
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        # speculative decoding: on a runner that checks proposals (a request may ask for it, or
-        # not, whatever the server's default)
-        self.speculator = (
-            (speculator or Speculator.lookup(config)) if choice.cls.speculates else None
-        )
+        # speculative decoding where the runner checks proposals (a request may ask, or not)
+        self.speculator: Speculator | None = None
+        if choice.cls.speculates:
+            self.speculator = (
+                Speculator(drafter(), config) if drafter else Speculator.lookup(config)
+            )
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()
         spec = self.speculator

@@ -17,13 +17,10 @@ from dataclasses import dataclass
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core.engine import EngineCore
-from probserve.engine.core.runners.choice import runner_class
 from probserve.engine.core.speculation import DraftProposer
-from probserve.engine.core.speculator import Speculator
 from probserve.models.loader import (
     LoadedModel,
     ModelSource,
-    load_model,
     loaded_source,
     tokenizer_class,
 )
@@ -72,7 +69,8 @@ def start_engine(
     threads = configure_threads(config.threads)
     weights = config.weights_to_load()
     source, loaded = loaded_source(spec, weights)
-    core = engine_over(loaded, config, load_model(draft, weights) if draft else None)
+    drafts = loaded_source(draft, weights)[1] if draft else None  # loaded beside it, alike
+    core = engine_over(loaded, config, drafts)
     with Stage(log, "warming up (the runner's buffers and a first request, each start)"):
         warm(core)
     core.runner.release_source_weights()
@@ -92,7 +90,7 @@ def engine_over(
             "--speculative draft needs a draft model (--draft-model), and a draft model needs "
             f"--speculative draft (got --speculative {config.speculative})"
         )
-    if draft is None or not runner_class(loaded, config).speculates:
+    if draft is None:
         return EngineCore(loaded, config)
     if draft.vocab_size != loaded.vocab_size or (
         draft.tokenizer.get_vocab() != loaded.tokenizer.get_vocab()
@@ -105,4 +103,4 @@ def engine_over(
         config, speculative="off", kv_cache_gib=max(0.05, config.kv_cache_gib / 4),
         max_model_len=0,
     )  # fmt: skip
-    return EngineCore(loaded, config, Speculator(DraftProposer(EngineCore(draft, own)), config))
+    return EngineCore(loaded, config, lambda: DraftProposer(EngineCore(draft, own)))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from probserve.engine.core.backend import Backend, resolve
+from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.row_math import RowMath
 from probserve.engine.fingerprint import NumericsFingerprint
 from probserve.engine.info import EngineInfo
@@ -77,27 +78,29 @@ class RunnerClass(Protocol):
     ) -> Runner: ...
 
 
-def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
-    """The paged runner for the families it runs (unless told otherwise), else transformers'."""
+def runner_class(
+    loaded: LoadedModel, config: EngineConfig, supported: bool, blocker: str | None
+) -> RunnerClass:
+    """The paged runner for the families it runs (`supported`, unless told otherwise), else
+    transformers'; `blocker`: why the paged forward cannot run it deterministically."""
     from probserve.engine.core.runners.hf import HFRunner
     from probserve.engine.core.runners.paged import PagedRunner
-    from probserve.models import ModelLoadError, llama
+    from probserve.models import ModelLoadError
     from probserve.models.family import SUPPORTED_TYPES
 
-    supported = llama.supports(loaded.model)
     if config.runner == "paged" and not supported:
         kind = getattr(getattr(loaded.model, "config", None), "model_type", "this model")
         raise ModelLoadError(
             f"--runner paged cannot run {loaded.name} ({kind}): "
-            f"{llama.deterministic_blocker(loaded.model)}; the paged forward serves "
+            f"{blocker}; the paged forward serves "
             f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
         return PagedRunner
-    if config.runner == "auto" and llama.paged_only(loaded.model):
-        raise ModelLoadError(
-            f"{loaded.name} cannot be served: {llama.deterministic_blocker(loaded.model)}"
-        )
+    from probserve.models.llama import paged_only
+
+    if config.runner == "auto" and paged_only(loaded.model):
+        raise ModelLoadError(f"{loaded.name} cannot be served: {blocker}")
     return HFRunner
 
 
@@ -119,6 +122,13 @@ class RunnerChoice:
     @property
     def token_capacity(self) -> int:
         return (self.num_blocks - 1) * self.config.block_size
+
+    def block_pool(self) -> BlockPool:
+        """Its KV cache's blocks, the prefix cache on where asked and the runner keeps one."""
+        caching = self.config.prefix_caching and self.cls.prefix_caching
+        return BlockPool(
+            self.num_blocks, self.config.block_size, caching, retain_blocks=self.retain_blocks
+        )
 
     def build(self, loaded: LoadedModel) -> Runner:
         return self.cls(loaded, self.num_blocks, self.config, self.backend)
@@ -166,8 +176,11 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
             f"--max-model-len {config.max_model_len} is not within the model's context "
             f"({loaded.context_length} tokens)"
         )
-    cls = runner_class(loaded, config)
-    backend = resolve(loaded, config, paged=cls is PagedRunner)
+    from probserve.models import llama
+
+    supported, blocker = llama.fit(loaded.model)  # read once
+    cls = runner_class(loaded, config, supported, blocker)
+    backend = resolve(loaded, config, cls is PagedRunner, blocker)
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
 
     def blocks_in(gib: float) -> int:
