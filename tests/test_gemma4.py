@@ -239,3 +239,25 @@ def test_transformers_runner_serves_it_too(model: LoadedModel):
         for core in (hf, paged)
     ]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+def test_its_prefix_blocks_come_back_from_disk_with_the_same_bits(
+    model: LoadedModel, tmp_path: Path
+):
+    """--prefix-cache-dir with a cache of one tensor per layer (its layers differ in shape): the
+    blocks written at shutdown are read by the next engine, and the request's numbers are the
+    cold run's bits."""
+    ids = _prompt(3, 37)  # two full blocks of 16
+
+    def engine(directory: Path | None) -> EngineCore:
+        where = str(directory) if directory else None
+        return EngineCore(model, EngineConfig(kv_cache_gib=0.02, prefix_cache_dir=where))
+
+    cold = _flat(run_core(engine(None), [_request(ids, "r")])["r"])
+    first = engine(tmp_path)
+    assert _flat(run_core(first, [_request(ids, "r")])["r"]) == cold
+    first.close()
+    second = engine(tmp_path)
+    assert _flat(run_core(second, [_request(ids, "r")])["r"]) == cold
+    assert second.stats().prefix_cache_disk_hits == len(ids) // 16 > 0
+    second.close()
