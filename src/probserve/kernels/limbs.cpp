@@ -263,6 +263,36 @@ inline void half_scales(const uint8_t* blk, const uint8_t* sb, int64_t h, __m512
     }
 }
 
+
+// one group's four limb sums (int32, 16 columns) into the row's y: limbs 0 and 1, 2 and 3 joined
+// in int32 (below 2^29), then T in a double, scaled by the group's scales s and offsets o (the
+// row's sum S) and the row's block scale e. The vpdpbusd and the tile paths both end here, so
+// they give the same bits by construction
+template <int F>
+inline void add_group(const __m512i* a, double S, const __m512d* s, const __m512d* o, __m512d e,
+                      __m512d* y) {
+    using L = LimbLayout<F>;
+    const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
+    const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
+    __m512d l01, h01, l23, h23;
+    i32_pd(a01, l01, h01);
+    i32_pd(a23, l23, h23);
+    const __m512d big = _mm512_set1_pd(65536.0);
+    const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
+    __m512d u0, u1;
+    if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
+        const __m512d os = _mm512_set1_pd(S * L::offset);
+        u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[0]);
+        u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[1]);
+    } else {  // T s + S o
+        const __m512d Sv = _mm512_set1_pd(S);
+        u0 = _mm512_fmadd_pd(Sv, o[0], _mm512_mul_pd(t0, s[0]));
+        u1 = _mm512_fmadd_pd(Sv, o[1], _mm512_mul_pd(t1, s[1]));
+    }
+    y[0] = _mm512_fmadd_pd(u0, e, y[0]);
+    y[1] = _mm512_fmadd_pd(u1, e, y[1]);
+}
+
 // MR rows (from m0) of the limbs times one packed panel, HS halves (16 columns each) a pass
 // starting at half h0: y[r] accumulates in doubles, groups in order
 template <int F, int MR, int HS>
@@ -308,27 +338,8 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
 #pragma GCC unroll 4
                             for (int i = 0; i < LIMBS; ++i)
                                 a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
-                        // limbs 0 and 1, 2 and 3 joined in int32 (below 2^29), then T in a double
-                        const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
-                        const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
-                        __m512d l01, h01, l23, h23;
-                        i32_pd(a01, l01, h01);
-                        i32_pd(a23, l23, h23);
-                        const __m512d big = _mm512_set1_pd(65536.0);
-                        const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
                         const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
-                        __m512d u0, u1;
-                        if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
-                            const __m512d os = _mm512_set1_pd(S * L::offset);
-                            u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[g][0]);
-                            u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[g][1]);
-                        } else {  // T s + S o
-                            const __m512d Sv = _mm512_set1_pd(S);
-                            u0 = _mm512_fmadd_pd(Sv, o[g][0], _mm512_mul_pd(t0, s[g][0]));
-                            u1 = _mm512_fmadd_pd(Sv, o[g][1], _mm512_mul_pd(t1, s[g][1]));
-                        }
-                        y[r][h][0] = _mm512_fmadd_pd(u0, e, y[r][h][0]);
-                        y[r][h][1] = _mm512_fmadd_pd(u1, e, y[r][h][1]);
+                        add_group<F>(a, S, s[g], o[g], e, y[r][h]);
                     }
                 }
             }

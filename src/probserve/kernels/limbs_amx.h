@@ -82,26 +82,8 @@ inline void add_pass(const int32_t (*sums)[TROWS][16], const RowLimbs& R, int64_
         const __m512d e = _mm512_set1_pd(R.scale[at]);
         __m512i a[LIMBS];
         for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_load_si512(sums[i][r]);
-        const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
-        const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
-        __m512d l01, h01, l23, h23;
-        i32_pd(a01, l01, h01);
-        i32_pd(a23, l23, h23);
-        const __m512d big = _mm512_set1_pd(65536.0);
-        const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
         const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
-        __m512d u0, u1;
-        if constexpr (L::offset != 0) {
-            const __m512d os = _mm512_set1_pd(S * L::offset);
-            u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[0]);
-            u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[1]);
-        } else {
-            const __m512d Sv = _mm512_set1_pd(S);
-            u0 = _mm512_fmadd_pd(Sv, o[0], _mm512_mul_pd(t0, s[0]));
-            u1 = _mm512_fmadd_pd(Sv, o[1], _mm512_mul_pd(t1, s[1]));
-        }
-        y[r][0] = _mm512_fmadd_pd(u0, e, y[r][0]);
-        y[r][1] = _mm512_fmadd_pd(u1, e, y[r][1]);
+        add_group<F>(a, S, s, o, e, y[r]);
     }
 }
 
