@@ -189,6 +189,26 @@ def _check_routing(model: LoadedModel, outs: list, ids: list[int], gen: list[int
         assert np.abs(weights[:, m] - want_w.numpy()).max() < 1e-5
 
 
+def against_transformers(
+    model: LoadedModel, outs: list, ids: list[int], gen: list[int]
+) -> tuple[Any, np.ndarray, np.ndarray]:
+    """Checks a request's prompt and generated logprobs within 1e-4 of transformers' float32
+    forward, and its greedy tokens; returns transformers' logprobs and ours (prompt, generated:
+    float64)."""
+    ref = full_logprobs(model.model, ids + gen)
+    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    got = np.asarray(prompt.logprobs, dtype=np.float64)
+    assert list(prompt.token_ids) == ids[1:]
+    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+    assert np.abs(got - want).max() < 1e-4
+    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
+    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
+    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
+    assert np.abs(lps - want).max() < 1e-4
+    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+    return ref, got, lps
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(10, 40000, size=n)]
@@ -209,17 +229,7 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
             i for i, s in enumerate(family(model.model.config).sparse) if s
         )
         _check_routing(model, outs, ids, gen)
-    ref = full_logprobs(model.model, ids + gen)
-    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
-    got = np.asarray(prompt.logprobs, dtype=np.float64)
-    assert list(prompt.token_ids) == ids[1:]
-    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
-    assert np.abs(got - want).max() < 1e-4
-    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
-    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
-    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
-    assert np.abs(lps - want).max() < 1e-4
-    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+    against_transformers(model, outs, ids, gen)
 
 
 def _numbers(outs: list) -> list[bytes]:

@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import run_core
 from reference import full_logprobs
-from test_families import _numbers, _prompt, _request
+from test_families import _numbers, _prompt, _request, against_transformers
 from test_speculation import _numbers as _flat
 
 from probserve.engine import EngineConfig, EngineCore
@@ -117,17 +117,8 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     ids = _prompt(1, 23)
     outs = run_core(core, [_request(ids, "r")])["r"]
     gen = [t for o in outs for t in o.new_token_ids]
-    ref = full_logprobs(model.model, ids + gen)
-    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
-    got = np.asarray(prompt.logprobs, dtype=np.float64)
-    assert list(prompt.token_ids) == ids[1:]
-    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
-    assert np.abs(got - want).max() < 1e-4
-    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
-    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
-    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
-    assert len(gen) == 8 and np.abs(lps - want).max() < 1e-4
-    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+    assert len(gen) == 8
+    ref, got, lps = against_transformers(model, outs, ids, gen)
     # no further from a float64 forward than twice transformers' float32 one is (RMS over every
     # prompt and generated token: tests/test_exactness.py's rule)
     tokens = ids + gen
