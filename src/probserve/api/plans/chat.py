@@ -9,6 +9,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from probserve.api.answers.thinking import ThinkMarkers, opened, think_markers
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import compiled_grammar, grammar_ask
@@ -66,10 +67,12 @@ async def chat_plan(
         asked = asked or called
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
+    markers = None if echo else thinking_markers(state)
     return Plan(
         prompts=[prompt], sampling=sampling, spec=ask.spec(), stops=stops,
         skip_special_tokens=skip_special, grammar=grammar, tools=tools,
         speculative=body.speculative,
+        thinking=opened(markers, prompt.ids, state.table) if markers else None,
     )  # fmt: skip
 
 
@@ -99,6 +102,18 @@ def tool_format(state: Serving) -> ToolFormat:
     template = getattr(state.record.tokenizer, "chat_template", None)
     return detect_format(
         template if isinstance(template, str) else None, state.config.tool_call_parser
+    )
+
+
+def thinking_markers(state: Serving) -> ThinkMarkers | None:
+    """This model's thinking markers (its template's and tokenizer's, or --reasoning-parser's;
+    None: its replies are not split)."""
+    tok = state.record.tokenizer
+    template = getattr(tok, "chat_template", None)
+    return think_markers(
+        template if isinstance(template, str) else None,
+        tok.get_added_vocab(),
+        state.config.reasoning_parser,
     )
 
 

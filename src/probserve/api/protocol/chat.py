@@ -160,6 +160,7 @@ class ChatLogprobEntry(TopLogprob):
 class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None
     refusal: list[ChatLogprobEntry] | None = None
+    reasoning: list[ChatLogprobEntry] | None = Extension()  # a thinking model's reasoning's
 
 
 class AssistantMessage(BaseModel):
@@ -167,6 +168,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = Extension()
+    # a thinking model's reasoning (vLLM's `reasoning`, and its older `reasoning_content`)
+    reasoning: str | None = Extension()
+    reasoning_content: str | None = Extension()
 
 
 class FunctionCallDelta(BaseModel):
@@ -228,6 +232,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Extension()
+    reasoning: str | None = Extension()  # the reasoning this chunk adds (and its older name)
+    reasoning_content: str | None = Extension()
 
 
 class ChatChunkChoice(BaseModel):

