@@ -49,7 +49,8 @@ THINK_THEN_ANSWER = (
 )
 # with the prefilled <think>: the reasoning, the end marker, the answer
 THOUGHT_THEN_ANSWER = (
-    'start: /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/'
+    'start: /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" '
+    "/[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
 )
 
 
@@ -86,12 +87,10 @@ def _header_tokenizer(path: Path) -> Any:
         ]
     )
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    )
-    tk.add_tokens(
-        [AddedToken(tokens[i], special=False, normalized=False) for i, t in enumerate(types) if t == 4]
-    )
+    control = [i for i, t in enumerate(types) if t == 3]
+    user = [i for i, t in enumerate(types) if t == 4]
+    tk.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control])
+    tk.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=tk,
         bos_token=tokens[value("tokenizer.ggml.bos_token_id")],
@@ -135,9 +134,9 @@ def q_http(r1: LoadedModel) -> Iterator[httpx.Client]:
     """A server over the same model with Qwen3.5's template (the prompt opens the thinking)."""
     from server_util import running_server
 
-    with running_server(with_chat_template(r1, QWEN35)) as url:
-        with httpx.Client(base_url=url, timeout=120) as c:
-            yield c
+    served = running_server(with_chat_template(r1, QWEN35))
+    with served as url, httpx.Client(base_url=url, timeout=120) as c:
+        yield c
 
 
 def _post(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
