@@ -261,3 +261,108 @@ def test_unterminated_thinking_at_max_tokens(q_http: httpx.Client) -> None:
     streamed = _joined_chat(_events(q_http, "/v1/chat/completions", body))
     assert streamed["finish"] == "length" and streamed["content"] == ""
     assert streamed["reasoning"] == choice["message"]["reasoning"]
+
+
+# ---- Responses and Messages: the same reasoning, answer and logprobs as chat ---------------
+
+
+def _responses_joined(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed response's reasoning and text deltas (with their logprobs), and its end."""
+    out: dict[str, Any] = {"reasoning": "", "text": "", "r_lp": [], "t_lp": [], "kinds": []}
+    for e in events:
+        out["kinds"].append(e["type"])
+        if e["type"] == "response.reasoning_text.delta":
+            out["reasoning"] += e["delta"]
+            out["r_lp"] += e["logprobs"]
+        elif e["type"] == "response.output_text.delta":
+            out["text"] += e["delta"]
+            out["t_lp"] += e["logprobs"]
+        elif e["type"] in ("response.completed", "response.incomplete"):
+            out["final"] = e["response"]
+    return out
+
+
+def _messages_joined(events: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"thinking": "", "text": "", "th_lp": [], "t_lp": [], "starts": []}
+    for e in events:
+        if e["type"] == "content_block_start":
+            out["starts"].append(e["content_block"]["type"])
+        elif e["type"] == "content_block_delta":
+            d = e["delta"]
+            if d["type"] == "thinking_delta":
+                out["thinking"] += d["thinking"]
+                out["th_lp"] += e.get("logprobs", [])
+            elif d["type"] == "text_delta":
+                out["text"] += d["text"]
+                out["t_lp"] += e.get("logprobs", [])
+        elif e["type"] == "message_delta":
+            out["stop"] = e["delta"]["stop_reason"]
+    return out
+
+
+def _without_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items but their ids (each response names its own)."""
+    return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+
+@pytest.mark.parametrize("server", ["r1_http", "q_http"])
+def test_every_route_gives_the_same_reasoning_answer_and_logprobs(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    c = request.getfixturevalue(server)
+    grammar = THINK_THEN_ANSWER if server == "r1_http" else THOUGHT_THEN_ANSWER
+    chat = _post(c, "/v1/chat/completions", _chat(grammar))["choices"][0]
+    reasoning, content = chat["message"]["reasoning"], chat["message"]["content"]
+    lp = chat["logprobs"]
+    common = {"temperature": 0, "structured_outputs": {"grammar": grammar}}
+
+    body = {**common, "input": ASK, "max_output_tokens": 64, "top_logprobs": 2}
+    resp = _post(c, "/v1/responses", body)
+    thought, message = resp["output"]
+    assert thought["type"] == "reasoning" and thought["status"] == "completed"
+    assert thought["content"][0]["type"] == "reasoning_text"
+    assert thought["content"][0]["text"] == reasoning
+    assert thought["content"][0]["logprobs"] == lp["reasoning"]
+    assert message["type"] == "message" and message["content"][0]["text"] == content
+    assert message["content"][0]["logprobs"] == lp["content"]
+    streamed = _responses_joined(_events(c, "/v1/responses", body))
+    assert streamed["reasoning"] == reasoning and streamed["text"] == content
+    assert streamed["r_lp"] == lp["reasoning"] and streamed["t_lp"] == lp["content"]
+    assert _without_ids(streamed["final"]["output"]) == _without_ids(resp["output"])
+    kinds = streamed["kinds"]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    added = [e for e in _events(c, "/v1/responses", body) if e["type"].endswith("item.added")]
+    assert [(e["output_index"], e["item"]["type"]) for e in added] == [
+        (0, "reasoning"),
+        (1, "message"),
+    ]
+
+    body = {**common, "messages": ASK, "max_tokens": 64, "logprobs": True, "top_logprobs": 2}
+    msg = _post(c, "/v1/messages", body)
+    blocks = msg["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    assert blocks[0]["thinking"] == reasoning and blocks[1]["text"] == content
+    assert blocks[0]["logprobs"] == lp["reasoning"]
+    assert blocks[1]["logprobs"] == lp["content"]
+    streamed = _messages_joined(_events(c, "/v1/messages", body))
+    assert streamed["starts"] == ["thinking", "text"] and streamed["stop"] == "end_turn"
+    assert streamed["thinking"] == reasoning and streamed["text"] == content
+    assert streamed["th_lp"] == lp["reasoning"] and streamed["t_lp"] == lp["content"]
+
+
+def test_cut_short_while_thinking_on_every_route(q_http: httpx.Client) -> None:
+    common = {"temperature": 0, "structured_outputs": {"grammar": THOUGHT_THEN_ANSWER}}
+    body = {**common, "input": ASK, "max_output_tokens": 3}
+    resp = _post(q_http, "/v1/responses", body)
+    assert resp["status"] == "incomplete"
+    thought, message = resp["output"]
+    assert thought["status"] == "incomplete" and thought["content"][0]["text"]
+    assert message["content"][0]["text"] == ""
+    final = _responses_joined(_events(q_http, "/v1/responses", body))["final"]
+    assert _without_ids(final["output"]) == _without_ids(resp["output"])
+    body = {**common, "messages": ASK, "max_tokens": 3}
+    msg = _post(q_http, "/v1/messages", body)
+    assert msg["stop_reason"] == "max_tokens"
+    assert [b["type"] for b in msg["content"]] == ["thinking"] and msg["content"][0]["thinking"]
+    streamed = _messages_joined(_events(q_http, "/v1/messages", body))
+    assert streamed["thinking"] == msg["content"][0]["thinking"] and streamed["text"] == ""

@@ -195,6 +195,15 @@ class TextContent(BaseModel):
     logprobs: list[ChatLogprobEntry] | None = Extension()  # probserve's: the block's tokens
 
 
+class ThinkingContent(BaseModel):
+    """A thinking model's reasoning, as written (no signature: nothing here is encrypted)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+    logprobs: list[ChatLogprobEntry] | None = Extension()  # probserve's: the block's tokens
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -211,7 +220,7 @@ class MessageObject(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessagesUsage

@@ -139,6 +139,24 @@ class ResponseOutputMessage(BaseModel):
     content: list[ResponseOutputText]
 
 
+class ResponseReasoningText(BaseModel):
+    """A thinking model's reasoning, as written; `logprobs`: its tokens' (probserve's)."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+    logprobs: list[ChatLogprobEntry] | None = Extension()
+
+
+class ResponseReasoningItem(BaseModel):
+    """The reasoning output item, before the message: its text one reasoning_text part."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ResponseReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseFunctionCall(BaseModel):
     """A call the reply makes (an output item); `logprobs`: its tokens' (probserve's)."""
 
@@ -171,7 +189,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionCall]
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall]
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
