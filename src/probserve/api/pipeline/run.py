@@ -142,9 +142,13 @@ class Run:
     @property
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
-        return Usage.of(
+        usage = Usage.of(
             prompt_tokens, sum(c.num_tokens for c in self.candidates), self.cached_tokens
         )
+        if self.plan.thinking is not None:  # a thinking model's: its reasoning tokens
+            thought = sum(len(c.thinking) for c in self.candidates)
+            usage.completion_tokens_details = {"reasoning_tokens": thought}
+        return usage
 
     @property
     def cached_tokens(self) -> int:

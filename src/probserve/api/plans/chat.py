@@ -151,13 +151,24 @@ def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs (checked), with reasoning_effort as the template's variable of that
-    name (as vLLM passes it: a template that reasons reads it; any other ignores it), unless
-    the kwargs set it themselves."""
+    """chat_template_kwargs (checked), with reasoning_effort and enable_thinking as the
+    template's variables (`thinking_kwargs`), unless the kwargs set them themselves."""
     kwargs = check_template_kwargs(body.chat_template_kwargs)
-    if body.reasoning_effort is None:
-        return kwargs
-    return {"reasoning_effort": body.reasoning_effort, **kwargs}
+    return {**thinking_kwargs(body.reasoning_effort, body.enable_thinking), **kwargs}
+
+
+def thinking_kwargs(effort: str | None, enable: bool | None = None) -> dict[str, Any]:
+    """The template variables a request's thinking asks for: `reasoning_effort` as the
+    template's variable of that name (as vLLM passes it: a template that reasons reads it, any
+    other ignores it), `enable_thinking` (Qwen3's; effort "none" turns it off)."""
+    kwargs: dict[str, Any] = {}
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    if enable is None and effort == "none":
+        enable = False
+    if enable is not None:
+        kwargs["enable_thinking"] = enable
+    return kwargs
 
 
 def _reserved_template_names() -> frozenset[str]:

@@ -6,7 +6,7 @@ is set (an explicit `"top_logprobs": null` with the include gives 0 alternatives
 from __future__ import annotations
 
 from probserve.api.errors import APIError, bad_request
-from probserve.api.plans.chat import Conversation, chat_plan, tool_format
+from probserve.api.plans.chat import Conversation, chat_plan, thinking_kwargs, tool_format
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.protocol import (
@@ -111,7 +111,10 @@ async def responses_plan(state: Serving, body: ResponsesRequest) -> tuple[Plan, 
         ask = responses_ask(state, body)
         tools = _tools(state, body)
         messages = _messages(body)
-        conversation = Conversation(messages=messages, tools=tools)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        conversation = Conversation(
+            messages=messages, tools=tools, template_kwargs=thinking_kwargs(effort)
+        )
         plan = await chat_plan(state, body, conversation, body.max_output_tokens, ask)
     except (APIError, RequestError) as exc:
         raise in_responses_terms(exc) from None

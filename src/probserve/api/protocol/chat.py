@@ -134,6 +134,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
     )
+    # the template's `enable_thinking` variable (Qwen3's, as chat_template_kwargs sets it)
+    enable_thinking: bool | None = None
 
 
 class TopLogprob(BaseModel):

@@ -94,8 +94,9 @@ class ResponseText(RequestModel):
 
 
 class Reasoning(RequestModel):
-    """The Responses API's `reasoning` (and what inspect-ai's start-up probe sends): accepted
-    with no effect, as the models served write no reasoning items (docs/logprobs.md)."""
+    """The Responses API's `reasoning` (and what inspect-ai's start-up probe sends): `effort`
+    is the template's `reasoning_effort` variable ("none" also turns `enable_thinking` off);
+    a thinking model's reasoning is a reasoning item as written (no summary is made)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None

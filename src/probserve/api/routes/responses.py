@@ -117,7 +117,7 @@ class _Reply(ReplyItems):
     def response(self) -> ResponseObject:
         b = self.body
         done = self.finish is not None
-        usage = self.run.usage
+        usage, cand = self.run.usage, self.run.candidates[0]
         reason = "grammar_limit" if self.finish == "grammar_limit" else "max_output_tokens"
         incomplete = IncompleteDetails(reason=reason)
         tools = self.run.plan.tools
@@ -133,6 +133,7 @@ class _Reply(ReplyItems):
                     input_tokens=usage.prompt_tokens,
                     input_tokens_details=usage.prompt_tokens_details,
                     output_tokens=usage.completion_tokens,
+                    output_tokens_details={"reasoning_tokens": len(cand.thinking)},
                     total_tokens=usage.total_tokens,
                 )
                 if done
