@@ -243,12 +243,40 @@ def test_chat_splits_whole_and_streamed_alike(server: str, request: pytest.Fixtu
     assert streamed["finish"] == "stop"
 
 
-def test_a_model_without_a_think_block_is_not_split(q_http: httpx.Client) -> None:
-    """enable_thinking false: the template closes the thinking; the reply is all answer."""
+@pytest.mark.parametrize(
+    "off",
+    [
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"enable_thinking": False},
+        {"reasoning_effort": "none"},
+    ],
+)
+def test_thinking_turned_off_is_not_split(q_http: httpx.Client, off: dict[str, Any]) -> None:
+    """enable_thinking false (or effort none): the template closes the thinking; the reply is
+    all answer, no reasoning tokens counted."""
     grammar = "start: /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
-    body = _chat(grammar, chat_template_kwargs={"enable_thinking": False})
-    msg = _post(q_http, "/v1/chat/completions", body)["choices"][0]["message"]
+    out = _post(q_http, "/v1/chat/completions", _chat(grammar, **off))
+    msg = out["choices"][0]["message"]
     assert msg["content"] and "reasoning" not in msg and "reasoning_content" not in msg
+    assert "reasoning" not in out["choices"][0]["logprobs"]
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    body = {"input": ASK, "max_output_tokens": 16, "temperature": 0,
+            "structured_outputs": {"grammar": grammar}, "reasoning": {"effort": "none"}}  # fmt: skip
+    resp = _post(q_http, "/v1/responses", body)
+    assert [item["type"] for item in resp["output"]] == ["message"]
+    body = {"messages": ASK, "max_tokens": 16, "temperature": 0,
+            "structured_outputs": {"grammar": grammar}, "thinking": {"type": "disabled"}}  # fmt: skip
+    assert [b["type"] for b in _post(q_http, "/v1/messages", body)["content"]] == ["text"]
+
+
+def test_reasoning_tokens_are_counted(q_http: httpx.Client) -> None:
+    out = _post(q_http, "/v1/chat/completions", _chat(THOUGHT_THEN_ANSWER))
+    thought = len(out["choices"][0]["logprobs"]["reasoning"])
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    body = {"input": ASK, "max_output_tokens": 64, "temperature": 0,
+            "structured_outputs": {"grammar": THOUGHT_THEN_ANSWER}}  # fmt: skip
+    usage = _post(q_http, "/v1/responses", body)["usage"]
+    assert usage["output_tokens_details"] == {"reasoning_tokens": thought}
 
 
 def test_unterminated_thinking_at_max_tokens(q_http: httpx.Client) -> None:
