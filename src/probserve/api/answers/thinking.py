@@ -35,11 +35,14 @@ class ReasoningParser(enum.StrEnum):
 @dataclass(frozen=True)
 class ThinkMarkers:
     """The markers' token ids; `opened`: the prompt ends inside the thinking (its last token
-    but whitespace is `start`), so the reply is reasoning until `end`."""
+    but whitespace is `start`), so the reply is reasoning until `end`; `closed`: the prompt
+    ends after an `end` (the template closed the thinking: thinking off), so the reply is all
+    answer."""
 
     start: int
     end: int
     opened: bool = False
+    closed: bool = False
 
 
 def think_markers(
@@ -59,14 +62,16 @@ def think_markers(
 
 def opened(markers: ThinkMarkers, ids: Sequence[int], table: TokenTable) -> ThinkMarkers:
     """`markers` for a prompt of `ids`: opened where its last token but whitespace is the start
-    marker (the template's prefilled `<think>`; a marker a user typed is followed by the
-    template's own tokens, so it never counts)."""
+    marker (the template's prefilled `<think>`), closed where it is the end marker (the
+    template's empty think block); a marker a user typed is followed by the template's own
+    tokens, so it never counts."""
     for tid in reversed(ids):
-        if tid == markers.start:
-            return dataclasses.replace(markers, opened=True)
-        if tid == markers.end or table.token_bytes(tid).strip():
+        if tid in (markers.start, markers.end):
+            started = tid == markers.start
+            return dataclasses.replace(markers, opened=started, closed=not started)
+        if table.token_bytes(tid).strip():
             break
-    return dataclasses.replace(markers, opened=False)
+    return dataclasses.replace(markers, opened=False, closed=False)
 
 
 class ThinkSplit:
@@ -76,7 +81,7 @@ class ThinkSplit:
 
     def __init__(self, markers: ThinkMarkers) -> None:
         self.markers = markers
-        self.state = "thinking" if markers.opened else "start"
+        self.state = "thinking" if markers.opened else "answer" if markers.closed else "start"
         self._said = {"thinking": False, "answer": False}  # a channel's text has begun
 
     def split(self, pieces: list[Piece]) -> tuple[list[Piece], list[Piece]]:

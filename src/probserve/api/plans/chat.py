@@ -12,7 +12,7 @@ from typing import Any
 from probserve.api.answers.thinking import ThinkMarkers, opened, think_markers
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
-from probserve.api.plans.grammar import compiled_grammar, grammar_ask
+from probserve.api.plans.grammar import after_thinking, compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped, reply_alternatives
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
@@ -45,9 +45,11 @@ async def chat_plan(
     conversation: Conversation,
     max_tokens: int | None,
     ask: LogprobsAsk,
+    budget: int | None = None,
 ) -> Plan:
     """The plan of a conversation: its prompt through the template, its candidates' sampling,
-    the reply's grammar (a structured output, or the tools' calls)."""
+    the reply's grammar (a structured output, or the tools' calls); a thinking model's reply
+    thinks freely (at most `budget` tokens) before the grammar applies to its answer."""
     echo = conversation.echo
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
@@ -68,11 +70,14 @@ async def chat_plan(
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
     markers = None if echo else thinking_markers(state)
+    if markers is not None:
+        markers = opened(markers, prompt.ids, state.table)
+        if not markers.closed and not primed and (grammar is not None or budget is not None):
+            grammar = after_thinking(markers, grammar, budget)
     return Plan(
         prompts=[prompt], sampling=sampling, spec=ask.spec(), stops=stops,
         skip_special_tokens=skip_special, grammar=grammar, tools=tools,
-        speculative=body.speculative,
-        thinking=opened(markers, prompt.ids, state.table) if markers else None,
+        speculative=body.speculative, thinking=markers,
     )  # fmt: skip
 
 
@@ -214,5 +219,5 @@ async def chat_completion_plan(
         messages=body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
         template_kwargs=kwargs, echo=body.echo, continue_final=body.continue_final_message,
     )  # fmt: skip
-    plan = await chat_plan(state, body, conversation, max_tokens, ask)
+    plan = await chat_plan(state, body, conversation, max_tokens, ask, body.thinking_budget)
     return routing_spec(state, body, plan, prompt=body.prompt_logprobs is not None), ask

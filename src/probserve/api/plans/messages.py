@@ -263,7 +263,10 @@ async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, Lo
     _output_format(body)
     try:
         ask = messages_ask(state, body)
-        plan = await chat_plan(state, body, _conversation(state, body), body.max_tokens, ask)
+        thinking = body.thinking
+        budget = thinking.budget_tokens if thinking and thinking.type != "disabled" else None
+        conversation = _conversation(state, body)
+        plan = await chat_plan(state, body, conversation, body.max_tokens, ask, budget)
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc, body) from None
     return plan, ask

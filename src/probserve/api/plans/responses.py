@@ -115,7 +115,8 @@ async def responses_plan(state: Serving, body: ResponsesRequest) -> tuple[Plan, 
         conversation = Conversation(
             messages=messages, tools=tools, template_kwargs=thinking_kwargs(effort)
         )
-        plan = await chat_plan(state, body, conversation, body.max_output_tokens, ask)
+        budget = body.thinking_budget
+        plan = await chat_plan(state, body, conversation, body.max_output_tokens, ask, budget)
     except (APIError, RequestError) as exc:
         raise in_responses_terms(exc) from None
     return plan, ask

@@ -136,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
     )
     # the template's `enable_thinking` variable (Qwen3's, as chat_template_kwargs sets it)
     enable_thinking: bool | None = None
+    # a thinking model thinks at most this many tokens, then its thinking is ended (DashScope's)
+    thinking_budget: Int | None = Field(None, ge=1)
 
 
 class TopLogprob(BaseModel):

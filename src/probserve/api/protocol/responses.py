@@ -123,6 +123,8 @@ class ResponsesRequest(SamplingFields):
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     reasoning: Reasoning | None = None
+    # a thinking model thinks at most this many tokens, then its thinking is ended (as chat's)
+    thinking_budget: Int | None = Field(None, ge=1)
 
 
 class ResponseOutputText(BaseModel):
