@@ -35,29 +35,32 @@ START, END = 151648, 151649  # R1 distill's <think> and </think>
 # Qwen3.5's generation prompt: the reply starts inside the thinking (`<think>\n` prefilled),
 # or, with enable_thinking false, after an empty think block
 QWEN35 = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
     "{%- if m.role == 'assistant' and m.reasoning_content is defined %}"
-    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{%- endif %}"
-    "{{ m.content }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- else %}<think>\n{%- endif %}{%- endif %}"
+    "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
 )
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 ANSWER = "start: /[A-Z][a-z]{2,6}( [a-z]{2,6}){1,2}/"  # the answer, after the thinking
 BUDGET = 6
+HMM = 87501  # " hmm"
 
 
 def _steer(server: str, budget: int = BUDGET, route: str = "chat") -> dict[str, Any]:
     """A reply that thinks `budget` tokens (R1's: after opening its think block), then answers
-    as ANSWER says."""
+    as ANSWER says (a random model's thinking, greedy, can be all whitespace: a logit bias
+    makes it words)."""
     out: dict[str, Any] = {"temperature": 0, "structured_outputs": {"grammar": ANSWER}}
     if route == "messages":
         out["thinking"] = {"type": "enabled", "budget_tokens": budget}
     else:
         out["thinking_budget"] = budget
+    out["logit_bias"] = {str(HMM): 50}  # the thinking: " hmm" (the grammar bars it after)
     if server == "r1_http":
-        out["logit_bias"] = {str(START): 100}
+        out["logit_bias"][str(START)] = 100
     return out
 
 
@@ -478,3 +481,36 @@ def test_a_json_schema_applies_to_the_answer_after_free_thinking(
     assert set(value) == {"answer", "n"} and isinstance(value["n"], int)
     assert choice["message"]["reasoning"] is not None
     assert choice["logprobs"]["reasoning"][-1]["token"] == "</think>"
+
+
+def test_earlier_reasoning_sent_back_is_rendered_by_the_template(q_http: httpx.Client) -> None:
+    """An assistant's reasoning sent back (chat's field, a Responses reasoning item, a Messages
+    thinking block) is the template's reasoning_content: all three give the same prompt, with
+    the earlier thinking between the template's own markers."""
+    said, thought = "Rayleigh scattering.", "short waves scatter"
+    common = {"max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    chat = _post(q_http, "/v1/chat/completions", {
+        **common, "messages": [*ASK, {"role": "assistant", "content": said, "reasoning": thought},
+                               {"role": "user", "content": "More?"}],
+    })  # fmt: skip
+    ids = chat["prompt_token_ids"]
+    assert [t for t in ids if t in (START, END)] == [START, END, START]
+    text = q_http.post("/detokenize", json={"model": "r1-tiny", "tokens": ids}).json()["prompt"]
+    assert f"<think>\n{thought}\n</think>\n\n{said}" in text
+    resp = _post(q_http, "/v1/responses", {
+        "max_output_tokens": 4, "temperature": 0, "return_token_ids": True,
+        "input": [*ASK, {"type": "reasoning", "summary": [],
+                         "content": [{"type": "reasoning_text", "text": thought}]},
+                  {"role": "assistant", "content": said}, {"role": "user", "content": "More?"}],
+    })  # fmt: skip
+    assert resp["prompt_token_ids"] == ids
+    msg = _post(q_http, "/v1/messages", {
+        **common, "messages": [*ASK, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": thought, "signature": ""},
+            {"type": "text", "text": said}]}, {"role": "user", "content": "More?"}],
+    })  # fmt: skip
+    assert msg["prompt_token_ids"] == ids
+    r = q_http.post("/v1/chat/completions", json={
+        "model": "r1-tiny", **common, "messages": [{**ASK[0], "reasoning": thought}],
+    })  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning"

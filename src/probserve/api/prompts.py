@@ -150,6 +150,14 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 d["name"] = name
         elif m.tool_call_id is not None:
             raise bad_request("only tool messages hold tool_call_id", f"messages[{i}].tool_call_id")
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:  # the template renders it where it keeps earlier thinking
+            if m.role != "assistant":
+                field = "reasoning" if m.reasoning is not None else "reasoning_content"
+                raise bad_request(
+                    "only assistant messages hold reasoning", f"messages[{i}].{field}"
+                )
+            d["reasoning_content"] = reasoning
         out.append(d)
     return out
 

@@ -80,6 +80,9 @@ class ChatMessage(RequestModel):
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], bounded(MAX_FEW)] | None = None  # an assistant's
     tool_call_id: Text | None = None  # a tool message's: the call it answers
+    # an assistant's reasoning, sent back (vLLM's two names): the template's reasoning_content
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
     # what an SDK sends back with an assistant message it received: accepted when empty
     refusal: None = None
     function_call: None = None

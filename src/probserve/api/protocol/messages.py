@@ -67,8 +67,9 @@ class ToolResultBlock(RequestModel):
 
 
 class ThinkingBlock(RequestModel):
-    """An assistant's thinking, sent back in the conversation: left out of the prompt, as
-    Anthropic's API leaves earlier turns' thinking out of the context."""
+    """An assistant's thinking, sent back in the conversation: the template's
+    `reasoning_content` of that message (rendered where the template keeps earlier thinking;
+    `signature` not checked: nothing here is signed)."""
 
     type: Literal["thinking"]
     thinking: Text

@@ -62,8 +62,31 @@ class FunctionCallOutputInput(RequestModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningTextInput(RequestModel):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class SummaryTextInput(RequestModel):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningInput(RequestModel):
+    """A reasoning item the reply had, sent back: the next assistant message's reasoning (the
+    template renders it where it keeps earlier thinking)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: Annotated[list[SummaryTextInput], bounded(MAX_FEW)] | None = None  # not rendered
+    content: Annotated[list[ReasoningTextInput], bounded(MAX_FEW)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    encrypted_content: None = None  # nothing is encrypted here
+
+
 InputItem = Annotated[
-    InputMessage | FunctionCallInput | FunctionCallOutputInput, Field(union_mode="left_to_right")
+    InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput,
+    Field(union_mode="left_to_right"),
 ]
 
 
