@@ -291,6 +291,7 @@ def _content_spans(
 
 def _typed_as_text(
     loaded: ModelRecord,
+    table: TokenTable,
     text: str,
     ids: list[int],
     rendering: tuple[list[dict[str, Any]], bool, dict[str, Any], bool],
@@ -300,21 +301,23 @@ def _typed_as_text(
     is: a client's words never become the template's control tokens (a fake think block, a
     turn of its own). `rendering`: the messages, generation prompt, template variables and
     continue_final `text` was rendered with (to place each content in it)."""
-    tok = loaded.tokenizer
-    added = {int(i) for i in tok.get_added_vocab().values()}
-    if not added.intersection(ids) or not getattr(tok, "is_fast", False):
-        return ids
+    tok, pattern, added = loaded.tokenizer, table.added_texts, table.added_ids
     dicts, gen, kwargs, final = rendering
+    typed = (d["content"] for d in dicts if d["role"] != "assistant")
+    if pattern is None or not any(pattern.search(c) for c in typed):
+        return ids  # what nearly every prompt is: no client text reads as a control token
+    if not getattr(tok, "is_fast", False):
+        return ids
     spans = _content_spans(loaded, dicts, gen, kwargs, final, text)
-    typed = [(a, b) for a, b, i in spans or () if dicts[i]["role"] != "assistant"]
-    if not typed:
+    places = [(a, b) for a, b, i in spans or () if dicts[i]["role"] != "assistant"]
+    if not places:
         return ids
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     if list(enc.input_ids) != ids:
         return ids
     out: list[int] = []
     for tid, (a, b) in zip(ids, enc.offset_mapping, strict=True):
-        if tid in added and any(s <= a and b <= e for s, e in typed):
+        if tid in added and any(s <= a and b <= e for s, e in places):
             out += _plain_ids(tok, text[a:b])
         else:
             out.append(tid)
@@ -391,12 +394,12 @@ def chat_prompt(
         answer = dicts[-1]["content"]
         cont = list(tok(answer, add_special_tokens=False).input_ids)
         ids = list(tok(text, add_special_tokens=False).input_ids)
-        ids = _typed_as_text(loaded, text, ids, (shown, gen, template_kwargs, final)) + cont
+        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final)) + cont
     else:
         shown, gen, final = dicts, add_generation_prompt, continue_final
         text = render_chat_text(loaded, dicts, gen, template_kwargs, final)
         ids, cont, answer = list(tok(text, add_special_tokens=False).input_ids), [], ""
-        ids = _typed_as_text(loaded, text, ids, (shown, gen, template_kwargs, final))
+        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final))
     built = with_pieces(table, ids)
     spans = None
     if built.text == text + answer:  # the tokens decode to the rendered text: offsets agree

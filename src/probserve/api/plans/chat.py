@@ -113,11 +113,10 @@ def tool_format(state: Serving) -> ToolFormat:
 def thinking_markers(state: Serving) -> ThinkMarkers | None:
     """This model's thinking markers (its template's and tokenizer's, or --reasoning-parser's;
     None: its replies are not split)."""
-    tok = state.record.tokenizer
-    template = getattr(tok, "chat_template", None)
+    template = getattr(state.record.tokenizer, "chat_template", None)
     return think_markers(
         template if isinstance(template, str) else None,
-        tok.get_added_vocab(),
+        state.table.added_vocab,
         state.config.reasoning_parser,
     )
 
