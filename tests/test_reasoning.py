@@ -219,6 +219,23 @@ def test_the_split_drops_markers_and_leading_whitespace() -> None:
     split = ThinkSplit(ThinkMarkers(START, END, opened=True))
     reasoning, answer = split.split(_pieces([(2, "hm"), (END, "</think>"), (5, "A")]))
     assert [p.text for p in reasoning] == ["hm", ""] and [p.text for p in answer] == ["A"]
+    # the prompt closed it (thinking off): all answer, even a <think> the model writes
+    split = ThinkSplit(ThinkMarkers(START, END, closed=True))
+    reasoning, answer = split.split(_pieces([(START, "<think>"), (2, "hm"), (END, "</think>")]))
+    assert reasoning == [] and [p.text for p in answer] == ["", "hm", ""]
+
+
+def test_reasoning_parser_none_gives_the_reply_as_written(r1: LoadedModel) -> None:
+    """--reasoning-parser none: what every reply was before the split, markers in content."""
+    from server_util import running_server
+
+    whole = f'start: <[{START}]> "\\nhmm\\n" <[{END}]> "\\n\\nFine"'  # the whole reply's grammar
+    body = {"messages": ASK, "max_tokens": 16, "structured_outputs": {"grammar": whole}}
+    served = running_server(r1, "--reasoning-parser", "none")
+    with served as url, httpx.Client(base_url=url, timeout=120) as c:
+        msg = _post(c, "/v1/chat/completions", body)["choices"][0]["message"]
+    assert "reasoning" not in msg
+    assert msg["content"] == "<think>\nhmm\n</think>\n\nFine"
 
 
 # ---- chat over HTTP ------------------------------------------------------------------------
