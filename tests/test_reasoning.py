@@ -35,6 +35,9 @@ START, END = 151648, 151649  # R1 distill's <think> and </think>
 # Qwen3.5's generation prompt: the reply starts inside the thinking (`<think>\n` prefilled),
 # or, with enable_thinking false, after an empty think block
 QWEN35 = (
+    '{%- if tools %}{{- \'<|im_start|>system\\nCall with <tool_call>{\\"name\\": ..., '
+    "\\\"arguments\\\": ...}</tool_call>: ' }}{{- tools | tojson }}{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
     "{%- if m.role == 'assistant' and m.reasoning_content is defined %}"
     "{{- '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
@@ -531,3 +534,42 @@ def test_earlier_reasoning_sent_back_is_rendered_by_the_template(q_http: httpx.C
         "model": "r1-tiny", **common, "messages": [{**ASK[0], "reasoning": thought}],
     })  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].reasoning"
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_required_call_comes_after_free_thinking(q_http: httpx.Client) -> None:
+    """The tool grammar (Hermes', from the template) applies to the answer: the reply thinks,
+    then calls; the call is parsed from the answer, whole and streamed alike."""
+    body = {**_chat("q_http"), "tools": [WEATHER], "tool_choice": "required",
+            "parallel_tool_calls": False}  # fmt: skip
+    body.pop("structured_outputs")
+    choice = _post(q_http, "/v1/chat/completions", body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    msg = choice["message"]
+    assert msg["reasoning"] and "<tool_call>" not in msg["reasoning"]
+    (call,) = msg["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    chunks = _events(q_http, "/v1/chat/completions", body)
+    streamed = _joined_chat(chunks)
+    assert streamed["reasoning"] == msg["reasoning"] and streamed["finish"] == "tool_calls"
+    arguments = "".join(
+        tc["function"].get("arguments") or ""
+        for ch in chunks
+        for c in ch["choices"]
+        for tc in c["delta"].get("tool_calls") or ()
+    )
+    assert arguments == call["function"]["arguments"]

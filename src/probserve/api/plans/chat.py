@@ -61,7 +61,7 @@ async def chat_plan(
     prompt, primed, tools = await rendered_chat(state, conversation)
     fmt = tool_format(state)
     if tools is not None and not echo:
-        called = tool_grammar(tools, _special_id(state, fmt), primed)
+        called = tool_grammar(tools, _special_id(state, fmt), primed, _tags(state, fmt))
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param
@@ -119,6 +119,14 @@ def thinking_markers(state: Serving) -> ThinkMarkers | None:
         state.table.added_vocab,
         state.config.reasoning_parser,
     )
+
+
+def _tags(state: Serving, fmt: ToolFormat) -> tuple[int, int] | None:
+    """The ids of the format's opener and closer where both are added tokens (Qwen's
+    `<tool_call>`, `</tool_call>`)."""
+    added = state.table.added_vocab
+    opener, closer = added.get(fmt.opener), added.get(fmt.closer)
+    return (opener, closer) if opener is not None and closer is not None else None
 
 
 def _special_id(state: Serving, fmt: ToolFormat) -> int | None:
