@@ -150,6 +150,14 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 d["name"] = name
         elif m.tool_call_id is not None:
             raise bad_request("only tool messages hold tool_call_id", f"messages[{i}].tool_call_id")
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:  # the template renders it where it keeps earlier thinking
+            if m.role != "assistant":
+                field = "reasoning" if m.reasoning is not None else "reasoning_content"
+                raise bad_request(
+                    "only assistant messages hold reasoning", f"messages[{i}].{field}"
+                )
+            d["reasoning_content"] = reasoning
         out.append(d)
     return out
 
@@ -281,6 +289,52 @@ def _content_spans(
     return None
 
 
+def _typed_as_text(
+    loaded: ModelRecord,
+    table: TokenTable,
+    text: str,
+    ids: list[int],
+    rendering: tuple[list[dict[str, Any]], bool, dict[str, Any], bool],
+) -> list[int]:
+    """`ids` (`text` tokenized) with every added or special token that a user, system or tool
+    message's content wrote (`<think>`, `<|im_end|>` typed as text) tokenized as the text it
+    is: a client's words never become the template's control tokens (a fake think block, a
+    turn of its own). `rendering`: the messages, generation prompt, template variables and
+    continue_final `text` was rendered with (to place each content in it)."""
+    tok, pattern, added = loaded.tokenizer, table.added_texts, table.added_ids
+    dicts, gen, kwargs, final = rendering
+    typed = (d["content"] for d in dicts if d["role"] != "assistant")
+    if pattern is None or not any(pattern.search(c) for c in typed):
+        return ids  # what nearly every prompt is: no client text reads as a control token
+    if not getattr(tok, "is_fast", False):
+        return ids
+    spans = _content_spans(loaded, dicts, gen, kwargs, final, text)
+    places = [(a, b) for a, b, i in spans or () if dicts[i]["role"] != "assistant"]
+    if not places:
+        return ids
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc.input_ids) != ids:
+        return ids
+    out: list[int] = []
+    for tid, (a, b) in zip(ids, enc.offset_mapping, strict=True):
+        if tid in added and any(s <= a and b <= e for s, e in places):
+            out += _plain_ids(tok, text[a:b])
+        else:
+            out.append(tid)
+    return out
+
+
+def _plain_ids(tok: Any, text: str) -> list[int]:
+    """`text`'s ids as plain text: the tokenizer's own model over its pre-tokenized pieces,
+    no added token matched."""
+    backend = tok.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    pre = backend.pre_tokenizer
+    pieces = [p for p, _ in pre.pre_tokenize_str(text)] if pre is not None else [text]
+    return [t.id for piece in pieces for t in backend.model.tokenize(piece)]
+
+
 def _search_spans(text: str, dicts: list[dict[str, Any]]) -> list[Span]:
     """The fallback for a template whose contents cannot be placed by markers: each content's
     first occurrence after the previous one's (it can land on template text that happens to
@@ -339,11 +393,13 @@ def chat_prompt(
         text = render_chat_text(loaded, shown, gen, template_kwargs)
         answer = dicts[-1]["content"]
         cont = list(tok(answer, add_special_tokens=False).input_ids)
-        ids = list(tok(text, add_special_tokens=False).input_ids) + cont
+        ids = list(tok(text, add_special_tokens=False).input_ids)
+        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final)) + cont
     else:
         shown, gen, final = dicts, add_generation_prompt, continue_final
         text = render_chat_text(loaded, dicts, gen, template_kwargs, final)
         ids, cont, answer = list(tok(text, add_special_tokens=False).input_ids), [], ""
+        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final))
     built = with_pieces(table, ids)
     spans = None
     if built.text == text + answer:  # the tokens decode to the rendered text: offsets agree

@@ -161,9 +161,15 @@ class LogprobsFormatter:
             names = self._target_names[ids] = [self.chat_texts[t] for t in ids]
         return TargetRow(ids, names, finite_row(lp.target_logprobs[j]).tolist())
 
-    def chat_logprobs(self, pieces: Iterable[Piece], k: int | None) -> ChatLogprobs | None:
-        """A chat choice's `logprobs` (None: not asked for)."""
-        return None if k is None else ChatLogprobs(content=self.chat(pieces, k), refusal=None)
+    def chat_logprobs(
+        self, pieces: Iterable[Piece], k: int | None, thinking: Sequence[Piece] | None = None
+    ) -> ChatLogprobs | None:
+        """A chat choice's `logprobs` (None: not asked for); a thinking model's reasoning
+        tokens' entries under `reasoning`, beside the answer's `content`."""
+        if k is None:
+            return None
+        reasoning = self.chat(thinking, k) if thinking else None
+        return ChatLogprobs(content=self.chat(pieces, k), refusal=None, reasoning=reasoning)
 
     def prompt_scores(
         self, scores: TokenLogprobs | None, k: int | None, sources: Sequence[tuple[int | None, str]]

@@ -11,6 +11,7 @@ Added/special tokens stand for their literal content.
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 from typing import Any
 
@@ -88,6 +89,24 @@ class TokenTable:
     @cached_property
     def special_ids(self) -> frozenset[int]:
         return frozenset(int(i) for i in getattr(self.tokenizer, "all_special_ids", []))
+
+    @cached_property
+    def added_ids(self) -> frozenset[int]:
+        """The tokenizer's added tokens (special or not: `<|im_end|>`, `<think>`)."""
+        return frozenset(self.added_vocab.values())
+
+    @cached_property
+    def added_texts(self) -> re.Pattern[str] | None:
+        """A pattern of the added tokens' texts (None: the tokenizer has none): what a
+        client's text may hold that its tokenizer would read as a control token."""
+        texts = sorted(self.added_vocab, key=len, reverse=True)
+        return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
+
+    @cached_property
+    def added_vocab(self) -> dict[str, int]:
+        """The added tokens' texts and ids (read once: the tokenizer builds it on each call)."""
+        get = getattr(self.tokenizer, "get_added_vocab", None)
+        return {str(k): int(v) for k, v in (get() if get is not None else {}).items() if k}
 
 
 def escape_bytes(data: bytes) -> str:

@@ -17,6 +17,7 @@ import numpy as np
 from starlette.requests import Request
 
 from probserve.api.answers.text_stream import Piece, TextStream
+from probserve.api.answers.thinking import ThinkSplit
 from probserve.api.edge.disconnect import unless_disconnected
 from probserve.api.errors import APIError
 from probserve.engine import (
@@ -33,14 +34,24 @@ T = TypeVar("T")
 
 @dataclass
 class Delta:
-    pieces: list[Piece]
+    pieces: list[Piece]  # the answer's (a thinking model's: after its thinking)
     finish_reason: str | None = None
     prompt_scores: TokenLogprobs | None = None
     prompt_routed: RoutedExperts | None = None  # the first delta's, with the prompt's routing
+    thinking: list[Piece] = field(default_factory=list)  # the reasoning's, before `pieces`
 
     @property
     def text(self) -> str:
         return "".join(p.text for p in self.pieces)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(p.text for p in self.thinking)
+
+    @property
+    def every_piece(self) -> list[Piece]:
+        """Every token's piece, in the order generated (the reasoning's come first)."""
+        return self.thinking + self.pieces if self.thinking else self.pieces
 
 
 # the engine's finish -> the answer's: OpenAI's "stop" for a stop token or a grammar complete;
@@ -58,7 +69,9 @@ class Candidate:
     request: EngineRequest
     stream: RequestStream
     text: TextStream
-    pieces: list[Piece] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)  # the answer's
+    split: ThinkSplit | None = None  # a thinking model's reply: reasoning and answer apart
+    thinking: list[Piece] = field(default_factory=list)  # the reasoning's (before `pieces`)
     prompt_scores: TokenLogprobs | None = None
     prompt_routed: RoutedExperts | None = None  # RoutingSpec.prompt: tokens 1..len-1
     embedding: np.ndarray | None = None  # EngineRequest.embed: the pooled hidden states
@@ -74,6 +87,16 @@ class Candidate:
     token_times: list[float] = field(default_factory=list)
     queue_time: float | None = None
     cached_tokens: int | None = None  # of its prompt, found in the prefix cache
+
+    @property
+    def every_piece(self) -> list[Piece]:
+        """Every token's piece, in the order generated (the reasoning's come first)."""
+        return self.thinking + self.pieces if self.thinking else self.pieces
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning's text (None: the reply did not think)."""
+        return "".join(p.text for p in self.thinking) if self.thinking else None
 
     @property
     def mean_logprob(self) -> float:
@@ -114,13 +137,21 @@ class Candidate:
                 elif out.finished:
                     finish = _FINISH[out.finish_reason or FinishReason.LENGTH]
                 pieces = self.text.release(final=finish is not None)
-                self.pieces += pieces
+                thinking: list[Piece] = []
+                if self.split is not None and pieces:
+                    thinking, answer = self.split.split(pieces)
+                    self.thinking += thinking
+                else:
+                    answer = pieces
+                self.pieces += answer
                 news = self.prompt_scores is not None or self.prompt_routed is not None
                 if pieces or finish or (first and news):
                     if first:
-                        yield Delta(pieces, finish, self.prompt_scores, self.prompt_routed)
+                        yield Delta(
+                            answer, finish, self.prompt_scores, self.prompt_routed, thinking
+                        )
                     else:
-                        yield Delta(pieces, finish)
+                        yield Delta(answer, finish, thinking=thinking)
                     first = False
                 if finish:
                     self.finish_reason = finish

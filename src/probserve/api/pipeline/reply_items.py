@@ -1,6 +1,7 @@
-"""A reply as items as it grows: the assistant message's text and the tool calls the reply
-makes, each with its tokens' logprob entries, and the steps (`Said`) each feed took. The
-Responses API (output items) and the Messages API (content blocks) render the same items."""
+"""A reply as items as it grows: a thinking model's reasoning, the assistant message's text and
+the tool calls the reply makes, each with its tokens' logprob entries, and the steps (`Said`)
+each feed took. The Responses API (output items) and the Messages API (content blocks) render
+the same items."""
 
 from __future__ import annotations
 
@@ -25,7 +26,26 @@ class CallItem:
         self.closed = False  # its closing events were sent (a stream)
 
 
-# what a reply with tools did in one step, each becoming its Responses events
+class ThoughtItem:
+    """A thinking model's reasoning as it grows (before the message and any call)."""
+
+    def __init__(self) -> None:
+        self.id = f"rs_{uuid.uuid4().hex}"
+        self.text = ""
+        self.logprobs: list[ChatLogprobEntry] = []
+        self.closed = False  # its closing events were sent (a stream)
+
+
+# what a reply did in one step, each becoming its Responses events
+@dataclass(frozen=True)
+class ThoughtSaid:
+    """Reasoning the reply adds, with its tokens' logprob entries (`begun`: its first)."""
+
+    text: str
+    entries: list[ChatLogprobEntry]
+    begun: bool
+
+
 @dataclass(frozen=True)
 class MessageBegun:
     """The assistant message's item begins (the reply has content)."""
@@ -61,7 +81,7 @@ class CallDone:
     index: int
 
 
-Said = MessageBegun | TextSaid | CallBegun | ArgumentsSaid | CallDone
+Said = ThoughtSaid | MessageBegun | TextSaid | CallBegun | ArgumentsSaid | CallDone
 
 
 class ReplyItems:
@@ -81,9 +101,33 @@ class ReplyItems:
         tools = run.plan.tools
         self.parser = ReplyParser.of(tools) if tools is not None else None
         self.calls: list[CallItem] = []
-        self.order: list[int | None] = [] if tools is not None else [None]  # None: the message
+        # a thinking model's reply: the message begins with its first text (after the thinking)
+        self.thinks = run.plan.thinking is not None
+        self.thought: ThoughtItem | None = None  # the reasoning, once the reply thinks
+        self.order: list[int | None] = [] if tools is not None or self.thinks else [None]
         self._pending: list[Piece] = []  # pieces whose text the parser still holds
         self._owner: int | None = None  # where the last piece went (None: the message)
+
+    def think(self, pieces: list[Piece]) -> list[Said]:
+        """The reasoning's pieces (a thinking model's): its text and their logprob entries."""
+        if not pieces:
+            return []
+        begun = self.thought is None
+        if self.thought is None:
+            self.thought = ThoughtItem()
+        text = "".join(p.text for p in pieces)
+        entries = self._entries(pieces)
+        self.thought.text += text
+        self.thought.logprobs += entries
+        return [ThoughtSaid(text, entries, begun)]
+
+    def message_begins(self) -> bool:
+        """The message's item begins now (a thinking model's, without tools: at its first
+        answer piece, or at the end); False where it has already."""
+        if None in self.order:
+            return False
+        self.order.append(None)
+        return True
 
     def add(self, pieces: list[Piece]) -> tuple[str, list[ChatLogprobEntry]]:
         text = "".join(p.text for p in pieces)
@@ -164,4 +208,5 @@ class ReplyItems:
             said.append(CallBegun(item) if item is not None else MessageBegun())
 
     def output_index(self, item: int | None) -> int:
-        return self.order.index(item)
+        """Item `item`'s place in the output (the reasoning, where there is one, is first)."""
+        return self.order.index(item) + (self.thought is not None)

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 
 from probserve.api.answers.text_stream import TextStream
+from probserve.api.answers.thinking import ThinkSplit
 from probserve.api.pipeline.candidates import (
     Candidate,
     Delta,
@@ -77,7 +78,8 @@ class Run:
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)
         self.candidates = [
-            Candidate(r, s, t) for r, s, t in zip(requests, streams, texts, strict=True)
+            Candidate(r, s, t, split=ThinkSplit(plan.thinking) if plan.thinking else None)
+            for r, s, t in zip(requests, streams, texts, strict=True)
         ]
         if plan.spec is not None and plan.spec.prompt and plan.per_prompt > 1:
             for i in range(0, len(self.candidates), plan.per_prompt):
@@ -140,9 +142,13 @@ class Run:
     @property
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p.ids) for p in self.plan.prompts)
-        return Usage.of(
+        usage = Usage.of(
             prompt_tokens, sum(c.num_tokens for c in self.candidates), self.cached_tokens
         )
+        if self.plan.thinking is not None:  # a thinking model's: its reasoning tokens
+            thought = sum(len(c.thinking) for c in self.candidates)
+            usage.completion_tokens_details = {"reasoning_tokens": thought}
+        return usage
 
     @property
     def cached_tokens(self) -> int:

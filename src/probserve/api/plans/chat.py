@@ -9,9 +9,10 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from probserve.api.answers.thinking import ThinkMarkers, opened, think_markers
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
-from probserve.api.plans.grammar import compiled_grammar, grammar_ask
+from probserve.api.plans.grammar import after_thinking, compiled_grammar, grammar_ask
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped, reply_alternatives
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
@@ -44,9 +45,11 @@ async def chat_plan(
     conversation: Conversation,
     max_tokens: int | None,
     ask: LogprobsAsk,
+    budget: int | None = None,
 ) -> Plan:
     """The plan of a conversation: its prompt through the template, its candidates' sampling,
-    the reply's grammar (a structured output, or the tools' calls)."""
+    the reply's grammar (a structured output, or the tools' calls); a thinking model's reply
+    thinks freely (at most `budget` tokens) before the grammar applies to its answer."""
     echo = conversation.echo
     limits = state.config.limits
     limits.check_sequences(1, body.n, "n")
@@ -58,7 +61,7 @@ async def chat_plan(
     prompt, primed, tools = await rendered_chat(state, conversation)
     fmt = tool_format(state)
     if tools is not None and not echo:
-        called = tool_grammar(tools, _special_id(state, fmt), primed)
+        called = tool_grammar(tools, _special_id(state, fmt), primed, _tags(state, fmt))
         if called is not None and asked is not None:
             raise bad_request(
                 f"{asked.param} and tools both constrain the reply: ask for one", asked.param
@@ -66,10 +69,15 @@ async def chat_plan(
         asked = asked or called
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
+    markers = None if echo else thinking_markers(state)
+    if markers is not None:
+        markers = opened(markers, prompt.ids, state.table)
+        if not markers.closed and not primed and (grammar is not None or budget is not None):
+            grammar = after_thinking(markers, grammar, budget)
     return Plan(
         prompts=[prompt], sampling=sampling, spec=ask.spec(), stops=stops,
         skip_special_tokens=skip_special, grammar=grammar, tools=tools,
-        speculative=body.speculative,
+        speculative=body.speculative, thinking=markers,
     )  # fmt: skip
 
 
@@ -100,6 +108,25 @@ def tool_format(state: Serving) -> ToolFormat:
     return detect_format(
         template if isinstance(template, str) else None, state.config.tool_call_parser
     )
+
+
+def thinking_markers(state: Serving) -> ThinkMarkers | None:
+    """This model's thinking markers (its template's and tokenizer's, or --reasoning-parser's;
+    None: its replies are not split)."""
+    template = getattr(state.record.tokenizer, "chat_template", None)
+    return think_markers(
+        template if isinstance(template, str) else None,
+        state.table.added_vocab,
+        state.config.reasoning_parser,
+    )
+
+
+def _tags(state: Serving, fmt: ToolFormat) -> tuple[int, int] | None:
+    """The ids of the format's opener and closer where both are added tokens (Qwen's
+    `<tool_call>`, `</tool_call>`)."""
+    added = state.table.added_vocab
+    opener, closer = added.get(fmt.opener), added.get(fmt.closer)
+    return (opener, closer) if opener is not None and closer is not None else None
 
 
 def _special_id(state: Serving, fmt: ToolFormat) -> int | None:
@@ -136,13 +163,24 @@ def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
 
 
 def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
-    """chat_template_kwargs (checked), with reasoning_effort as the template's variable of that
-    name (as vLLM passes it: a template that reasons reads it; any other ignores it), unless
-    the kwargs set it themselves."""
+    """chat_template_kwargs (checked), with reasoning_effort and enable_thinking as the
+    template's variables (`thinking_kwargs`), unless the kwargs set them themselves."""
     kwargs = check_template_kwargs(body.chat_template_kwargs)
-    if body.reasoning_effort is None:
-        return kwargs
-    return {"reasoning_effort": body.reasoning_effort, **kwargs}
+    return {**thinking_kwargs(body.reasoning_effort, body.enable_thinking), **kwargs}
+
+
+def thinking_kwargs(effort: str | None, enable: bool | None = None) -> dict[str, Any]:
+    """The template variables a request's thinking asks for: `reasoning_effort` as the
+    template's variable of that name (as vLLM passes it: a template that reasons reads it, any
+    other ignores it), `enable_thinking` (Qwen3's; effort "none" turns it off)."""
+    kwargs: dict[str, Any] = {}
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+    if enable is None and effort == "none":
+        enable = False
+    if enable is not None:
+        kwargs["enable_thinking"] = enable
+    return kwargs
 
 
 def _reserved_template_names() -> frozenset[str]:
@@ -188,5 +226,5 @@ async def chat_completion_plan(
         messages=body.messages, tools=tools, add_generation_prompt=body.add_generation_prompt,
         template_kwargs=kwargs, echo=body.echo, continue_final=body.continue_final_message,
     )  # fmt: skip
-    plan = await chat_plan(state, body, conversation, max_tokens, ask)
+    plan = await chat_plan(state, body, conversation, max_tokens, ask, body.thinking_budget)
     return routing_spec(state, body, plan, prompt=body.prompt_logprobs is not None), ask

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from probserve.api.answers.thinking import ThinkMarkers
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.protocol import JsonSchemaFormat, ResponsesRequest, SamplingFields
@@ -165,3 +166,36 @@ async def compiled_grammar(state: Serving, ask: GrammarAsk | None) -> str | None
     if ask is None:
         return None
     return await off_loop(_checked, ask, state)
+
+
+def after_thinking(markers: ThinkMarkers, answer: str | None, budget: int | None) -> str:
+    """A thinking model's grammar: the thinking free (any text up to the end marker, at most
+    `budget` tokens: past them the grammar forces the end marker, as the template would close
+    the thinking), then the answer as `answer` (a compiled grammar; None: free). A prompt that
+    did not open the thinking lets the reply begin with a think block or without."""
+    limit = f"[max_tokens={budget}]" if budget is not None else ""
+    thought = f"thought <[{markers.end}]> ws"
+    if not markers.opened:
+        thought = f"(<[{markers.start}]> {thought})?"
+    rest = "@answer" if answer is not None else "free"
+    lark = (
+        f"start: {thought} {rest}\n"
+        f"thought{limit}: /(.|\\n)*/\n"
+        "ws: /[ \\t\\r\\n]{0,4}/\n"
+        "free: /(.|\\n)*/\n"
+    )
+    grammars: list[dict[str, object]] = [{"lark_grammar": lark}]
+    if answer is not None:
+        grammars += _named_answer(answer)
+    return json.dumps({"grammars": grammars})
+
+
+def _named_answer(grammar: str) -> list[dict[str, object]]:
+    """A compiled grammar's parts (llguidance's JSON form, or a Lark text), the first named
+    `answer` for the thinking's grammar to refer to."""
+    try:
+        parts: list[dict[str, object]] = json.loads(grammar)["grammars"]
+    except ValueError:  # Lark's text
+        parts = [{"lark_grammar": grammar}]
+    parts[0]["name"] = "answer"
+    return parts

@@ -9,8 +9,8 @@ server does not serve refused naming the field.
 - A user message's `tool_result` blocks are tool messages answering the `tool_use` of the same
   id (an `is_error` result's text is given as `Error: <text>`); its text blocks a user message.
 - An assistant message's text blocks are its content, its `tool_use` blocks its calls (the
-  input as JSON arguments). Thinking blocks of earlier turns are left out of the prompt, as
-  Anthropic's API leaves them out of the context.
+  input as JSON arguments), its thinking blocks its `reasoning_content`, which the template
+  renders where it keeps earlier thinking (Qwen3's: after the last user message only).
 - `thinking` sets the template's `enable_thinking` variable and `output_config.effort` its
   `reasoning_effort` (a template without them ignores them); the reply is the model's text as
   it writes it. `output_config.format` is structured outputs (chat's `response_format`).
@@ -112,11 +112,14 @@ def _user(m: MessageParam, i: int, calls: set[str]) -> list[ChatMessage]:
 def _assistant(m: MessageParam, i: int, calls: set[str]) -> ChatMessage:
     assert not isinstance(m.content, str)
     texts: list[str] = []
+    thoughts: list[str] = []
     made: list[ToolCall] = []
     for j, block in enumerate(m.content):
         where = f"messages[{i}].content[{j}]"
         if isinstance(block, TextBlock):
             texts.append(block.text)
+        elif isinstance(block, ThinkingBlock):
+            thoughts.append(block.thinking)
         elif isinstance(block, ToolUseBlock):
             made_once(calls, block.id, "tool_use block", f"{where}.id")
             arguments = json.dumps(block.input if block.input is not None else {})
@@ -124,9 +127,12 @@ def _assistant(m: MessageParam, i: int, calls: set[str]) -> ChatMessage:
             made.append(ToolCall(id=block.id, function=call))
         elif isinstance(block, ToolResultBlock):
             raise bad_request("a tool_result block belongs to a user message", f"{where}.type")
-        elif not isinstance(block, ThinkingBlock | RedactedThinkingBlock):
+        elif not isinstance(block, RedactedThinkingBlock):  # nothing a local model can read
             _refuse_block(block, where)
-    return ChatMessage(role="assistant", content="".join(texts) or None, tool_calls=made or None)
+    return ChatMessage(
+        role="assistant", content="".join(texts) or None, tool_calls=made or None,
+        reasoning_content="".join(thoughts) if thoughts else None,
+    )  # fmt: skip
 
 
 def _refuse_block(block: MediaBlock | Any, where: str) -> None:
@@ -263,7 +269,10 @@ async def messages_plan(state: Serving, body: MessagesRequest) -> tuple[Plan, Lo
     _output_format(body)
     try:
         ask = messages_ask(state, body)
-        plan = await chat_plan(state, body, _conversation(state, body), body.max_tokens, ask)
+        thinking = body.thinking
+        budget = thinking.budget_tokens if thinking and thinking.type != "disabled" else None
+        conversation = _conversation(state, body)
+        plan = await chat_plan(state, body, conversation, body.max_tokens, ask, budget)
     except (APIError, RequestError) as exc:
         raise in_messages_terms(exc, body) from None
     return plan, ask

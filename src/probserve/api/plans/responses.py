@@ -6,7 +6,7 @@ is set (an explicit `"top_logprobs": null` with the include gives 0 alternatives
 from __future__ import annotations
 
 from probserve.api.errors import APIError, bad_request
-from probserve.api.plans.chat import Conversation, chat_plan, tool_format
+from probserve.api.plans.chat import Conversation, chat_plan, thinking_kwargs, tool_format
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped
 from probserve.api.plans.plan import Plan
 from probserve.api.protocol import (
@@ -15,8 +15,10 @@ from probserve.api.protocol import (
     FunctionCall,
     FunctionCallInput,
     FunctionCallOutputInput,
+    InputMessage,
     NamedFunction,
     NamedToolChoice,
+    ReasoningInput,
     ResponsesNamedToolChoice,
     ResponsesRequest,
     ToolCall,
@@ -37,15 +39,23 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         out.append(ChatMessage(role="user", content=body.input))
         return out
     calls: set[str] = set()  # the call ids made so far: an output answers one of them
+    thought: str | None = None  # a reasoning item's text: the next assistant message's
     for i, item in enumerate(body.input):
+        if isinstance(item, ReasoningInput):
+            parts = item.content or ()
+            thought = (thought or "") + "".join(p.text for p in parts)
+            continue
+        if thought is not None and _assistant_item(item):
+            out.append(ChatMessage(role="assistant", reasoning_content=thought))
+            thought = None
         if isinstance(item, FunctionCallInput):
             made_once(calls, item.call_id, "function_call item", f"input[{i}].call_id")
             call = ToolCall(
                 id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
             )
             last = out[-1] if out else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
-                last.tool_calls.append(call)
+            if last is not None and last.role == "assistant" and last.content is None:
+                last.tool_calls = [*(last.tool_calls or ()), call]
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
         elif isinstance(item, FunctionCallOutputInput):
@@ -55,10 +65,31 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         else:
             content = item.content
             text = content if isinstance(content, str) else "".join(p.text for p in content)
-            out.append(ChatMessage(role=item.role, content=text))
+            last = out[-1] if out else None
+            if item.role == "assistant" and last is not None and _reasoning_only(last):
+                last.content = text  # the reasoning item before it was its thinking
+            else:
+                out.append(ChatMessage(role=item.role, content=text))
     if not out:
         raise bad_request("input holds no message", "input")
     return out
+
+
+def _assistant_item(item: object) -> bool:
+    """An item the assistant said (its message or a call): a reasoning item before it is its."""
+    return isinstance(item, FunctionCallInput) or (
+        isinstance(item, InputMessage) and item.role == "assistant"
+    )
+
+
+def _reasoning_only(message: ChatMessage) -> bool:
+    """An assistant message holding a reasoning item's text alone (so far)."""
+    return (
+        message.role == "assistant"
+        and message.reasoning_content is not None
+        and message.content is None
+        and not message.tool_calls
+    )
 
 
 def _tools(state: Serving, body: ResponsesRequest) -> ToolAsk | None:
@@ -111,8 +142,12 @@ async def responses_plan(state: Serving, body: ResponsesRequest) -> tuple[Plan, 
         ask = responses_ask(state, body)
         tools = _tools(state, body)
         messages = _messages(body)
-        conversation = Conversation(messages=messages, tools=tools)
-        plan = await chat_plan(state, body, conversation, body.max_output_tokens, ask)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        conversation = Conversation(
+            messages=messages, tools=tools, template_kwargs=thinking_kwargs(effort)
+        )
+        budget = body.thinking_budget
+        plan = await chat_plan(state, body, conversation, body.max_output_tokens, ask, budget)
     except (APIError, RequestError) as exc:
         raise in_responses_terms(exc) from None
     return plan, ask

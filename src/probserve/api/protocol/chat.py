@@ -81,6 +81,9 @@ class ChatMessage(RequestModel):
     name: Text | None = None
     tool_calls: Annotated[list[ToolCall], bounded(MAX_FEW)] | None = None  # an assistant's
     tool_call_id: Text | None = None  # a tool message's: the call it answers
+    # an assistant's reasoning, sent back (vLLM's two names): the template's reasoning_content
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
     # what an SDK sends back with an assistant message it received: accepted when empty
     refusal: None = None
     function_call: None = None
@@ -135,6 +138,10 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         None
     )
+    # the template's `enable_thinking` variable (Qwen3's, as chat_template_kwargs sets it)
+    enable_thinking: bool | None = None
+    # a thinking model thinks at most this many tokens, then its thinking is ended (DashScope's)
+    thinking_budget: Int | None = Field(None, ge=1)
 
 
 class TopLogprob(BaseModel):
@@ -198,6 +205,7 @@ class ChatLogprobEntry(TopLogprob):
 class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None
     refusal: list[ChatLogprobEntry] | None = None
+    reasoning: list[ChatLogprobEntry] | None = Extension()  # a thinking model's reasoning's
 
 
 class AssistantMessage(BaseModel):
@@ -205,6 +213,9 @@ class AssistantMessage(BaseModel):
     content: str | None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = Extension()
+    # a thinking model's reasoning (vLLM's `reasoning`, and its older `reasoning_content`)
+    reasoning: str | None = Extension()
+    reasoning_content: str | None = Extension()
 
 
 class FunctionCallDelta(BaseModel):
@@ -266,6 +277,8 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = Extension()
+    reasoning: str | None = Extension()  # the reasoning this chunk adds (and its older name)
+    reasoning_content: str | None = Extension()
 
 
 class ChatChunkChoice(BaseModel):

@@ -231,12 +231,23 @@ def conflict(param: str, ours: str) -> PydanticCustomError:
 JsonValue = Annotated[Any, AfterValidator(json_utf8)]  # bounded in size and depth
 
 
+def absent(value: object) -> bool:
+    return value is None
+
+
+def Extension(default: Any = None) -> Any:
+    """A field of probserve's own: left out of the JSON unless the request asked for it."""
+    return Field(default, exclude_if=absent)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     # OpenAI's: of the prompt tokens, those the prefix cache held (not computed again)
     prompt_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    # OpenAI's: of the completion tokens, a thinking model's reasoning's (only where it thinks)
+    completion_tokens_details: dict[str, int] | None = Extension()
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
@@ -246,15 +257,6 @@ class Usage(BaseModel):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details={"cached_tokens": cached_tokens},
         )
-
-
-def absent(value: object) -> bool:
-    return value is None
-
-
-def Extension(default: Any = None) -> Any:
-    """A field of probserve's own: left out of the JSON unless the request asked for it."""
-    return Field(default, exclude_if=absent)
 
 
 def now() -> int:

@@ -67,8 +67,9 @@ class ToolResultBlock(RequestModel):
 
 
 class ThinkingBlock(RequestModel):
-    """An assistant's thinking, sent back in the conversation: left out of the prompt, as
-    Anthropic's API leaves earlier turns' thinking out of the context."""
+    """An assistant's thinking, sent back in the conversation: the template's
+    `reasoning_content` of that message (rendered where the template keeps earlier thinking;
+    `signature` not checked: nothing here is signed)."""
 
     type: Literal["thinking"]
     thinking: Text
@@ -195,6 +196,15 @@ class TextContent(BaseModel):
     logprobs: list[ChatLogprobEntry] | None = Extension()  # probserve's: the block's tokens
 
 
+class ThinkingContent(BaseModel):
+    """A thinking model's reasoning, as written (no signature: nothing here is encrypted)."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+    logprobs: list[ChatLogprobEntry] | None = Extension()  # probserve's: the block's tokens
+
+
 class ToolUseContent(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -211,7 +221,7 @@ class MessageObject(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextContent | ToolUseContent]
+    content: list[ThinkingContent | TextContent | ToolUseContent]
     stop_reason: StopReason | None
     stop_sequence: str | None
     usage: MessagesUsage

@@ -62,8 +62,31 @@ class FunctionCallOutputInput(RequestModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningTextInput(RequestModel):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class SummaryTextInput(RequestModel):
+    type: Literal["summary_text"]
+    text: Text
+
+
+class ReasoningInput(RequestModel):
+    """A reasoning item the reply had, sent back: the next assistant message's reasoning (the
+    template renders it where it keeps earlier thinking)."""
+
+    type: Literal["reasoning"]
+    id: Text | None = None
+    summary: Annotated[list[SummaryTextInput], bounded(MAX_FEW)] | None = None  # not rendered
+    content: Annotated[list[ReasoningTextInput], bounded(MAX_FEW)] | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    encrypted_content: None = None  # nothing is encrypted here
+
+
 InputItem = Annotated[
-    InputMessage | FunctionCallInput | FunctionCallOutputInput, Field(union_mode="left_to_right")
+    InputMessage | FunctionCallInput | FunctionCallOutputInput | ReasoningInput,
+    Field(union_mode="left_to_right"),
 ]
 
 
@@ -94,8 +117,9 @@ class ResponseText(RequestModel):
 
 
 class Reasoning(RequestModel):
-    """The Responses API's `reasoning` (and what inspect-ai's start-up probe sends): accepted
-    with no effect, as the models served write no reasoning items (docs/logprobs.md)."""
+    """The Responses API's `reasoning` (and what inspect-ai's start-up probe sends): `effort`
+    is the template's `reasoning_effort` variable ("none" also turns `enable_thinking` off);
+    a thinking model's reasoning is a reasoning item as written (no summary is made)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -122,6 +146,8 @@ class ResponsesRequest(SamplingFields):
     truncation: Literal["disabled"] | None = None
     background: Literal[False] | None = None
     reasoning: Reasoning | None = None
+    # a thinking model thinks at most this many tokens, then its thinking is ended (as chat's)
+    thinking_budget: Int | None = Field(None, ge=1)
 
 
 class ResponseOutputText(BaseModel):
@@ -137,6 +163,24 @@ class ResponseOutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[ResponseOutputText]
+
+
+class ResponseReasoningText(BaseModel):
+    """A thinking model's reasoning, as written; `logprobs`: its tokens' (probserve's)."""
+
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+    logprobs: list[ChatLogprobEntry] | None = Extension()
+
+
+class ResponseReasoningItem(BaseModel):
+    """The reasoning output item, before the message: its text one reasoning_text part."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[ResponseReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
 
 
 class ResponseFunctionCall(BaseModel):
@@ -171,7 +215,7 @@ class ResponseObject(BaseModel):
     incomplete_details: IncompleteDetails | None = None
     error: None = None
     model: str
-    output: list[ResponseOutputMessage | ResponseFunctionCall]
+    output: list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall]
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None

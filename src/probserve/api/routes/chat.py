@@ -90,18 +90,20 @@ async def create_chat_completion(
 
 
 def _message(
-    run: Run, text: str, finish: str | None
+    run: Run, text: str, finish: str | None, reasoning: str | None = None
 ) -> tuple[AssistantMessage, ReplyParser | None]:
-    """The reply: its text, or (a request with tools) its content and calls."""
+    """The reply: its text, or (a request with tools) its content and calls; a thinking
+    model's reasoning beside them."""
     tools = run.plan.tools
+    said = {"reasoning": reasoning, "reasoning_content": reasoning}
     if tools is None:
-        return AssistantMessage(content=text), None
+        return AssistantMessage(content=text, **said), None
     reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish))
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls
     ]
-    return AssistantMessage(content=reply.content, tool_calls=calls or None), reply
+    return AssistantMessage(content=reply.content, tool_calls=calls or None, **said), reply
 
 
 def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) -> bytes:
@@ -109,18 +111,20 @@ def _answer(run: Run, body: ChatCompletionRequest, model: str, k: int | None) ->
     choices = []
     fmt, ids = _fmt(run, body), body.return_token_ids
     for i, cand in enumerate(run.candidates):
-        message, reply = _message(run, "".join(p.text for p in cand.pieces), cand.finish_reason)
+        text = "".join(p.text for p in cand.pieces)
+        message, reply = _message(run, text, cand.finish_reason, cand.reasoning)
+        every = cand.every_piece
         choices.append(
             ChatChoice(
                 index=i,
                 message=message,
-                logprobs=fmt.chat_logprobs(cand.pieces, k),
+                logprobs=fmt.chat_logprobs(cand.pieces, k, cand.thinking),
                 finish_reason=finish_reason(reply, cand.finish_reason),
                 continuation=(
                     _continuation(run, body, cand.prompt_scores, k or 0) if body.echo else None
                 ),
-                token_ids=[p.token_id for p in cand.pieces] if ids else None,
-                routed_experts=token_entries(cand.pieces) if body.return_routed_experts else None,
+                token_ids=[p.token_id for p in every] if ids else None,
+                routed_experts=token_entries(every) if body.return_routed_experts else None,
                 prompt_routed_experts=prompt_entries(cand.prompt_routed),
                 **_prompt_extras(run, body, fmt, cand.prompt_scores),
             )
@@ -152,7 +156,19 @@ def _chunk(
 
 
 def _chat_delta(reply: ReplyParser | None, delta: Delta) -> ChatDelta:
-    """The text a delta adds, or (with tools) the content and call parts it lets out."""
+    """The text a delta adds, or (with tools) the content and call parts it lets out; a
+    thinking model's reasoning beside them."""
+    said = _said(reply, delta)
+    reasoning = delta.reasoning or None
+    if reasoning is None:
+        return said
+    content = said.content or None  # a chunk of reasoning alone has no content
+    return said.model_copy(
+        update={"content": content, "reasoning": reasoning, "reasoning_content": reasoning}
+    )
+
+
+def _said(reply: ReplyParser | None, delta: Delta) -> ChatDelta:
     if reply is None:
         return ChatDelta(content=delta.text)
     part = reply.feed(delta.text)
@@ -188,17 +204,20 @@ def _delta_events(
     with return_routed_experts, their routing likewise."""
     events = []
     fmt = _fmt(run, body)
-    lp = fmt.chat_logprobs(delta.pieces, k)
+    lp = fmt.chat_logprobs(delta.pieces, k, delta.thinking)
     extras = _prompt_extras(run, body, fmt, delta.prompt_scores)  # the first chunk: the prompt
-    ids = [p.token_id for p in delta.pieces] if body.return_token_ids else None
-    routed = token_entries(delta.pieces) if body.return_routed_experts else None
+    every = delta.every_piece
+    ids = [p.token_id for p in every] if body.return_token_ids else None
+    routed = token_entries(every) if body.return_routed_experts else None
     prompt_routed = prompt_entries(delta.prompt_routed)
     said = _chat_delta(reply, delta)
     each = run.usage if usage.each else None
     shown = extras or ids or routed or prompt_routed
-    if said.content or said.tool_calls or (lp and lp.content) or shown:
-        if reply is not None and said.content is None and not said.tool_calls:
-            said = ChatDelta(content="")  # the logprobs of tokens held back (or of calls)
+    scored = lp is not None and bool(lp.content or lp.reasoning)
+    if said.content or said.tool_calls or said.reasoning or scored or shown:
+        if said.content is None and not said.tool_calls and not said.reasoning:
+            # the logprobs of tokens held back (or of calls, or of the reasoning)
+            said = said.model_copy(update={"content": ""})
         choice = ChatChunkChoice(
             index=i, delta=said, logprobs=lp, token_ids=ids, routed_experts=routed,
             prompt_routed_experts=prompt_routed, **extras,

@@ -3,7 +3,8 @@ for coding agents (Claude Code) and the `anthropic` SDK.
 
 The conversation goes through the model's chat template as chat messages do
 (api/plans/messages.py); the reply is content blocks: text, and a `tool_use` block per call
-the reply makes (the tool-call machinery of chat, parsed as it streams). A stream is
+the reply makes (the tool-call machinery of chat, parsed as it streams), after a `thinking`
+block where a thinking model thought (`thinking_delta` events as it streams). A stream is
 Anthropic's events: `message_start`, `ping`, per block `content_block_start`, its
 `content_block_delta`s (`text_delta`, `input_json_delta`) and `content_block_stop`, then
 `message_delta` (stop reason, usage) and `message_stop`; an error after the first event is an
@@ -35,6 +36,7 @@ from probserve.api.pipeline.reply_items import (
     ReplyItems,
     Said,
     TextSaid,
+    ThoughtSaid,
 )
 from probserve.api.pipeline.run import Run
 from probserve.api.plans.messages import counted_tokens, messages_plan
@@ -47,6 +49,7 @@ from probserve.api.protocol.messages import (
     MessagesUsage,
     StopReason,
     TextContent,
+    ThinkingContent,
     ToolUseContent,
 )
 from probserve.api.server.lookup import serving_of
@@ -55,6 +58,7 @@ from probserve.api.server.state import Serving
 router = APIRouter()
 
 Event = dict[str, Any]
+Block = ThinkingContent | TextContent | ToolUseContent
 
 
 def _input(arguments: str) -> Any:
@@ -74,7 +78,7 @@ class _Message(ReplyItems):
         super().__init__(run, k, body.return_tokens_as_token_ids)
         self.body, self.model = body, model
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.blocks: list[TextContent | ToolUseContent] = []
+        self.blocks: list[Block] = []
         self.calls_at: dict[int, int] = {}  # a call's index -> its block's
         self.open: int | None = None  # the block still growing
         self.held: list[ChatLogprobEntry] = []  # entries of tokens before any block
@@ -83,25 +87,29 @@ class _Message(ReplyItems):
     def candidate(self) -> Candidate:
         return self.run.candidates[0]
 
-    def steps(self, cand_pieces: list[Any], ended: str | None) -> list[Said]:
-        """What these pieces say (`ended`: the reply's finish reason, if they end it)."""
+    def steps(self, thinking: list[Any], cand_pieces: list[Any], ended: str | None) -> list[Said]:
+        """What these pieces say: the reasoning's, then the answer's (`ended`: the reply's
+        finish reason, if they end it)."""
+        said = self.think(thinking)
         if self.parser is not None:
-            return self.add_with_tools(cand_pieces, ended)
+            return said + self.add_with_tools(cand_pieces, ended)
         text, entries = self.add(cand_pieces)
-        return [TextSaid(text, entries)] if text or entries else []
+        return [*said, TextSaid(text, entries)] if text or entries else said
 
     def _logprobs(self) -> list[ChatLogprobEntry] | None:
         return [] if self.k is not None else None
 
-    def _start(self, block: TextContent | ToolUseContent) -> list[Event]:
+    def _start(self, block: Block) -> list[Event]:
         events = self._stop()
         self.blocks.append(block)
         self.open = len(self.blocks) - 1
-        content: Event = (
-            {"type": "text", "text": "", "citations": None}
-            if isinstance(block, TextContent)
-            else {"type": "tool_use", "id": block.id, "name": block.name, "input": {}}
-        )
+        content: Event
+        if isinstance(block, TextContent):
+            content = {"type": "text", "text": "", "citations": None}
+        elif isinstance(block, ThinkingContent):
+            content = {"type": "thinking", "thinking": "", "signature": ""}
+        else:
+            content = {"type": "tool_use", "id": block.id, "name": block.name, "input": {}}
         return [*events, {"type": "content_block_start", "index": self.open,
                           "content_block": content}]  # fmt: skip
 
@@ -123,6 +131,8 @@ class _Message(ReplyItems):
     def said(self, step: Said) -> list[Event]:
         """The events of one step (and the blocks it grows)."""
         match step:
+            case ThoughtSaid(text, entries, begun):
+                return self._thought(text, entries, begun)
             case TextSaid(text, entries):
                 return self._text(text, entries)
             case CallBegun(index):
@@ -140,6 +150,22 @@ class _Message(ReplyItems):
             case CallDone(index):
                 return self._stop() if self.open == self.calls_at.get(index) else []
         return []  # MessageBegun: a text block begins with its first text
+
+    def _thought(self, text: str, entries: list[ChatLogprobEntry], begun: bool) -> list[Event]:
+        """The thinking block (the first) as it grows."""
+        events = []
+        if begun:
+            events = self._start(ThinkingContent(thinking="", logprobs=self._logprobs()))
+        block = self.blocks[0]
+        assert isinstance(block, ThinkingContent)
+        block.thinking += text
+        event: Event = {"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "thinking_delta", "thinking": text}}  # fmt: skip
+        if self.k is not None:
+            assert block.logprobs is not None
+            block.logprobs += entries
+            event["logprobs"] = entries
+        return [*events, event]
 
     def _text(self, text: str, entries: list[ChatLogprobEntry]) -> list[Event]:
         events: list[Event] = []
@@ -164,7 +190,7 @@ class _Message(ReplyItems):
 
     def close(self) -> list[Event]:
         """The open block's end (tokens that showed nothing at all: an empty text block)."""
-        if self.held and not self.blocks:
+        if self.held and all(isinstance(b, ThinkingContent) for b in self.blocks):
             events = self._start(TextContent(text="", logprobs=self.held))
             self.held = []
             return [*events, *self._stop()]
@@ -201,7 +227,7 @@ class _Message(ReplyItems):
             id=self.id, model=self.model, content=list(self.blocks) if done else [],
             stop_reason=reason, stop_sequence=sequence, usage=self.usage(done),
             prompt_token_ids=list(self.run.plan.prompts[0].ids) if ids else None,
-            token_ids=[p.token_id for p in self.candidate.pieces] if ids and done else None,
+            token_ids=[p.token_id for p in self.candidate.every_piece] if ids and done else None,
         )  # fmt: skip
 
 
@@ -232,7 +258,7 @@ async def count_tokens(
 
 def _answer(message: _Message, cand: Candidate) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
-    for step in message.steps(cand.pieces, cand.finish_reason or "stop"):
+    for step in message.steps(cand.thinking, cand.pieces, cand.finish_reason or "stop"):
         message.said(step)
     message.close()
     message.finish = cand.finish_reason or "stop"
@@ -259,7 +285,7 @@ async def _stream(message: _Message) -> AsyncIterator[str]:
                 opened = True
                 for line in opening():
                     yield line
-            for step in message.steps(delta.pieces, delta.finish_reason):
+            for step in message.steps(delta.thinking, delta.pieces, delta.finish_reason):
                 for e in message.said(step):
                     yield _event(e)
             if delta.finish_reason:

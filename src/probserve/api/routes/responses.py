@@ -3,8 +3,10 @@
 `input` (text or messages) and `instructions` go through the model's chat template, as chat
 messages do (api/plans/responses.py). Logprobs, when asked for, ride on the `output_text`
 part, and on each `response.output_text.delta` event for that delta's tokens. A reply cut by
-`max_output_tokens` (or the context) is `incomplete`. Responses are not stored:
-`previous_response_id` is a 400.
+`max_output_tokens` (or the context) is `incomplete`. A thinking model's reasoning is a
+`reasoning` item before the message, its text one `reasoning_text` part (with its tokens'
+logprobs, probserve's), streamed as `response.reasoning_text.delta` events. Responses are not
+stored: `previous_response_id` is a 400.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from probserve.api.pipeline.reply_items import (
     ReplyItems,
     Said,
     TextSaid,
+    ThoughtSaid,
 )
 from probserve.api.pipeline.run import Run
 from probserve.api.plans.responses import in_responses_terms, responses_plan
@@ -37,6 +40,8 @@ from probserve.api.protocol import (
     ResponseObject,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningText,
     ResponsesRequest,
     ResponseUsage,
 )
@@ -72,6 +77,24 @@ class _Reply(ReplyItems):
             id=self.item_id, status=self.status, content=[self.part()] if done else []
         )
 
+    def thought_part(self) -> ResponseReasoningText:
+        assert self.thought is not None
+        logprobs = self.thought.logprobs if self.k is not None else None
+        return ResponseReasoningText(text=self.thought.text, logprobs=logprobs)
+
+    def thought_item(self) -> ResponseReasoningItem:
+        """The reasoning: completed once the thinking ended (the answer began), else as the
+        reply is (a reply cut short while thinking: incomplete)."""
+        assert self.thought is not None
+        split = self.run.candidates[0].split
+        ended = split is not None and split.state == "answer"
+        done = self.thought.closed or self.finish is not None
+        return ResponseReasoningItem(
+            id=self.thought.id,
+            content=[self.thought_part()] if done else [],
+            status="completed" if ended and done else self.status,
+        )
+
     def call_item(self, index: int) -> ResponseFunctionCall:
         """A call: completed once its arguments are whole (a reply cut short leaves only the
         call it cut `incomplete`), in progress before."""
@@ -87,13 +110,14 @@ class _Reply(ReplyItems):
             logprobs=c.logprobs if self.k is not None and done else None,
         )
 
-    def items(self) -> list[ResponseOutputMessage | ResponseFunctionCall]:
-        return [self.item() if i is None else self.call_item(i) for i in self.order]
+    def items(self) -> list[ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionCall]:
+        thought = [self.thought_item()] if self.thought is not None else []
+        return thought + [self.item() if i is None else self.call_item(i) for i in self.order]
 
     def response(self) -> ResponseObject:
         b = self.body
         done = self.finish is not None
-        usage = self.run.usage
+        usage, cand = self.run.usage, self.run.candidates[0]
         reason = "grammar_limit" if self.finish == "grammar_limit" else "max_output_tokens"
         incomplete = IncompleteDetails(reason=reason)
         tools = self.run.plan.tools
@@ -109,6 +133,7 @@ class _Reply(ReplyItems):
                     input_tokens=usage.prompt_tokens,
                     input_tokens_details=usage.prompt_tokens_details,
                     output_tokens=usage.completion_tokens,
+                    output_tokens_details={"reasoning_tokens": len(cand.thinking)},
                     total_tokens=usage.total_tokens,
                 )
                 if done
@@ -126,7 +151,7 @@ class _Reply(ReplyItems):
             metadata=b.metadata or {},
             prompt_token_ids=list(self.run.plan.prompts[0].ids) if b.return_token_ids else None,
             token_ids=(
-                [p.token_id for p in self.run.candidates[0].pieces]
+                [p.token_id for p in self.run.candidates[0].every_piece]
                 if b.return_token_ids and done
                 else None
             ),
@@ -171,7 +196,9 @@ async def create_response(
 
 def _answer(reply: _Reply, cand: Candidate) -> bytes:
     """The whole (non-streamed) answer as JSON: blocking, run it `off_loop`."""
+    reply.think(cand.thinking)
     if reply.parser is None:
+        reply.message_begins()
         reply.add(cand.pieces)
     else:
         reply.add_with_tools(cand.pieces, cand.finish_reason or "stop")
@@ -207,14 +234,42 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
             ev("response.output_item.done", output_index=at, item=reply.call_item(item)),
         ]  # fmt: skip
 
-    def said(step: Said) -> list[str]:  # a reply with tools: what one step did, as events
+    def thought_where() -> dict[str, Any]:  # the reasoning's place: first
+        assert reply.thought is not None
+        return {"item_id": reply.thought.id, "output_index": 0, "content_index": 0}
+
+    def thought_closed() -> list[str]:  # the reasoning's closing events (once)
+        if reply.thought is None or reply.thought.closed:
+            return []
+        reply.thought.closed = True
+        return [
+            ev("response.reasoning_text.done", **thought_where(), text=reply.thought.text,
+               logprobs=reply.thought.logprobs),
+            ev("response.content_part.done", **thought_where(), part=reply.thought_part()),
+            ev("response.output_item.done", output_index=0, item=reply.thought_item()),
+        ]  # fmt: skip
+
+    def message_begun() -> list[str]:
+        at = reply.output_index(None)
+        return [
+            ev("response.output_item.added", output_index=at, item=reply.item()),
+            ev("response.content_part.added", **where(), part=ResponseOutputText(text="")),
+        ]
+
+    def said(step: Said) -> list[str]:  # what one step did, as events
         match step:
+            case ThoughtSaid(text, entries, begun):
+                events = []
+                if begun:
+                    events += [
+                        ev("response.output_item.added", output_index=0, item=reply.thought_item()),
+                        ev("response.content_part.added", **thought_where(),
+                           part=ResponseReasoningText(text="")),
+                    ]  # fmt: skip
+                return [*events, ev("response.reasoning_text.delta", **thought_where(),
+                                    delta=text, logprobs=entries)]  # fmt: skip
             case MessageBegun():
-                at = reply.output_index(None)
-                return [
-                    ev("response.output_item.added", output_index=at, item=reply.item()),
-                    ev("response.content_part.added", **where(), part=ResponseOutputText(text="")),
-                ]
+                return message_begun()
             case TextSaid(text, entries):
                 return [ev("response.output_text.delta", **where(), delta=text, logprobs=entries)]
             case CallBegun(index):
@@ -231,11 +286,20 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
 
     yield ev("response.created", response=reply.response())
     yield ev("response.in_progress", response=reply.response())
-    if reply.parser is None:
+    if reply.parser is None and not reply.thinks:
         yield ev("response.output_item.added", output_index=0, item=reply.item())
         yield ev("response.content_part.added", **where(), part=ResponseOutputText(text=""))
     try:
         async for _, delta in reply.run.deltas():
+            for step in reply.think(delta.thinking):
+                for e in said(step):
+                    yield e
+            if delta.pieces:  # the answer began: the thinking is over
+                for e in thought_closed():
+                    yield e
+            if reply.parser is None and delta.pieces and reply.message_begins():
+                for e in message_begun():
+                    yield e
             if reply.parser is not None:
                 for step in reply.add_with_tools(delta.pieces, delta.finish_reason):
                     for e in said(step):
@@ -254,7 +318,9 @@ async def _stream(reply: _Reply) -> AsyncIterator[str]:
     reply.finish = reply.finish or "stop"
 
     def closing() -> list[str]:  # the whole reply, again: written off the loop
-        events = []
+        events = thought_closed()
+        if reply.parser is None and reply.message_begins():  # a reply that only thought
+            events += message_begun()
         for item in reply.order:
             if item is None:
                 at = reply.output_index(None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from probserve.api.answers.thinking import ReasoningParser
 from probserve.api.server.limits import HttpLimits, Limits
 from probserve.api.tools.formats import ToolParser
 from probserve.engine import ClientLimits, LogprobsMode
@@ -54,6 +55,13 @@ class ServerConfig:
         "how models write tool calls: auto (each model's chat template says: Hermes' "
         "<tool_call>, Llama 3's JSON, Mistral's [TOOL_CALLS]; generic where it knows no tools), "
         "or one format for every model",
+    )
+    reasoning_parser: ReasoningParser = setting(
+        ReasoningParser.AUTO,
+        "how a thinking model's reply is split into reasoning and answer: auto (where the chat "
+        "template mentions </think> and the tokenizer has <think> and </think> as tokens: "
+        "Qwen3, Qwen3.5, DeepSeek-R1 and its distills, QwQ), think (wherever the tokenizer has "
+        "them), or none (the reply as written)",
     )
     schema_extra_keys: Literal["forbid", "schema"] = setting(
         "forbid",

@@ -85,10 +85,17 @@ def _object_schema(schema: Any) -> dict[str, Any]:
     return {} if schema else {"not": {}}
 
 
-def tool_grammar(ask: ToolAsk, special_id: int | None, primed: bool = False) -> GrammarAsk | None:
+def tool_grammar(
+    ask: ToolAsk,
+    special_id: int | None,
+    primed: bool = False,
+    tags: tuple[int, int] | None = None,
+) -> GrammarAsk | None:
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
     where it is a special token (Mistral's [TOOL_CALLS]); the arguments follow `ask.schemas`;
-    `primed`: the reply begins after `ask.primer`, which the prompt holds."""
+    `primed`: the reply begins after `ask.primer`, which the prompt holds; `tags`: Hermes'
+    `<tool_call>` and `</tool_call>` ids where the tokenizer has them as added tokens (Qwen's),
+    which the grammar then names as tokens (as text they would be barred)."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
         if primed:
@@ -100,6 +107,8 @@ def tool_grammar(ask: ToolAsk, special_id: int | None, primed: bool = False) -> 
     call = f"%json {json.dumps(schema)}"
     if fmt.parser is ToolParser.HERMES:
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'
+        if tags is not None:
+            first = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
         text = r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
         free = "start: TEXT | TEXT? calls"
     elif fmt.parser is ToolParser.MISTRAL:
