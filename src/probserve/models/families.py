@@ -39,6 +39,9 @@ class ModelType:
     # loader misreads (None: it reads them)
     passes_config: bool = False  # transformers' float32 GGUF load takes the completed
     # configuration (its own reading lacks the experts' width)
+    hybrid: bool = False  # Qwen3.5's layers: Gated DeltaNet layers among gated full-attention
+    # ones (partial rotary), (1 + w) norms, a shared expert beside the routed ones
+    # (models/deltanet.py)
 
 
 def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
@@ -50,6 +53,15 @@ def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
         "norm_topk": bool(getattr(config, "norm_topk_prob", False)),
         "expert_intermediate": int(config.moe_intermediate_size),
         "sparse": tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)),
+    }  # fmt: skip
+
+
+def _qwen3_5_moe_experts(config: Any) -> dict[str, Any]:
+    """Experts in every layer, renormalised top k, and a shared expert beside them."""
+    return {
+        "experts": int(config.num_experts), "top_k": int(config.num_experts_per_tok),
+        "norm_topk": True, "expert_intermediate": int(config.moe_intermediate_size),
+        "sparse": (True,) * config.num_hidden_layers, "shared_expert": True,
     }  # fmt: skip
 
 
@@ -178,9 +190,12 @@ TYPES: dict[str, ModelType] = {
         experts=_gpt_oss_experts, column_experts=True, gguf=_gpt_oss_gguf,
         unread=lambda _: "gpt_oss",
     ),
+    "qwen3_5_text": ModelType(qk_norm="head", hybrid=True),
+    "qwen3_5_moe_text": ModelType(qk_norm="head", hybrid=True, experts=_qwen3_5_moe_experts),
 }  # fmt: skip
 # what the paged forward lacks for a type it does not run (the refusal's line)
 MISSING = {
     "qwen2_moe": "its shared expert is not built",
     "deepseek_v3": "multi-head latent attention and its grouped routing are not built",
+    "qwen3_next": "its packed in_proj_qkvz / in_proj_ba projections are not read",
 }

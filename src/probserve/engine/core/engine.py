@@ -93,6 +93,14 @@ class EngineCore:
                 self.choice.token_capacity, "on" if self.pool.prefix_caching else "off",
                 "on" if self.info.deterministic else "off", self.info.weights,
             )  # fmt: skip
+            if self.info.prefix_caching_off:
+                log.info("engine: prefix caching off: %s", self.info.prefix_caching_off)
+            if self.choice.state_bytes:
+                log.info(
+                    "engine: recurrent state %d bytes a sequence, %d reserved for %d sequences",
+                    self.choice.state_bytes, self.choice.state_bytes * self.config.max_num_seqs,
+                    self.config.max_num_seqs,
+                )  # fmt: skip
         return self._runner
 
     def warmup(self) -> None:
@@ -154,8 +162,14 @@ class EngineCore:
             iteration_tokens_count=steps.steps,
             process_resident_memory_bytes=rss,
             process_cpu_seconds=cpu,
+            recurrent_state_bytes=self._state_bytes(seqs),
             **(self.speculator.figures() if self.speculator else {}),
         )
+
+    def _state_bytes(self, seqs: tuple[Sequence, ...]) -> int | None:
+        """The recurrent states held now (a hybrid model's: None for any other)."""
+        per = self.choice.state_bytes
+        return per * sum(1 for s in seqs if s.runner_state is not None) if per else None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

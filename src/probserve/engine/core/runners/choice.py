@@ -3,9 +3,11 @@ runner can do (speculate, keep hidden states, warm up); and the choice of runner
 with its backend (core/backend.py) and KV cache.
 
 `PagedRunner` (paged.py) serves the families of models/family.py with one packed forward
-per step over a paged KV cache; `HFRunner` (hf.py) any other causal LM through
+per step over a paged KV cache (`RecurrentRunner`, recurrent.py, the hybrid ones whose
+sequences also carry a recurrent state); `HFRunner` (hf.py) any other causal LM through
 transformers' own forward.
-Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks.
+Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks,
+after reserving `max_num_seqs` sequences' recurrent state (`state_bytes_per_sequence`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ class RunnerClass(Protocol):
     def kv_bytes_per_token(config: Any) -> int: ...
 
     @staticmethod
+    def state_bytes_per_sequence(config: Any) -> int:
+        """The recurrent state one sequence holds beside its KV blocks (0: none)."""
+        ...
+
+    @staticmethod
     def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
         """(the MoE layers whose routing a request may ask for, experts a token); ((), 0):
         this runner returns no routing for this model."""
@@ -80,8 +87,9 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     """The paged runner for the families it runs (unless told otherwise), else transformers'."""
     from probserve.engine.core.runners.hf import HFRunner
     from probserve.engine.core.runners.paged import PagedRunner
+    from probserve.engine.core.runners.recurrent import NO_SPECULATION, RecurrentRunner
     from probserve.models import ModelLoadError, llama
-    from probserve.models.family import SUPPORTED_TYPES
+    from probserve.models.family import SUPPORTED_TYPES, family
 
     supported = llama.supports(loaded.model)
     if config.runner == "paged" and not supported:
@@ -92,7 +100,13 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
             f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
-        return PagedRunner
+        if not family(loaded.model.config).hybrid:
+            return PagedRunner
+        if config.speculative != "off":
+            raise ModelLoadError(
+                f"--speculative {config.speculative} cannot run on {loaded.name}: {NO_SPECULATION}"
+            )
+        return RecurrentRunner
     return HFRunner
 
 
@@ -106,6 +120,7 @@ class RunnerChoice:
     backend: Backend
     num_blocks: int  # blocks of the KV cache (block 0 the null block: at least 2)
     retain_blocks: int  # released blocks the prefix cache keeps (--prefix-cache-gib)
+    state_bytes: int = 0  # the recurrent state a sequence holds (a hybrid model's; 0: none)
 
     @property
     def name(self) -> str:
@@ -133,12 +148,23 @@ class RunnerChoice:
             embeddings=self.cls.keeps_hidden,
             hidden_size=int(getattr(model, "hidden_size", 0) or 0),
             block_size=self.config.block_size, moe_layers=moe_layers,
-            experts_per_token=experts_per_token, **self.backend.facts(),
+            experts_per_token=experts_per_token, state_bytes_per_sequence=self.state_bytes,
+            prefix_caching_off=self.prefix_caching_off, **self.backend.facts(),
         )  # fmt: skip
+
+    @property
+    def prefix_caching_off(self) -> str:
+        """Why the prefix cache is off though asked for ("" where it is on or not asked)."""
+        if not self.config.prefix_caching or self.cls.prefix_caching:
+            return ""
+        from probserve.engine.core.runners.recurrent import NO_PREFIX_CACHE, RecurrentRunner
+
+        return NO_PREFIX_CACHE if self.cls is RecurrentRunner else f"{self.name} has none"
 
 
 def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     from probserve.engine.core.runners.paged import PagedRunner
+    from probserve.engine.core.runners.recurrent import RecurrentRunner
 
     if not 0 <= config.max_model_len <= loaded.context_length:
         raise ValueError(
@@ -146,15 +172,22 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
             f"({loaded.context_length} tokens)"
         )
     cls = runner_class(loaded, config)
-    backend = resolve(loaded, config, paged=cls is PagedRunner)
+    backend = resolve(loaded, config, paged=cls in (PagedRunner, RecurrentRunner))
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
+    state = cls.state_bytes_per_sequence(loaded.model.config)
+    reserved = state * config.max_num_seqs  # every running sequence's recurrent state
+    if reserved and reserved + 2 * per_block > config.kv_cache_gib * 2**30:
+        raise ValueError(
+            f"--kv-cache-gib {config.kv_cache_gib:g} does not hold {config.max_num_seqs} "
+            f"sequences' recurrent state ({reserved / 2**30:.3f} GiB) and a KV block"
+        )
 
-    def blocks_in(gib: float) -> int:
-        return int(gib * 2**30) // per_block
+    def blocks_in(gib: float, less: int = 0) -> int:
+        return (int(gib * 2**30) - less) // per_block
 
     return RunnerChoice(
-        cls, config, backend, max(2, blocks_in(config.kv_cache_gib)),
-        blocks_in(config.prefix_cache_gib),
+        cls, config, backend, max(2, blocks_in(config.kv_cache_gib, reserved)),
+        blocks_in(config.prefix_cache_gib), state,
     )  # fmt: skip
 
 

@@ -1,0 +1,189 @@
+"""Qwen3.5 dense and Qwen3.5-MoE (hybrid: Gated DeltaNet layers among gated full-attention
+ones, models/deltanet.py) on the paged forward, against transformers' own float32 forward: tiny
+random models of its classes (both layer kinds, GQA in the linear layers, partial rotary, a
+shared expert), prompt and generated logprobs within 1e-4 on both paths (deterministic kernels
+and torch), greedy tokens transformers' argmax; bitwise the same alone, among five others with a
+7-token step budget (chunked prefill across the recurrence), and after preemption; the
+recurrent state counted (reserved out of the KV budget, held bytes in the engine's figures),
+the prefix cache off with its reason, speculation refused in one line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_core
+from reference import full_logprobs
+
+from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.models import LoadedModel, ModelLoadError
+from probserve.models.family import family
+
+KINDS = ["qwen3_5", "qwen3_5_moe"]
+
+
+def _config(kind: str, vocab: int) -> Any:
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = {
+        "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "max_position_embeddings": 256, "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        # linear, full, linear, full: both kinds, a linear layer after an attention one
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+    }  # fmt: skip
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(**common, intermediate_size=96)
+    return Qwen3_5MoeTextConfig(
+        **common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    config = _config(request.param, smol.vocab_size)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.requires_grad_(False)
+    with torch.no_grad():  # norms (1 + w; the gated norm's plain w) and weights off their init
+        for name, param in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
+            elif "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            else:
+                param.normal_(0.0, 0.1)
+    return LoadedModel(
+        model=hf,
+        tokenizer=smol.tokenizer,
+        name=f"tiny-{request.param}",
+        eos_token_ids=frozenset({2}),
+        context_length=256,
+        vocab_size=smol.vocab_size,
+    )
+
+
+def _request(ids: list[int], rid: str, max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(
+        rid,
+        tuple(ids),
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
+    )
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(10, 40000, size=n)]
+
+
+def _numbers(outs: list) -> list[bytes]:
+    out = []
+    for o in outs:
+        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        for lp in (o.logprobs, o.prompt_logprobs):
+            if lp is not None:
+                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
+                    out.append(np.ascontiguousarray(arr).tobytes())
+    return out
+
+
+def test_its_family_is_hybrid(model: LoadedModel):
+    fam = family(model.model.config)
+    assert fam.linear == (True, False, True, False)
+    assert fam.rotary_dim == 4 and fam.attn_gate and fam.norm_plus_one
+    assert fam.shared_expert == bool(fam.experts)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic: bool):
+    core = EngineCore(
+        model, EngineConfig(deterministic=deterministic, kv_cache_gib=0.02, block_size=4)
+    )
+    assert core.info.runner == "RecurrentRunner" and core.info.deterministic == deterministic
+    ids = _prompt(1, 23)
+    outs = run_core(core, [_request(ids, "r", 10)])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    ref = full_logprobs(model.model, ids + gen)
+    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    got = np.asarray(prompt.logprobs, dtype=np.float64)
+    assert list(prompt.token_ids) == ids[1:]
+    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+    assert np.abs(got - want).max() < 1e-4
+    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
+    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
+    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
+    assert np.abs(lps - want).max() < 1e-4
+    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+
+
+def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
+    canary = _prompt(2, 19)
+    alone_core = EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02))
+    alone = run_core(alone_core, [_request(canary, "c")])["c"]
+    core = EngineCore(
+        model,
+        EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_batched_tokens=7),
+    )
+    others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
+    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
+    assert _numbers(mixed) == _numbers(alone)
+    # every sequence's state went with it
+    assert core.stats().recurrent_state_bytes == 0 and core.stats().held_caches == 0
+
+
+def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
+    """A KV pool too small for everyone: sequences are preempted (their states dropped with
+    their blocks) and recomputed, and the canary's numbers are its numbers alone."""
+    canary = _prompt(3, 17)
+    alone = run_core(
+        EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02)),
+        [_request(canary, "c", 12)],
+    )["c"]
+    config = _config(model.name.removeprefix("tiny-"), model.vocab_size)
+    per_block = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4)).choice
+    per_token = per_block.cls.kv_bytes_per_token(config)
+    reserved = 8 * per_block.state_bytes  # max_num_seqs 8: their states, then 16 blocks
+    budget = (reserved + 16 * 4 * per_token) / 2**30
+    core = EngineCore(
+        model, EngineConfig(deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=8)
+    )
+    assert core.pool.num_blocks == 16
+    others = [_request(_prompt(20 + i, 11), f"o{i}", 12) for i in range(3)]
+    mixed = run_core(core, [*others, _request(canary, "c", 12)])["c"]
+    assert core.scheduler.num_preemptions > 0
+    assert _numbers(mixed) == _numbers(alone)
+
+
+def test_the_state_is_reserved_and_counted(model: LoadedModel):
+    config = EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_seqs=3)
+    core = EngineCore(model, config)
+    per_seq = core.info.state_bytes_per_sequence
+    # 2 linear layers: conv (C = 2*2*8 + 4*8 = 64 channels, 3 columns) and 4 heads of 8 x 8
+    assert per_seq == 4 * 2 * (64 * 3 + 4 * 8 * 8)
+    per_block = core.choice.cls.kv_bytes_per_token(model.model.config) * 4
+    assert core.pool.num_blocks == (int(0.02 * 2**30) - 3 * per_seq) // per_block
+    assert not core.info.prefix_caching and "snapshots" in core.info.prefix_caching_off
+    core.add_request(_request(_prompt(4, 9), "s", 3))
+    core.step()  # the prompt computed: its state held
+    assert core.stats().recurrent_state_bytes == per_seq
+    while core.has_work():
+        core.step()
+    assert core.stats().recurrent_state_bytes == 0
+    with pytest.raises(ValueError, match="recurrent state"):
+        EngineCore(model, EngineConfig(kv_cache_gib=per_seq * 4 / 2**30, max_num_seqs=8))
+
+
+def test_speculation_is_refused_in_one_line(model: LoadedModel):
+    with pytest.raises(ModelLoadError, match="cannot roll back a rejected proposal"):
+        EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="ngram"))
