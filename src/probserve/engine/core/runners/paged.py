@@ -34,8 +34,8 @@ from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
 from probserve.engine.types import RoutedExperts
 from probserve.kernels.attention_plan import AttentionPlan, PrefillGroup
-from probserve.models.family import family
 from probserve.models.deltanet import Span
+from probserve.models.family import family
 from probserve.models.llama import KVCache, LlamaForward, moe_layers
 from probserve.models.loader import LoadedModel
 
