@@ -1,11 +1,12 @@
-"""Qwen3.5 dense and Qwen3.5-MoE (hybrid: Gated DeltaNet layers among gated full-attention
-ones, models/deltanet.py) on the paged forward, against transformers' own float32 forward: tiny
-random models of its classes (both layer kinds, GQA in the linear layers, partial rotary, a
-shared expert), prompt and generated logprobs within 1e-4 on both paths (deterministic kernels
-and torch), greedy tokens transformers' argmax; bitwise the same alone, among five others with a
-7-token step budget (chunked prefill across the recurrence), and after preemption; the
-recurrent state counted (reserved out of the KV budget, held bytes in the engine's figures),
-the prefix cache off with its reason, speculation refused in one line."""
+"""Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next (hybrid: Gated DeltaNet layers among gated
+full-attention ones, models/deltanet.py; Qwen3-Next's projections packed per key head) on the
+paged forward, against transformers' own float32 forward: tiny random models of its classes
+(both layer kinds, GQA in the linear layers, partial rotary, a shared expert), prompt and
+generated logprobs within 1e-4 on both paths (deterministic kernels and torch), greedy tokens
+transformers' argmax; bitwise the same alone, among five others with a 7-token step budget
+(chunked prefill across the recurrence), and after preemption; the recurrent state counted
+(reserved out of the KV budget, held bytes in the engine's figures), the prefix cache off with
+its reason, speculation refused in one line; Qwen3.5 on the GPU path too."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSp
 from probserve.models import LoadedModel, ModelLoadError
 from probserve.models.family import family
 
-KINDS = ["qwen3_5", "qwen3_5_moe"]
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
 def _config(kind: str, vocab: int) -> Any:
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     common = {
         "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
@@ -38,6 +39,11 @@ def _config(kind: str, vocab: int) -> Any:
     }  # fmt: skip
     if kind == "qwen3_5":
         return Qwen3_5TextConfig(**common, intermediate_size=96)
+    if kind == "qwen3_next":  # its projections packed per key head; layer 1 dense
+        return Qwen3NextConfig(
+            **common, intermediate_size=96, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        )  # fmt: skip
     return Qwen3_5MoeTextConfig(
         **common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
@@ -103,6 +109,7 @@ def test_its_family_is_hybrid(model: LoadedModel):
     assert fam.linear == (True, False, True, False)
     assert fam.rotary_dim == 4 and fam.attn_gate and fam.norm_plus_one
     assert fam.shared_expert == bool(fam.experts)
+    assert fam.packed_linear == (model.name == "tiny-qwen3_next")
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -187,3 +194,51 @@ def test_the_state_is_reserved_and_counted(model: LoadedModel):
 def test_speculation_is_refused_in_one_line(model: LoadedModel):
     with pytest.raises(ModelLoadError, match="cannot roll back a rejected proposal"):
         EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="ngram"))
+
+
+GPU_VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python
+
+
+def test_the_gpu_path_serves_qwen3_5_exactly_and_invariantly(smol: LoadedModel) -> None:
+    """Qwen3.5 dense on the GPU path (its Triton kernels; under Triton's interpreter on the host
+    here): within 1e-4 of transformers, and the same bits alone and among others in 7-token
+    steps (no decode graphs: each sequence's state is its own)."""
+    import triton  # noqa: F401  (a dev dependency: without it this fails, it never skips)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    config = _config("qwen3_5", GPU_VOCAB)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if "norm" in name else 0.1))
+    model = LoadedModel(
+        model=hf, tokenizer=smol.tokenizer, name="tiny-qwen3_5", eos_token_ids=frozenset({2}),
+        context_length=256, vocab_size=GPU_VOCAB,
+    )  # fmt: skip
+
+    def gpu(**more: Any) -> EngineConfig:
+        return EngineConfig(device="cuda", kv_cache_gib=0.01, block_size=4, **more)
+
+    def prompt(seed: int, n: int) -> list[int]:
+        return [int(t) for t in np.random.default_rng(seed).integers(3, GPU_VOCAB, size=n)]
+
+    core = EngineCore(model, gpu())
+    core.warmup()
+    assert core.info.runner == "RecurrentRunner" and core.info.deterministic
+    assert core.info.device == ("cuda" if torch.cuda.is_available() else "interpreted")
+    ids = prompt(1, 15)
+    outs = run_core(core, [_request(ids, "r", 5)])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    ref = full_logprobs(hf, ids + gen).double()
+    got = np.asarray(next(o.prompt_logprobs for o in outs if o.prompt_logprobs).logprobs)
+    assert np.abs(got - ref[np.arange(len(ids) - 1), ids[1:]].numpy()).max() < 1e-4
+    rows = np.arange(len(ids) - 1, len(ids) - 1 + len(gen))
+    lps = np.concatenate([np.asarray(o.logprobs.logprobs) for o in outs if o.logprobs is not None])
+    assert np.abs(lps - ref[rows, gen].numpy()).max() < 1e-4
+    assert gen == [int(ref[r].argmax()) for r in rows]
+    mixed_core = EngineCore(model, gpu(max_num_batched_tokens=7))
+    others = [_request(prompt(10 + i, 4 + 3 * i), f"o{i}", 2 + i) for i in range(3)]
+    mixed = run_core(mixed_core, [*others[:1], _request(ids, "r", 5), *others[1:]])["r"]
+    assert _numbers(mixed) == _numbers(outs)

@@ -42,6 +42,8 @@ class ModelType:
     hybrid: bool = False  # Qwen3.5's layers: Gated DeltaNet layers among gated full-attention
     # ones (partial rotary), (1 + w) norms, a shared expert beside the routed ones
     # (models/deltanet.py)
+    packed_linear: bool = False  # its linear layers' projections packed per key head
+    # (Qwen3-Next's in_proj_qkvz and in_proj_ba)
 
 
 def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
@@ -63,6 +65,11 @@ def _qwen3_5_moe_experts(config: Any) -> dict[str, Any]:
         "norm_topk": True, "expert_intermediate": int(config.moe_intermediate_size),
         "sparse": (True,) * config.num_hidden_layers, "shared_expert": True,
     }  # fmt: skip
+
+
+def _qwen3_next_experts(config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's sparse layers and routing, and a shared expert beside the routed ones."""
+    return _qwen3_moe_experts(config) | {"shared_expert": True}
 
 
 def _every_layer(experts: int, config: Any, norm: bool) -> dict[str, Any]:
@@ -192,10 +199,12 @@ TYPES: dict[str, ModelType] = {
     ),
     "qwen3_5_text": ModelType(qk_norm="head", hybrid=True),
     "qwen3_5_moe_text": ModelType(qk_norm="head", hybrid=True, experts=_qwen3_5_moe_experts),
+    "qwen3_next": ModelType(
+        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True
+    ),
 }  # fmt: skip
 # what the paged forward lacks for a type it does not run (the refusal's line)
 MISSING = {
     "qwen2_moe": "its shared expert is not built",
     "deepseek_v3": "multi-head latent attention and its grouped routing are not built",
-    "qwen3_next": "its packed in_proj_qkvz / in_proj_ba projections are not read",
 }

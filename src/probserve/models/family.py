@@ -19,11 +19,13 @@ configuration once, here, through each type's entry of models/families.py:
   experts biased with a clamped SwiGLU ((clamp(up) + 1) * g * sigmoid(1.702 g), g = min(gate,
   7)), attention with biases and a learned sink logit per head, alternating 128-token windows
   and YaRN RoPE;
-- Qwen3.5 (dense and MoE) is hybrid: most layers are Gated DeltaNet (a linear-attention
-  recurrence, models/deltanet.py), the rest full attention with an output gate (the query
-  projection doubled per head: [q | gate], attention * sigmoid(gate)), q/k norms and RoPE on the
-  first quarter of each head; its norms are (1 + w); its MoE adds a shared expert scaled by
-  sigmoid(shared_expert_gate(x)).
+- Qwen3.5 (dense and MoE) and Qwen3-Next are hybrid: most layers are Gated DeltaNet (a
+  linear-attention recurrence, models/deltanet.py), the rest full attention with an output gate
+  (the query projection doubled per head: [q | gate], attention * sigmoid(gate)), q/k norms and
+  RoPE on the first quarter of each head; their norms are (1 + w); their MoE adds a shared
+  expert scaled by sigmoid(shared_expert_gate(x)) (Qwen3-Next's in Qwen3-MoE's sparse layers);
+  Qwen3-Next packs its linear layers' projections per key head (models/llama.py unpacks the
+  rows).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ class Family:
     rotary_dim: int = 0  # the leading dimensions of a head RoPE rotates (0: all of it)
     attn_gate: bool = False  # attention's output gated by sigmoid of a second query half
     shared_expert: bool = False  # a shared expert beside the routed ones (Qwen3.5-MoE)
+    packed_linear: bool = False  # the linear layers' projections packed per key head
+    # (Qwen3-Next: [q k v z] and [b a] of each key head's group in turn)
 
     @property
     def hybrid(self) -> bool:
@@ -174,17 +178,20 @@ def _hybrid(config: Any, d: int) -> dict[str, Any]:
     if not types:
         every = int(getattr(config, "full_attention_interval", 4) or 4)
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    factor = float(rope_params(config, None).get("partial_rotary_factor", 1.0) or 1.0)
+    factor = rope_params(config, None).get("partial_rotary_factor")
+    factor = float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
     return {
         "linear": tuple(t == "linear_attention" for t in types),
         "rotary_dim": int(d * factor), "attn_gate": True,
+        "packed_linear": TYPES[config.model_type].packed_linear,
     }  # fmt: skip
 
 
 def _check(config: Any, kind: ModelType) -> None:
     """What no family of the forward has: a partial rotary embedding (but Qwen3.5's),
     bidirectional attention, layers other than attention (but Qwen3.5's linear ones)."""
-    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+    partial = float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0
+    if partial and not kind.hybrid:
         raise Unsupported("its partial rotary embedding is not one the paged forward has")
     if getattr(config, "use_bidirectional_attention", False):
         raise Unsupported("its attention is bidirectional (an embedding model)")

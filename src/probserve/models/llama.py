@@ -276,15 +276,39 @@ class _Layer:
 
 
 def _deltanet(config: Any, index: int, t: _Tensors) -> GatedDeltaNet:
-    """Layer `index`'s Gated DeltaNet: its projections [q k v | z | b | a] held as one."""
+    """Layer `index`'s Gated DeltaNet: its projections [q k v | z | b | a] held as one (Qwen3-
+    Next's packed rows put in that order)."""
     fam, at = t.fam, "linear_attn."
-    proj = t.linear(at + "in_proj_qkv", at + "in_proj_z", at + "in_proj_b", at + "in_proj_a")
+    if fam.packed_linear:
+        qkvz, ba = _packed_rows(config)
+        weights = [
+            as_float(t[at + "in_proj_qkvz.weight"])[qkvz], as_float(t[at + "in_proj_ba.weight"])[ba]
+        ]  # fmt: skip
+        proj = projection(weights, [None, None], t.ops)
+    else:
+        proj = t.linear(at + "in_proj_qkv", at + "in_proj_z", at + "in_proj_b", at + "in_proj_a")
     return GatedDeltaNet(
         sum(fam.linear[:index]), StateShape.of(config, fam.linear), proj,
         t.linear(at + "out_proj"), as_float(t[at + "conv1d.weight"]), as_float(t[at + "A_log"]),
         as_float(t[at + "dt_bias"]), as_float(t[at + "norm.weight"]), float(config.rms_norm_eps),
         t.ops,
     )  # fmt: skip
+
+
+def _packed_rows(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of Qwen3-Next's in_proj_qkvz (each key head's [q k v z], v and z its r = nv / nk
+    value heads') in the order [q | k | v | z], and of in_proj_ba ([b a] per key head) as
+    [b | a]: row permutations, the weights' values untouched."""
+    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    r = nv // nk
+
+    def part(width: int, at: int, size: int) -> torch.Tensor:
+        return (torch.arange(nk)[:, None] * width + at + torch.arange(size)).reshape(-1)
+
+    g, rv = 2 * dk + 2 * r * dv, r * dv
+    qkvz = [part(g, 0, dk), part(g, dk, dk), part(g, 2 * dk, rv), part(g, 2 * dk + rv, rv)]
+    return torch.cat(qkvz), torch.cat([part(2 * r, 0, r), part(2 * r, r, r)])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
