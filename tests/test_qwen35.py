@@ -242,3 +242,30 @@ def test_the_gpu_path_serves_qwen3_5_exactly_and_invariantly(smol: LoadedModel) 
     others = [_request(prompt(10 + i, 4 + 3 * i), f"o{i}", 2 + i) for i in range(3)]
     mixed = run_core(mixed_core, [*others[:1], _request(ids, "r", 5), *others[1:]])["r"]
     assert _numbers(mixed) == _numbers(outs)
+
+
+def test_a_qwen3_5_checkpoint_directory_is_served_on_the_paged_forward(
+    smol: LoadedModel, tmp_path: Any
+) -> None:
+    """A directory as Qwen3.5 checkpoints ship (the vision-language class, `qwen3_5`, its text
+    weights under model.language_model): loaded as the text model, served by RecurrentRunner,
+    its logprobs within 1e-4 of transformers'."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from probserve.models import load_model
+
+    torch.manual_seed(3)
+    text = _config("qwen3_5", smol.vocab_size).to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+              "out_hidden_size": 64}  # fmt: skip
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    vlm.save_pretrained(tmp_path)
+    smol.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    core = EngineCore(loaded, EngineConfig(kv_cache_gib=0.02))
+    assert core.info.runner == "RecurrentRunner" and core.info.architecture == "qwen3_5_text"
+    ids = _prompt(5, 12)
+    outs = run_core(core, [_request(ids, "d", 4)])["d"]
+    ref = full_logprobs(loaded.model, ids)
+    got = np.asarray(next(o.prompt_logprobs for o in outs if o.prompt_logprobs).logprobs)
+    assert np.abs(got - np.array([float(ref[j, ids[j + 1]]) for j in range(11)])).max() < 1e-4
