@@ -6,7 +6,8 @@ generated logprobs within 1e-4 on both paths (deterministic kernels and torch), 
 transformers' argmax; bitwise the same alone, among five others with a 7-token step budget
 (chunked prefill across the recurrence), and after preemption; the recurrent state counted
 (reserved out of the KV budget, held bytes in the engine's figures), the prefix cache off with
-its reason, speculation refused in one line; Qwen3.5 on the GPU path too."""
+its reason; speculation's rejected proposals rolled back bit for bit; Qwen3.5 on the GPU path
+too."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from conftest import run_core
 from reference import full_logprobs
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
-from probserve.models import LoadedModel, ModelLoadError
+from probserve.models import LoadedModel
 from probserve.models.family import family
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -104,6 +105,17 @@ def _numbers(outs: list) -> list[bytes]:
     return out
 
 
+def _joined(outs: list) -> list[bytes]:
+    """The tokens and each generated logprobs array over all the outputs (rows in any grouping:
+    a step that accepts proposals sends several tokens at once)."""
+    arrays: dict[str, list[np.ndarray]] = {"tokens": [np.asarray(o.new_token_ids) for o in outs]}
+    for o in outs:
+        if o.logprobs is not None:
+            for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "entropy"):
+                arrays.setdefault(name, []).append(np.asarray(getattr(o.logprobs, name)))
+    return [np.concatenate(v).tobytes() for v in arrays.values()]
+
+
 def test_its_family_is_hybrid(model: LoadedModel):
     fam = family(model.model.config)
     assert fam.linear == (True, False, True, False)
@@ -160,7 +172,8 @@ def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel)
     config = _config(model.name.removeprefix("tiny-"), model.vocab_size)
     per_block = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4)).choice
     per_token = per_block.cls.kv_bytes_per_token(config)
-    reserved = 8 * per_block.state_bytes  # max_num_seqs 8: their states, then 16 blocks
+    # max_num_seqs 8: their states (each with those kept for proposals), then 16 blocks
+    reserved = 8 * per_block.state_bytes * (2 + per_block.config.speculative_tokens)
     budget = (reserved + 16 * 4 * per_token) / 2**30
     core = EngineCore(
         model, EngineConfig(deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=8)
@@ -179,7 +192,8 @@ def test_the_state_is_reserved_and_counted(model: LoadedModel):
     # 2 linear layers: conv (C = 2*2*8 + 4*8 = 64 channels, 3 columns) and 4 heads of 8 x 8
     assert per_seq == 4 * 2 * (64 * 3 + 4 * 8 * 8)
     per_block = core.choice.cls.kv_bytes_per_token(model.model.config) * 4
-    assert core.pool.num_blocks == (int(0.02 * 2**30) - 3 * per_seq) // per_block
+    states = 3 * (2 + config.speculative_tokens)  # each its own, and those kept for proposals
+    assert core.pool.num_blocks == (int(0.02 * 2**30) - states * per_seq) // per_block
     assert not core.info.prefix_caching and "snapshots" in core.info.prefix_caching_off
     core.add_request(_request(_prompt(4, 9), "s", 3))
     core.step()  # the prompt computed: its state held
@@ -191,9 +205,53 @@ def test_the_state_is_reserved_and_counted(model: LoadedModel):
         EngineCore(model, EngineConfig(kv_cache_gib=per_seq * 4 / 2**30, max_num_seqs=8))
 
 
-def test_speculation_is_refused_in_one_line(model: LoadedModel):
-    with pytest.raises(ModelLoadError, match="cannot roll back a rejected proposal"):
-        EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="ngram"))
+class _Proposer:
+    """Proposes each sequence's true continuation with its last token wrong every other time,
+    so a step's proposals are partly accepted, partly rejected (their state updates undone)."""
+
+    def __init__(self, truths: dict[tuple[int, ...], list[int]]) -> None:
+        self.truths, self.calls = truths, 0
+
+    def propose_many(self, asks: list) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for rid, tokens, k in asks:
+            self.calls += 1
+            for prompt, full in self.truths.items():
+                if tuple(tokens[: len(prompt)]) == prompt:
+                    want = list(full[len(tokens) : len(tokens) + k])
+                    if self.calls % 2 and len(want) > 1:
+                        want[-1] += 1
+                    out[rid] = tuple(want)
+        return out
+
+
+def test_speculation_rolls_back_rejected_proposals_bit_for_bit(model: LoadedModel):
+    """Proposals, some accepted and some rejected, among other requests in 7-token steps: the
+    same bits as decoding one token a step, and the kept states are counted then freed."""
+    from probserve.engine.core.host import engine_over
+
+    prompts = {"a": _prompt(6, 13), "b": _prompt(7, 9)}
+    plain = run_core(
+        EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02)),
+        [_request(ids, rid, 12) for rid, ids in prompts.items()],
+    )
+    truths = {
+        tuple(ids): [*ids, *(t for o in plain[rid] for t in o.new_token_ids)]
+        for rid, ids in prompts.items()
+    }
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, speculative="ngram",
+        max_num_batched_tokens=7, speculative_tokens=3,
+    )  # fmt: skip
+    core = engine_over(model, config)
+    assert core.speculator is not None
+    core.speculator.proposer = _Proposer(truths)  # type: ignore[assignment]
+    others = [_request(_prompt(30 + i, 6), f"o{i}", 4) for i in range(2)]
+    spec = run_core(core, [others[0], *(_request(i, r, 12) for r, i in prompts.items()), others[1]])
+    assert 0 < core.speculator.accepted < core.speculator.drafted
+    for rid in prompts:
+        assert _joined(spec[rid]) == _joined(plain[rid]), rid
+    assert core.stats().recurrent_state_bytes == 0
 
 
 GPU_VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python

@@ -42,7 +42,8 @@ class EngineInfo:
     # "avx512", "avx2"); "" where the forward runs on none (torch's float32, the GPU path)
     kernel_isa: str = ""
     # a hybrid model's recurrent state (Qwen3.5's Gated DeltaNet layers): bytes a sequence holds
-    # beside its KV blocks, reserved for max_num_seqs sequences out of --kv-cache-gib
+    # beside its KV blocks; reserved out of --kv-cache-gib for max_num_seqs sequences, with the
+    # speculative_tokens + 1 states a step verifying proposals keeps
     state_bytes_per_sequence: int = 0
     prefix_caching_off: str = ""  # why the prefix cache is off though asked for ("": it is not)
 

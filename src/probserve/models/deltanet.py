@@ -66,10 +66,19 @@ class StateShape:
 @dataclass
 class RecurrentState:
     """One sequence's state past its last computed token: conv [layers, C, K - 1] (the last
-    K - 1 inputs of the conv) and delta [layers, nv, dk, dv]. Zeros before its first token."""
+    K - 1 inputs of the conv) and delta [layers, nv, dk, dv]. Zeros before its first token.
+
+    A step that verifies proposals keeps the state past each of its last rows (`keep`: the
+    last real token's and each proposal's, kept_conv [n, layers, C, K - 1] and kept_delta [n,
+    layers, nv, dk, dv]); the next step's first position says how many were accepted, and
+    `settle` puts back the state past the last of them (a rejected proposal's update undone,
+    the same bits as never having run it)."""
 
     conv: torch.Tensor
     delta: torch.Tensor
+    kept_conv: torch.Tensor | None = None
+    kept_delta: torch.Tensor | None = None
+    kept_from: int = -1  # the position whose state kept_*[0] is (-1: none kept)
 
     @staticmethod
     def zeros(shape: StateShape, device: torch.device | None = None) -> RecurrentState:
@@ -77,14 +86,44 @@ class RecurrentState:
         delta = (shape.layers, shape.v_heads, shape.k_dim, shape.v_dim)
         return RecurrentState(torch.zeros(conv, device=device), torch.zeros(delta, device=device))
 
+    @property
+    def nbytes(self) -> int:
+        """What it holds now (its kept states included)."""
+        held = [self.conv, self.delta, self.kept_conv, self.kept_delta]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def keep(self, rows: int, first: int) -> None:
+        """Keep the state past each of a step's last `rows` rows, the first at position `first`."""
+        for name, held in (("kept_conv", self.conv), ("kept_delta", self.delta)):
+            kept = getattr(self, name)
+            if kept is None or kept.shape[0] != rows:
+                setattr(self, name, held.new_empty((rows, *held.shape)))
+        self.kept_from = first
+
+    def settle(self, start: int) -> None:
+        """A chunk starts at `start`: the state past position start - 1, from the kept ones
+        where the last step kept it (its proposals up to there accepted)."""
+        if self.kept_from < 0:
+            return
+        assert self.kept_conv is not None and self.kept_delta is not None
+        j = start - 1 - self.kept_from
+        if not 0 <= j < self.kept_conv.shape[0]:
+            raise RuntimeError(f"no kept recurrent state for position {start - 1}")
+        self.conv.copy_(self.kept_conv[j])
+        self.delta.copy_(self.kept_delta[j])
+        self.kept_from = -1
+        self.kept_conv = self.kept_delta = None
+
 
 @dataclass(frozen=True)
 class Span:
-    """A sequence's rows [start, end) of the step, continuing from `state` (updated in place)."""
+    """A sequence's rows [start, end) of the step, continuing from `state` (updated in place);
+    the state past each of its last `keep` rows kept (`RecurrentState.keep`: verify rows)."""
 
     start: int
     end: int
     state: RecurrentState
+    keep: int = 0
 
 
 def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
@@ -132,12 +171,13 @@ class GatedDeltaNet:
         b, a = p[:, c + vd : c + vd + s.v_heads], p[:, c + vd + s.v_heads :]
         conv = x.new_empty((t, c))
         for span in spans:
-            conv[span.start : span.end] = self._conv(mixed[span.start : span.end], span.state)
+            inputs = mixed[span.start : span.end]
+            conv[span.start : span.end] = self._conv(inputs, span.state, span.keep)
         conv = self._silu_mul(conv, None)
         o = x.new_empty((t, vd))
         for span in spans:
             rows = slice(span.start, span.end)
-            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state)
+            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state, span.keep)
         normed = self.ops.rms_norm(o.reshape(t * s.v_heads, s.v_dim), self.norm, self.eps)
         gated = self._silu_mul(z.reshape(t * s.v_heads, s.v_dim), normed)
         return self.out(gated.reshape(t, vd))
@@ -150,9 +190,10 @@ class GatedDeltaNet:
             up = self.ones
         return self.ops.silu_mul(torch.cat([x, up], dim=1).contiguous())
 
-    def _conv(self, mixed: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+    def _conv(self, mixed: torch.Tensor, state: RecurrentState, keep: int) -> torch.Tensor:
         """The causal conv of a sequence's rows [n, C] after the K - 1 inputs its state keeps
-        (left there updated): sum over taps k of w[:, k] * input[t - (K - 1) + k], in k order."""
+        (left there updated; past each of the last `keep` rows kept too): sum over taps k of
+        w[:, k] * input[t - (K - 1) + k], in k order."""
         n, k = mixed.shape[0], self.shape.kernel
         held = state.conv[self.index]
         cols = torch.cat([held, mixed.T], dim=1)  # [C, K - 1 + n]
@@ -160,13 +201,23 @@ class GatedDeltaNet:
         for tap in range(1, k):
             acc = acc + cols[:, tap : tap + n] * self.conv[:, tap : tap + 1]
         held.copy_(cols[:, n:])
+        if keep:
+            assert state.kept_conv is not None
+            for j, row in enumerate(range(n - keep, n)):  # the inputs up to row `row`
+                state.kept_conv[j, self.index].copy_(cols[:, row + 1 : row + k])
         return acc.T
 
     def _recurrence(
-        self, conv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state: RecurrentState
+        self,
+        conv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: RecurrentState,
+        keep: int,
     ) -> torch.Tensor:
         """The gated delta rule over a sequence's rows (conv's [q k v] after SiLU, b, a), token
-        by token from its state (left past the last): o [n, nv * dv]."""
+        by token from its state (left past the last; past each of the last `keep` kept too):
+        o [n, nv * dv]."""
         s = self.shape
         kd = s.k_heads * s.k_dim
         group = s.v_heads // s.k_heads
@@ -188,4 +239,7 @@ class GatedDeltaNet:
             delta = (v - memory) * beta[:, None]
             big_s.add_(k[:, :, None] * delta[:, None, :])
             out[i] = (big_s * q[:, :, None]).sum(1).reshape(-1)
+            if i >= conv.shape[0] - keep:
+                assert state.kept_delta is not None
+                state.kept_delta[i - (conv.shape[0] - keep), self.index].copy_(big_s)
         return out

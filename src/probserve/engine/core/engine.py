@@ -39,6 +39,7 @@ from probserve.engine.types import (
     TokenLogprobs,
 )
 from probserve.engine.usage import IterationTokens, ProcessUsage
+from probserve.models.deltanet import RecurrentState
 from probserve.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,13 @@ class EngineCore:
             if self.info.prefix_caching_off:
                 log.info("engine: prefix caching off: %s", self.info.prefix_caching_off)
             if self.choice.state_bytes:
+                states = 2 + self.config.speculative_tokens  # its own, and those kept to verify
                 log.info(
-                    "engine: recurrent state %d bytes a sequence, %d reserved for %d sequences",
-                    self.choice.state_bytes, self.choice.state_bytes * self.config.max_num_seqs,
-                    self.config.max_num_seqs,
+                    "engine: recurrent state %d bytes a sequence, %d reserved for %d sequences "
+                    "(%d states each: its own and those kept for proposals)",
+                    self.choice.state_bytes,
+                    self.choice.state_bytes * self.config.max_num_seqs * states,
+                    self.config.max_num_seqs, states,
                 )  # fmt: skip
         return self._runner
 
@@ -167,9 +171,12 @@ class EngineCore:
         )
 
     def _state_bytes(self, seqs: tuple[Sequence, ...]) -> int | None:
-        """The recurrent states held now (a hybrid model's: None for any other)."""
-        per = self.choice.state_bytes
-        return per * sum(1 for s in seqs if s.runner_state is not None) if per else None
+        """The recurrent states held now, those kept for proposals included (a hybrid model's:
+        None for any other)."""
+        if not self.choice.state_bytes:
+            return None
+        states = (s.runner_state for s in seqs)
+        return sum(state.nbytes for state in states if isinstance(state, RecurrentState))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

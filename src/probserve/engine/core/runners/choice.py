@@ -87,7 +87,7 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
     """The paged runner for the families it runs (unless told otherwise), else transformers'."""
     from probserve.engine.core.runners.hf import HFRunner
     from probserve.engine.core.runners.paged import PagedRunner
-    from probserve.engine.core.runners.recurrent import NO_SPECULATION, RecurrentRunner
+    from probserve.engine.core.runners.recurrent import RecurrentRunner
     from probserve.models import ModelLoadError, llama
     from probserve.models.family import SUPPORTED_TYPES, family
 
@@ -100,13 +100,7 @@ def runner_class(loaded: LoadedModel, config: EngineConfig) -> RunnerClass:
             f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
-        if not family(loaded.model.config).hybrid:
-            return PagedRunner
-        if config.speculative != "off":
-            raise ModelLoadError(
-                f"--speculative {config.speculative} cannot run on {loaded.name}: {NO_SPECULATION}"
-            )
-        return RecurrentRunner
+        return RecurrentRunner if family(loaded.model.config).hybrid else PagedRunner
     return HFRunner
 
 
@@ -175,11 +169,13 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     backend = resolve(loaded, config, paged=cls in (PagedRunner, RecurrentRunner))
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
     state = cls.state_bytes_per_sequence(loaded.model.config)
-    reserved = state * config.max_num_seqs  # every running sequence's recurrent state
+    # every running sequence's recurrent state, and those a step verifying its proposals keeps
+    reserved = state * config.max_num_seqs * (2 + config.speculative_tokens)
     if reserved and reserved + 2 * per_block > config.kv_cache_gib * 2**30:
         raise ValueError(
             f"--kv-cache-gib {config.kv_cache_gib:g} does not hold {config.max_num_seqs} "
-            f"sequences' recurrent state ({reserved / 2**30:.3f} GiB) and a KV block"
+            f"sequences' recurrent state ({reserved / 2**30:.3f} GiB, with the states kept for "
+            f"{config.speculative_tokens} proposals) and a KV block"
         )
 
     def blocks_in(gib: float, less: int = 0) -> int:

@@ -9,9 +9,14 @@ a preempted sequence is recomputed from its first token, from zeros. At most `ma
 sequences run, so at most that many states are held; the engine reserves their bytes out of
 the KV cache's budget before it counts blocks (runners/choice.py).
 
+Speculation: a step that verifies a sequence's proposals keeps the state past its last real
+token and past each proposal (`RecurrentState.keep`); its next chunk's first position says how
+many were accepted, and the state past the last of them is put back (`settle`): a rejected
+proposal leaves no trace, and the numbers are the same bits as decoding one token a step. The
+kept states (at most `--speculative-tokens` + 1 a sequence) are reserved with the others.
+
 What it does not do: the prefix cache (no state snapshots at block boundaries are kept, so a
-cached prefix could not restore its state: caching is off, `prefix_caching_off` says why) and
-speculation (a rejected proposal's state is not rolled back: `--speculative` is refused).
+cached prefix could not restore its state: caching is off, `prefix_caching_off` says why).
 Decode steps run the forward itself, not CUDA graphs (the states are per sequence).
 """
 
@@ -28,12 +33,11 @@ from probserve.models.llama import state_shape
 from probserve.models.loader import LoadedModel
 
 NO_PREFIX_CACHE = "its recurrent state keeps no snapshots at block boundaries"
-NO_SPECULATION = "its recurrent state cannot roll back a rejected proposal"
 
 
 class RecurrentRunner(PagedRunner):
     prefix_caching = False  # (NO_PREFIX_CACHE)
-    speculates = False  # (NO_SPECULATION)
+    speculates = True  # (its states past each verify row kept, the accepted one put back)
     replays_graphs = False
 
     @staticmethod
@@ -50,7 +54,9 @@ class RecurrentRunner(PagedRunner):
         self.state_shape = shape
 
     def _spans(self, chunks: list[Chunk]) -> list[Span]:
-        """Each chunk's rows and its sequence's state: a fresh one (zeros) at its first token."""
+        """Each chunk's rows and its sequence's state: a fresh one (zeros) at its first token,
+        else the state past its last accepted token; with proposals, the states past its last
+        real token and each proposal kept."""
         spans, row = [], 0
         for ch in chunks:
             state = ch.seq.runner_state
@@ -58,6 +64,10 @@ class RecurrentRunner(PagedRunner):
                 if ch.start != 0:  # (never: no prefix cache, preemption recomputes from 0)
                     raise RuntimeError(f"{ch.seq.request_id}: its recurrent state was lost")
                 state = ch.seq.runner_state = RecurrentState.zeros(self.state_shape, self.device)
-            spans.append(Span(row, row + ch.length, state))
+            state.settle(ch.start)
+            keep = len(ch.proposed) + 1 if ch.proposed else 0
+            if keep:
+                state.keep(keep, ch.real_end - 1)
+            spans.append(Span(row, row + ch.length, state, keep))
             row += ch.length
         return spans
