@@ -18,8 +18,16 @@ import pytest
 import torch
 from conftest import run_core
 from reference import full_logprobs
+from test_families import _check_routing
 
-from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    LogprobsSpec,
+    RoutingSpec,
+    SamplingParams,
+)
 from probserve.models import LoadedModel
 from probserve.models.family import family
 
@@ -80,12 +88,13 @@ def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
     )
 
 
-def _request(ids: list[int], rid: str, max_tokens: int = 8) -> EngineRequest:
+def _request(ids: list[int], rid: str, max_tokens: int = 8, routing: bool = False) -> EngineRequest:
     return EngineRequest(
         rid,
         tuple(ids),
         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
         LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
+        routing=RoutingSpec(prompt=True) if routing else None,
     )
 
 
@@ -131,8 +140,11 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     )
     assert core.info.runner == "RecurrentRunner" and core.info.deterministic == deterministic
     ids = _prompt(1, 23)
-    outs = run_core(core, [_request(ids, "r", 10)])["r"]
+    routed = bool(family(model.model.config).experts)  # its MoE layers' routing returned too
+    outs = run_core(core, [_request(ids, "r", 10, routing=routed)])["r"]
     gen = [t for o in outs for t in o.new_token_ids]
+    if routed:
+        _check_routing(model, outs, ids, gen)
     ref = full_logprobs(model.model, ids + gen)
     prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
     got = np.asarray(prompt.logprobs, dtype=np.float64)
