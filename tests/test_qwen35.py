@@ -3,11 +3,11 @@ full-attention ones, models/deltanet.py; Qwen3-Next's projections packed per key
 paged forward, against transformers' own float32 forward: tiny random models of its classes
 (both layer kinds, GQA in the linear layers, partial rotary, a shared expert), prompt and
 generated logprobs within 1e-4 on both paths (deterministic kernels and torch), greedy tokens
-transformers' argmax; bitwise the same alone, among five others with a 7-token step budget
-(chunked prefill across the recurrence), and after preemption; the recurrent state counted
-(reserved out of the KV budget, held bytes in the engine's figures), the prefix cache off with
-its reason; speculation's rejected proposals rolled back bit for bit; Qwen3.5 on the GPU path
-too."""
+transformers' argmax, the MoE layers' routing; bitwise the same alone, among five others with a
+7-token step budget (chunked prefill across the recurrence), from the prefix cache (a block's
+state snapshot restored; a prefix ends at a block with one) and after preemption; speculation's
+rejected proposals rolled back bit for bit; the recurrent state counted (reserved out of the KV
+budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too."""
 
 from __future__ import annotations
 
@@ -168,9 +168,43 @@ def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedM
     )
     others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
     mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
-    assert _numbers(mixed) == _numbers(alone)
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]  # its state from a snapshot
+    assert core.scheduler.prefix_hit_tokens - hits == 16  # four blocks of 4 (one token left)
+    assert _numbers(mixed) == _numbers(alone) == _numbers(again)
     # every sequence's state went with it
     assert core.stats().recurrent_state_bytes == 0 and core.stats().held_caches == 0
+
+
+def test_a_cached_prefix_ends_at_a_block_with_a_snapshot(model: LoadedModel):
+    """Snapshots for two blocks only (the least recently used dropped): a prompt whose cached
+    blocks outnumber them reuses its prefix up to the last block whose snapshot is kept, and
+    its numbers are the cold run's."""
+    canary = _prompt(8, 21)
+    cold = run_core(
+        EngineCore(
+            model, EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+        ),
+        [_request(canary, "c")],
+    )["c"]
+    state = EngineCore(model, EngineConfig(kv_cache_gib=0.02)).choice.state_bytes
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=2.5 * state / 2**30
+    )
+    core = EngineCore(model, config)
+    assert core.choice.snapshots == 2
+    run_core(core, [_request(canary, "first", 1)])  # 5 blocks: snapshots of 4 and 5 kept
+    assert len(core.runner.snapshots) == 2  # type: ignore[attr-defined]
+    # the first 4 blocks again (block 4's snapshot now the most recent), then a block of its
+    # own: its snapshot takes block 5's place
+    hits = core.scheduler.prefix_hit_tokens
+    run_core(core, [_request(canary[:16] + _prompt(9, 5), "other", 1)])
+    assert core.scheduler.prefix_hit_tokens - hits == 16
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]
+    # 5 blocks cached, the 5th without its snapshot: the prefix ends at block 4
+    assert core.scheduler.prefix_hit_tokens - hits == 16
+    assert _numbers(again) == _numbers(cold)
 
 
 def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
@@ -185,12 +219,18 @@ def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel)
     per_block = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4)).choice
     per_token = per_block.cls.kv_bytes_per_token(config)
     # max_num_seqs 8: their states (each with those kept for proposals), then 16 blocks
-    reserved = 8 * per_block.state_bytes * (2 + per_block.config.speculative_tokens)
+    # and 20 snapshots for the prefix cache (a preempted sequence resumes from its own)
+    state = per_block.state_bytes
+    reserved = state * (8 * (2 + per_block.config.speculative_tokens) + 20)
     budget = (reserved + 16 * 4 * per_token) / 2**30
     core = EngineCore(
-        model, EngineConfig(deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=8)
-    )
-    assert core.pool.num_blocks == 16
+        model,
+        EngineConfig(
+            deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=8,
+            prefix_cache_gib=20 * state / 2**30,
+        ),
+    )  # fmt: skip
+    assert core.pool.num_blocks == 16 and core.choice.snapshots == 20
     others = [_request(_prompt(20 + i, 11), f"o{i}", 12) for i in range(3)]
     mixed = run_core(core, [*others, _request(canary, "c", 12)])["c"]
     assert core.scheduler.num_preemptions > 0
@@ -205,8 +245,14 @@ def test_the_state_is_reserved_and_counted(model: LoadedModel):
     assert per_seq == 4 * 2 * (64 * 3 + 4 * 8 * 8)
     per_block = core.choice.cls.kv_bytes_per_token(model.model.config) * 4
     states = 3 * (2 + config.speculative_tokens)  # each its own, and those kept for proposals
-    assert core.pool.num_blocks == (int(0.02 * 2**30) - states * per_seq) // per_block
-    assert not core.info.prefix_caching and "snapshots" in core.info.prefix_caching_off
+    snapshots = int(0.02 / 4 * 2**30) // per_seq  # a quarter of the KV budget (< 0.25 GiB)
+    assert core.choice.snapshots == snapshots
+    reserved = (states + snapshots) * per_seq
+    assert core.pool.num_blocks == (int(0.02 * 2**30) - reserved) // per_block
+    assert core.info.prefix_caching and not core.info.prefix_caching_off
+    none = EngineCore(model, EngineConfig(kv_cache_gib=0.02, prefix_cache_gib=0.0))
+    assert not none.info.prefix_caching
+    assert none.info.prefix_caching_off == "--prefix-cache-gib holds no recurrent state snapshot"
     core.add_request(_request(_prompt(4, 9), "s", 3))
     core.step()  # the prompt computed: its state held
     assert core.stats().recurrent_state_bytes == per_seq

@@ -22,7 +22,7 @@ recurrence, its decode this one: the two agree to float32 rounding, not bits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,17 +68,19 @@ class RecurrentState:
     """One sequence's state past its last computed token: conv [layers, C, K - 1] (the last
     K - 1 inputs of the conv) and delta [layers, nv, dk, dv]. Zeros before its first token.
 
-    A step that verifies proposals keeps the state past each of its last rows (`keep`: the
-    last real token's and each proposal's, kept_conv [n, layers, C, K - 1] and kept_delta [n,
-    layers, nv, dk, dv]); the next step's first position says how many were accepted, and
-    `settle` puts back the state past the last of them (a rejected proposal's update undone,
-    the same bits as never having run it)."""
+    A step may save the state past some of its rows (`saving`, then the forward fills saved_conv
+    [n, layers, C, K - 1] and saved_delta [n, layers, nv, dk, dv] in the order of its span's
+    `saves`): the runner keeps those past a block's last token as the prefix cache's snapshots,
+    and those past a verify step's last real token and each proposal (`kept`, by position); the
+    next chunk's first position says how many proposals were accepted, and `settle` puts back
+    the state past the last of them (a rejected proposal's update undone, the same bits as
+    never having run it)."""
 
     conv: torch.Tensor
     delta: torch.Tensor
-    kept_conv: torch.Tensor | None = None
-    kept_delta: torch.Tensor | None = None
-    kept_from: int = -1  # the position whose state kept_*[0] is (-1: none kept)
+    saved_conv: torch.Tensor | None = None
+    saved_delta: torch.Tensor | None = None
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @staticmethod
     def zeros(shape: StateShape, device: torch.device | None = None) -> RecurrentState:
@@ -88,42 +90,41 @@ class RecurrentState:
 
     @property
     def nbytes(self) -> int:
-        """What it holds now (its kept states included)."""
-        held = [self.conv, self.delta, self.kept_conv, self.kept_delta]
+        """What it holds now (the states it saved and kept included)."""
+        held = [self.conv, self.delta, self.saved_conv, self.saved_delta]
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
-    def keep(self, rows: int, first: int) -> None:
-        """Keep the state past each of a step's last `rows` rows, the first at position `first`."""
-        for name, held in (("kept_conv", self.conv), ("kept_delta", self.delta)):
-            kept = getattr(self, name)
-            if kept is None or kept.shape[0] != rows:
-                setattr(self, name, held.new_empty((rows, *held.shape)))
-        self.kept_from = first
+    def saving(self, rows: int) -> None:
+        """Room for the state past `rows` of the step's rows (none: nothing saved)."""
+        self.saved_conv = self.conv.new_empty((rows, *self.conv.shape)) if rows else None
+        self.saved_delta = self.delta.new_empty((rows, *self.delta.shape)) if rows else None
+
+    def restore(self, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        self.conv.copy_(conv)
+        self.delta.copy_(delta)
 
     def settle(self, start: int) -> None:
         """A chunk starts at `start`: the state past position start - 1, from the kept ones
-        where the last step kept it (its proposals up to there accepted)."""
-        if self.kept_from < 0:
+        where the last step kept some (its proposals up to there accepted)."""
+        if not self.kept:
             return
-        assert self.kept_conv is not None and self.kept_delta is not None
-        j = start - 1 - self.kept_from
-        if not 0 <= j < self.kept_conv.shape[0]:
+        kept = self.kept.get(start - 1)
+        if kept is None:
             raise RuntimeError(f"no kept recurrent state for position {start - 1}")
-        self.conv.copy_(self.kept_conv[j])
-        self.delta.copy_(self.kept_delta[j])
-        self.kept_from = -1
-        self.kept_conv = self.kept_delta = None
+        self.restore(*kept)
+        self.kept = {}
 
 
 @dataclass(frozen=True)
 class Span:
     """A sequence's rows [start, end) of the step, continuing from `state` (updated in place);
-    the state past each of its last `keep` rows kept (`RecurrentState.keep`: verify rows)."""
+    the state past each of its rows `saves` (relative to start, increasing) saved into the
+    state's saved_conv and saved_delta, in that order."""
 
     start: int
     end: int
     state: RecurrentState
-    keep: int = 0
+    saves: tuple[int, ...] = ()
 
 
 def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
@@ -172,12 +173,12 @@ class GatedDeltaNet:
         conv = x.new_empty((t, c))
         for span in spans:
             inputs = mixed[span.start : span.end]
-            conv[span.start : span.end] = self._conv(inputs, span.state, span.keep)
+            conv[span.start : span.end] = self._conv(inputs, span.state, span.saves)
         conv = self._silu_mul(conv, None)
         o = x.new_empty((t, vd))
         for span in spans:
             rows = slice(span.start, span.end)
-            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state, span.keep)
+            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state, span.saves)
         normed = self.ops.rms_norm(o.reshape(t * s.v_heads, s.v_dim), self.norm, self.eps)
         gated = self._silu_mul(z.reshape(t * s.v_heads, s.v_dim), normed)
         return self.out(gated.reshape(t, vd))
@@ -190,9 +191,11 @@ class GatedDeltaNet:
             up = self.ones
         return self.ops.silu_mul(torch.cat([x, up], dim=1).contiguous())
 
-    def _conv(self, mixed: torch.Tensor, state: RecurrentState, keep: int) -> torch.Tensor:
+    def _conv(
+        self, mixed: torch.Tensor, state: RecurrentState, saves: tuple[int, ...]
+    ) -> torch.Tensor:
         """The causal conv of a sequence's rows [n, C] after the K - 1 inputs its state keeps
-        (left there updated; past each of the last `keep` rows kept too): sum over taps k of
+        (left there updated; past each row of `saves` saved too): sum over taps k of
         w[:, k] * input[t - (K - 1) + k], in k order."""
         n, k = mixed.shape[0], self.shape.kernel
         held = state.conv[self.index]
@@ -201,10 +204,10 @@ class GatedDeltaNet:
         for tap in range(1, k):
             acc = acc + cols[:, tap : tap + n] * self.conv[:, tap : tap + 1]
         held.copy_(cols[:, n:])
-        if keep:
-            assert state.kept_conv is not None
-            for j, row in enumerate(range(n - keep, n)):  # the inputs up to row `row`
-                state.kept_conv[j, self.index].copy_(cols[:, row + 1 : row + k])
+        if saves:
+            assert state.saved_conv is not None
+            for j, row in enumerate(saves):  # the inputs up to row `row`
+                state.saved_conv[j, self.index].copy_(cols[:, row + 1 : row + k])
         return acc.T
 
     def _recurrence(
@@ -213,10 +216,10 @@ class GatedDeltaNet:
         b: torch.Tensor,
         a: torch.Tensor,
         state: RecurrentState,
-        keep: int,
+        saves: tuple[int, ...],
     ) -> torch.Tensor:
         """The gated delta rule over a sequence's rows (conv's [q k v] after SiLU, b, a), token
-        by token from its state (left past the last; past each of the last `keep` kept too):
+        by token from its state (left past the last; past each row of `saves` saved too):
         o [n, nv * dv]."""
         s = self.shape
         kd = s.k_heads * s.k_dim
@@ -224,6 +227,7 @@ class GatedDeltaNet:
         root = s.k_dim**0.5
         big_s = state.delta[self.index]
         out = conv.new_empty((conv.shape[0], s.v_heads * s.v_dim))
+        saved = {row: j for j, row in enumerate(saves)}
         for i in range(conv.shape[0]):
             q = conv[i, :kd].reshape(s.k_heads, s.k_dim)
             k = conv[i, kd : 2 * kd].reshape(s.k_heads, s.k_dim)
@@ -239,7 +243,7 @@ class GatedDeltaNet:
             delta = (v - memory) * beta[:, None]
             big_s.add_(k[:, :, None] * delta[:, None, :])
             out[i] = (big_s * q[:, :, None]).sum(1).reshape(-1)
-            if i >= conv.shape[0] - keep:
-                assert state.kept_delta is not None
-                state.kept_delta[i - (conv.shape[0] - keep), self.index].copy_(big_s)
+            if i in saved:
+                assert state.saved_delta is not None
+                state.saved_delta[saved[i], self.index].copy_(big_s)
         return out

@@ -21,6 +21,7 @@ from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
+from probserve.engine.core.runners.recurrent import RecurrentRunner
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.speculator import Ask, Speculator
@@ -69,10 +70,13 @@ class EngineCore:
         # engine: torch runs markedly slower on a thread other than the one that first used it
         self._runner: Runner | None = None
         caching = config.prefix_caching and choice.cls.prefix_caching
+        caching = caching and not choice.prefix_caching_off
         self.pool = BlockPool(
             choice.num_blocks, config.block_size, caching, retain_blocks=choice.retain_blocks
         )
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        if choice.state_bytes:  # a cached prefix ends where a state snapshot is kept
+            self.scheduler.restorable = self._restorable
         # speculative decoding: on a runner that checks proposals (a request may ask for it, or
         # not, whatever the server's default)
         self.speculator = (
@@ -99,11 +103,10 @@ class EngineCore:
             if self.choice.state_bytes:
                 states = 2 + self.config.speculative_tokens  # its own, and those kept to verify
                 log.info(
-                    "engine: recurrent state %d bytes a sequence, %d reserved for %d sequences "
-                    "(%d states each: its own and those kept for proposals)",
-                    self.choice.state_bytes,
-                    self.choice.state_bytes * self.config.max_num_seqs * states,
-                    self.config.max_num_seqs, states,
+                    "engine: recurrent state %d bytes a sequence, reserved for %d sequences "
+                    "(%d states each: its own and those kept for proposals) and %d prefix-cache "
+                    "snapshots", self.choice.state_bytes, self.config.max_num_seqs, states,
+                    self.choice.snapshots,
                 )  # fmt: skip
         return self._runner
 
@@ -169,6 +172,11 @@ class EngineCore:
             recurrent_state_bytes=self._state_bytes(seqs),
             **(self.speculator.figures() if self.speculator else {}),
         )
+
+    def _restorable(self, block: int) -> bool:
+        runner = self.runner
+        assert isinstance(runner, RecurrentRunner)
+        return runner.restorable(block)
 
     def _state_bytes(self, seqs: tuple[Sequence, ...]) -> int | None:
         """The recurrent states held now, those kept for proposals included (a hybrid model's:

@@ -7,7 +7,8 @@ per step over a paged KV cache (`RecurrentRunner`, recurrent.py, the hybrid ones
 sequences also carry a recurrent state); `HFRunner` (hf.py) any other causal LM through
 transformers' own forward.
 Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks,
-after reserving `max_num_seqs` sequences' recurrent state (`state_bytes_per_sequence`).
+after reserving `max_num_seqs` sequences' recurrent state (`state_bytes_per_sequence`) and the
+prefix cache's state snapshots (recurrent.py's `snapshot_count`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class RunnerChoice:
     num_blocks: int  # blocks of the KV cache (block 0 the null block: at least 2)
     retain_blocks: int  # released blocks the prefix cache keeps (--prefix-cache-gib)
     state_bytes: int = 0  # the recurrent state a sequence holds (a hybrid model's; 0: none)
+    snapshots: int = 0  # the prefix cache's state snapshots at most (a hybrid model's)
 
     @property
     def name(self) -> str:
@@ -149,16 +151,18 @@ class RunnerChoice:
     @property
     def prefix_caching_off(self) -> str:
         """Why the prefix cache is off though asked for ("" where it is on or not asked)."""
-        if not self.config.prefix_caching or self.cls.prefix_caching:
-            return ""
-        from probserve.engine.core.runners.recurrent import NO_PREFIX_CACHE, RecurrentRunner
+        from probserve.engine.core.runners.recurrent import NO_SNAPSHOTS
 
-        return NO_PREFIX_CACHE if self.cls is RecurrentRunner else f"{self.name} has none"
+        if not self.config.prefix_caching:
+            return ""
+        if not self.cls.prefix_caching:
+            return f"{self.name} has none"
+        return NO_SNAPSHOTS if self.state_bytes and not self.snapshots else ""
 
 
 def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     from probserve.engine.core.runners.paged import PagedRunner
-    from probserve.engine.core.runners.recurrent import RecurrentRunner
+    from probserve.engine.core.runners.recurrent import RecurrentRunner, snapshot_count
 
     if not 0 <= config.max_model_len <= loaded.context_length:
         raise ValueError(
@@ -170,12 +174,14 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
     state = cls.state_bytes_per_sequence(loaded.model.config)
     # every running sequence's recurrent state, and those a step verifying its proposals keeps
-    reserved = state * config.max_num_seqs * (2 + config.speculative_tokens)
+    # and the prefix cache's snapshots
+    snapshots = snapshot_count(config, state)
+    reserved = state * (config.max_num_seqs * (2 + config.speculative_tokens) + snapshots)
     if reserved and reserved + 2 * per_block > config.kv_cache_gib * 2**30:
         raise ValueError(
             f"--kv-cache-gib {config.kv_cache_gib:g} does not hold {config.max_num_seqs} "
-            f"sequences' recurrent state ({reserved / 2**30:.3f} GiB, with the states kept for "
-            f"{config.speculative_tokens} proposals) and a KV block"
+            f"sequences' recurrent state and {snapshots} snapshots ({reserved / 2**30:.3f} GiB, "
+            f"with the states kept for {config.speculative_tokens} proposals) and a KV block"
         )
 
     def blocks_in(gib: float, less: int = 0) -> int:
@@ -183,7 +189,7 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
 
     return RunnerChoice(
         cls, config, backend, max(2, blocks_in(config.kv_cache_gib, reserved)),
-        blocks_in(config.prefix_cache_gib), state,
+        blocks_in(config.prefix_cache_gib), state, snapshots,
     )  # fmt: skip
 
 

@@ -179,6 +179,9 @@ class PagedRunner:
         """The step's sequences with their recurrent states (none: every layer attends)."""
         return []
 
+    def _computed(self, chunks: list[Chunk], spans: list[Span]) -> None:
+        """After the forward: what the recurrent states saved (none here)."""
+
     def warm(self) -> None:
         """The decode graphs captured ahead of the first request (a GPU's)."""
         if self.graphs is not None:
@@ -207,7 +210,9 @@ class PagedRunner:
         if replayed is not None:
             return RunOutput(replayed)
         input_ids, positions, plan = self._plan(chunks)
-        hidden = self.forward.forward(input_ids, positions, plan, self.cache, self._spans(chunks))
+        spans = self._spans(chunks)
+        hidden = self.forward.forward(input_ids, positions, plan, self.cache, spans)
+        self._computed(chunks, spans)
         sample_rows: list[int] = []
         prompt_rows: dict[str, ScoreRows] = {}
         row = 0
