@@ -81,8 +81,8 @@ class RecurrentRunner(PagedRunner):
     def _spans(self, chunks: list[Chunk]) -> list[Span]:
         """Each chunk's rows and its sequence's state: at its first chunk a fresh one (zeros,
         or the snapshot of the cached prefix's last block), else the state past its last
-        accepted token; the rows whose state is saved: each block's last real token (with
-        snapshots kept), and with proposals the last real token and each proposal."""
+        accepted token; the rows whose state is saved: each block's last token (with snapshots
+        kept), and with proposals the last real token and each proposal."""
         spans, row, bs = [], 0, self.block_size
         for ch in chunks:
             state = ch.seq.runner_state
@@ -93,9 +93,9 @@ class RecurrentRunner(PagedRunner):
             state.settle(ch.start)
             saves: set[int] = set()
             if self.snapshot_limit:
-                saves.update(
-                    p - ch.start for p in range(ch.start, ch.real_end) if (p + 1) % bs == 0
-                )
+                # (a proposal's too: a block it completes is registered if it is accepted, and
+                # its snapshot must then be this one, never an earlier owner's of the block)
+                saves.update(p - ch.start for p in range(ch.start, ch.end) if (p + 1) % bs == 0)
             if ch.proposed:
                 saves.update(range(ch.real_end - 1 - ch.start, ch.length))
             state.saving(len(saves))
@@ -124,7 +124,7 @@ class RecurrentRunner(PagedRunner):
                 conv, delta = state.saved_conv[j], state.saved_delta[j]
                 if ch.proposed and p >= ch.real_end - 1:
                     state.kept[p] = (conv.clone(), delta.clone())
-                if p < ch.real_end and (p + 1) % bs == 0 and self.snapshot_limit:
+                if (p + 1) % bs == 0 and self.snapshot_limit:
                     self._snapshot(ch.seq.block_table[p // bs], conv, delta)
             state.saving(0)
 
