@@ -218,19 +218,21 @@ def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel)
     config = _config(model.name.removeprefix("tiny-"), model.vocab_size)
     per_block = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4)).choice
     per_token = per_block.cls.kv_bytes_per_token(config)
-    # max_num_seqs 8: their states (each with those kept for proposals), then 16 blocks
-    # and 20 snapshots for the prefix cache (a preempted sequence resumes from its own)
+    # max_num_seqs 4: their states (each with those kept for proposals: half the budget holds
+    # them), 12 snapshots for the prefix cache (a preempted sequence resumes from its own; at
+    # most a quarter of the budget), then 16 blocks
     state = per_block.state_bytes
-    reserved = state * (8 * (2 + per_block.config.speculative_tokens) + 20)
+    reserved = state * (4 * (2 + per_block.config.speculative_tokens) + 12)
     budget = (reserved + 16 * 4 * per_token) / 2**30
     core = EngineCore(
         model,
         EngineConfig(
-            deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=8,
-            prefix_cache_gib=20 * state / 2**30,
+            deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=4,
+            prefix_cache_gib=12 * state / 2**30,
         ),
     )  # fmt: skip
-    assert core.pool.num_blocks == 16 and core.choice.snapshots == 20
+    assert core.pool.num_blocks == 16 and core.choice.snapshots == 12
+    assert core.scheduler.max_num_seqs == 4
     others = [_request(_prompt(20 + i, 11), f"o{i}", 12) for i in range(3)]
     mixed = run_core(core, [*others, _request(canary, "c", 12)])["c"]
     assert core.scheduler.num_preemptions > 0
@@ -259,6 +261,9 @@ def test_the_state_is_reserved_and_counted(model: LoadedModel):
     while core.has_work():
         core.step()
     assert core.stats().recurrent_state_bytes == 0
+    # half of a budget of 24 states holds two sequences' (each with those kept for 4 proposals)
+    small = EngineCore(model, EngineConfig(kv_cache_gib=24 * per_seq / 2**30, max_num_seqs=8))
+    assert small.choice.max_seqs == small.scheduler.max_num_seqs == 2
     with pytest.raises(ValueError, match="recurrent state"):
         EngineCore(model, EngineConfig(kv_cache_gib=per_seq * 4 / 2**30, max_num_seqs=8))
 

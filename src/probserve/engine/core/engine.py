@@ -74,7 +74,8 @@ class EngineCore:
         self.pool = BlockPool(
             choice.num_blocks, config.block_size, caching, retain_blocks=choice.retain_blocks
         )
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        seqs = choice.max_seqs or config.max_num_seqs  # (fewer where their states would not fit)
+        self.scheduler = Scheduler(self.pool, seqs, config.max_num_batched_tokens)
         if choice.state_bytes:  # a cached prefix ends where a state snapshot is kept
             self.scheduler.restorable = self._restorable
         # speculative decoding: on a runner that checks proposals (a request may ask for it, or
@@ -105,9 +106,15 @@ class EngineCore:
                 log.info(
                     "engine: recurrent state %d bytes a sequence, reserved for %d sequences "
                     "(%d states each: its own and those kept for proposals) and %d prefix-cache "
-                    "snapshots", self.choice.state_bytes, self.config.max_num_seqs, states,
+                    "snapshots", self.choice.state_bytes, self.choice.max_seqs, states,
                     self.choice.snapshots,
                 )  # fmt: skip
+                if self.choice.max_seqs < self.config.max_num_seqs:
+                    log.warning(
+                        "engine: %d sequences at once, not --max-num-seqs %d: half of "
+                        "--kv-cache-gib holds no more recurrent states",
+                        self.choice.max_seqs, self.config.max_num_seqs,
+                    )  # fmt: skip
         return self._runner
 
     def warmup(self) -> None:

@@ -117,6 +117,7 @@ class RunnerChoice:
     retain_blocks: int  # released blocks the prefix cache keeps (--prefix-cache-gib)
     state_bytes: int = 0  # the recurrent state a sequence holds (a hybrid model's; 0: none)
     snapshots: int = 0  # the prefix cache's state snapshots at most (a hybrid model's)
+    max_seqs: int = 0  # sequences run together: max_num_seqs, or fewer whose states fit (0: it)
 
     @property
     def name(self) -> str:
@@ -173,23 +174,28 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     backend = resolve(loaded, config, paged=cls in (PagedRunner, RecurrentRunner))
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
     state = cls.state_bytes_per_sequence(loaded.model.config)
-    # every running sequence's recurrent state, and those a step verifying its proposals keeps
-    # and the prefix cache's snapshots
+    # every running sequence's recurrent state with those a step verifying its proposals keeps
+    # (as many sequences as half the budget holds, at most max_num_seqs), and the prefix
+    # cache's snapshots (at most a quarter of it)
+    per_seq = state * (2 + config.speculative_tokens)
+    seqs = config.max_num_seqs
+    if state:
+        seqs = min(seqs, int(config.kv_cache_gib * 2**30) // 2 // per_seq)
+        if seqs < 1:
+            raise ValueError(
+                f"--kv-cache-gib {config.kv_cache_gib:g}: half of it does not hold one "
+                f"sequence's recurrent state ({per_seq / 2**30:.3f} GiB, with the states kept "
+                f"for {config.speculative_tokens} proposals)"
+            )
     snapshots = snapshot_count(config, state)
-    reserved = state * (config.max_num_seqs * (2 + config.speculative_tokens) + snapshots)
-    if reserved and reserved + 2 * per_block > config.kv_cache_gib * 2**30:
-        raise ValueError(
-            f"--kv-cache-gib {config.kv_cache_gib:g} does not hold {config.max_num_seqs} "
-            f"sequences' recurrent state and {snapshots} snapshots ({reserved / 2**30:.3f} GiB, "
-            f"with the states kept for {config.speculative_tokens} proposals) and a KV block"
-        )
+    reserved = per_seq * seqs + state * snapshots
 
     def blocks_in(gib: float, less: int = 0) -> int:
         return (int(gib * 2**30) - less) // per_block
 
     return RunnerChoice(
         cls, config, backend, max(2, blocks_in(config.kv_cache_gib, reserved)),
-        blocks_in(config.prefix_cache_gib), state, snapshots,
+        blocks_in(config.prefix_cache_gib), state, snapshots, seqs,
     )  # fmt: skip
 
 
