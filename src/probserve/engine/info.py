@@ -45,6 +45,11 @@ class EngineInfo:
     # what the numbers depend on (engine/fingerprint.py); its `id` is every answer's
     # system_fingerprint (None: an engine that reports none)
     fingerprint: NumericsFingerprint | None = None
+    # a hybrid model's recurrent state (Qwen3.5's Gated DeltaNet layers): bytes a sequence holds
+    # beside its KV blocks; reserved out of --kv-cache-gib for max_num_seqs sequences, with the
+    # speculative_tokens + 1 states a step verifying proposals keeps
+    state_bytes_per_sequence: int = 0
+    prefix_caching_off: str = ""  # why the prefix cache is off though asked for ("": it is not)
 
     @property
     def system_fingerprint(self) -> str | None:

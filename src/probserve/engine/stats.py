@@ -51,6 +51,8 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     iteration_tokens_count: int = 0
     process_resident_memory_bytes: float = 0.0  # the engine's process
+    # a hybrid model's: the recurrent states its sequences hold now (bytes; None: it has none)
+    recurrent_state_bytes: int | None = None
     process_cpu_seconds: float = 0.0
     # the client's (not the engine's): requests with an open stream
     streams: int = 0

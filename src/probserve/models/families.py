@@ -47,6 +47,11 @@ class ModelType:
     missing: Callable[[Any], str | None] | None = None
     paged_only: bool = False  # no other runner serves it (transformers' sizes one head for
     # every layer): where the forward lacks a part of it, the model is refused
+    hybrid: bool = False  # Qwen3.5's layers: Gated DeltaNet layers among gated full-attention
+    # ones (partial rotary), (1 + w) norms, a shared expert beside the routed ones
+    # (models/deltanet.py)
+    packed_linear: bool = False  # its linear layers' projections packed per key head
+    # (Qwen3-Next's in_proj_qkvz and in_proj_ba)
 
 
 def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
@@ -59,6 +64,20 @@ def _qwen3_moe_experts(config: Any) -> dict[str, Any]:
         "expert_intermediate": int(config.moe_intermediate_size),
         "sparse": tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n)),
     }  # fmt: skip
+
+
+def _qwen3_5_moe_experts(config: Any) -> dict[str, Any]:
+    """Experts in every layer, renormalised top k, and a shared expert beside them."""
+    return {
+        "experts": int(config.num_experts), "top_k": int(config.num_experts_per_tok),
+        "norm_topk": True, "expert_intermediate": int(config.moe_intermediate_size),
+        "sparse": (True,) * config.num_hidden_layers, "shared_expert": True,
+    }  # fmt: skip
+
+
+def _qwen3_next_experts(config: Any) -> dict[str, Any]:
+    """Qwen3-MoE's sparse layers and routing, and a shared expert beside the routed ones."""
+    return _qwen3_moe_experts(config) | {"shared_expert": True}
 
 
 def _every_layer(experts: int, config: Any, norm: bool) -> dict[str, Any]:
@@ -186,6 +205,11 @@ TYPES: dict[str, ModelType] = {
     "gpt_oss": ModelType(
         experts=_gpt_oss_experts, column_experts=True, gguf=_gpt_oss_gguf,
         unread=lambda _: "gpt_oss",
+    ),
+    "qwen3_5_text": ModelType(qk_norm="head", hybrid=True),
+    "qwen3_5_moe_text": ModelType(qk_norm="head", hybrid=True, experts=_qwen3_5_moe_experts),
+    "qwen3_next": ModelType(
+        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True
     ),
 }  # fmt: skip
 # what the paged forward lacks for a type it does not run (the refusal's line)

@@ -22,6 +22,13 @@ configuration once, here, through each type's entry of models/families.py:
 - Gemma 4 (text): layers of their own shapes, some reading another layer's KV cache, per-layer
   input embeddings (models/gemma4.py reads its configuration, models/gemma4_layer.py runs what
   its layer adds).
+- Qwen3.5 (dense and MoE) and Qwen3-Next are hybrid: most layers are Gated DeltaNet (a
+  linear-attention recurrence, models/deltanet.py), the rest full attention with an output gate
+  (the query projection doubled per head: [q | gate], attention * sigmoid(gate)), q/k norms and
+  RoPE on the first quarter of each head; their norms are (1 + w); their MoE adds a shared
+  expert scaled by sigmoid(shared_expert_gate(x)) (Qwen3-Next's in Qwen3-MoE's sparse layers);
+  Qwen3-Next packs its linear layers' projections per key head (models/llama.py unpacks the
+  rows).
 """
 
 from __future__ import annotations
@@ -77,6 +84,17 @@ class Family:
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
     gemma4: Gemma4Layout | None = None  # Gemma 4's layers (models/gemma4.py)
+    linear: tuple[bool, ...] = ()  # each layer: a Gated DeltaNet (Qwen3.5; else attention)
+    rotary_dim: int = 0  # the leading dimensions of a head RoPE rotates (0: all of it)
+    attn_gate: bool = False  # attention's output gated by sigmoid of a second query half
+    shared_expert: bool = False  # a shared expert beside the routed ones (Qwen3.5-MoE)
+    packed_linear: bool = False  # the linear layers' projections packed per key head
+    # (Qwen3-Next: [q k v z] and [b a] of each key head's group in turn)
+
+    @property
+    def hybrid(self) -> bool:
+        """Recurrent layers among the attention ones: each sequence carries their state."""
+        return any(self.linear)
 
 
 def head_dim(config: Any) -> int:
@@ -138,14 +156,15 @@ def family(config: Any) -> Family:
     activation = _ACTIVATIONS.get(act_name) if act_name is not None else None
     if activation is None:
         raise Unsupported(f"its activation {act_name!r} is not one the paged forward has")
-    _check(config)
+    _check(config, kind)
     d = head_dim(config)
+    hybrid = _hybrid(config, d) if kind.hybrid else {}
     return Family(
         model_type=name,
         head_dim=d,
         activation=activation,
         scale=float(config.query_pre_attn_scalar) ** -0.5 if gemma else d**-0.5,
-        norm_plus_one=gemma,
+        norm_plus_one=gemma or kind.hybrid,
         embed_scale=float(config.hidden_size) ** 0.5 if gemma else None,
         qk_norm=kind.qk_norm == "head",
         qk_norm_full=kind.qk_norm == "projection",
@@ -157,16 +176,38 @@ def family(config: Any) -> Family:
         rope_keys=rope_keys(config),
         column_experts=kind.column_experts,
         **(kind.experts(config) if kind.experts else {}),
+        **hybrid,
     )
 
 
-def _check(config: Any) -> None:
-    """What no family of the forward has: a partial rotary embedding, bidirectional
-    attention, layers other than attention."""
-    if float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+def _hybrid(config: Any, d: int) -> dict[str, Any]:
+    """Qwen3.5's layer kinds (`layer_types`, else every `full_attention_interval`-th layer full
+    attention), its partial rotary and its attention's output gate."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if not types:
+        every = int(getattr(config, "full_attention_interval", 4) or 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    factor = rope_params(config, None).get("partial_rotary_factor")
+    factor = float(factor or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+    return {
+        "linear": tuple(t == "linear_attention" for t in types),
+        "rotary_dim": int(d * factor), "attn_gate": True,
+        "packed_linear": TYPES[config.model_type].packed_linear,
+    }  # fmt: skip
+
+
+def _check(config: Any, kind: ModelType) -> None:
+    """What no family of the forward has: a partial rotary embedding (but Qwen3.5's),
+    bidirectional attention, layers other than attention (but Qwen3.5's linear ones)."""
+    partial = float(getattr(config, "partial_rotary_factor", 1.0) or 1.0) != 1.0
+    if partial and not kind.hybrid:
         raise Unsupported("its partial rotary embedding is not one the paged forward has")
     if getattr(config, "use_bidirectional_attention", False):
         raise Unsupported("its attention is bidirectional (an embedding model)")
     types = getattr(config, "layer_types", None) or []
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
+    layers = ("full_attention", "sliding_attention")
+    if kind.hybrid:
+        layers = ("full_attention", "linear_attention")
+    if any(t not in layers for t in types):
         raise Unsupported(f"its layer types {sorted(set(types))} are not all attention layers")

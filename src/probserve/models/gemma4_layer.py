@@ -34,9 +34,12 @@ Layers = torch.Tensor | list[torch.Tensor]  # a KV cache's K or V, by cache laye
 class _Attending(Protocol):
     """The parts of a forward's layer (models/llama.py) its attention's inputs take."""
 
-    qkv: Linear | Joined
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    @property
+    def qkv(self) -> Linear | Joined | None: ...
+    @property
+    def q_norm(self) -> torch.Tensor | None: ...
+    @property
+    def k_norm(self) -> torch.Tensor | None: ...
 
 
 def _vector(weight: Weight) -> torch.Tensor:
@@ -96,7 +99,7 @@ class Gemma4Layers:
         computes them) normed, rotated and written at `slots`."""
         t, nq = x.shape[0], self.heads
         d, nkv = self.shape.head_dims[li], self.shape.kv_heads[li]
-        assert layer.q_norm is not None
+        assert layer.q_norm is not None and layer.qkv is not None
         proj = layer.qkv(x)
         q = self._heads(proj[:, : nq * d], nq, d, layer.q_norm)
         if not self.shape.writes[li]:

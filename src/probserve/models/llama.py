@@ -25,7 +25,7 @@ against.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -38,6 +38,7 @@ from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
 from probserve.kernels.weights import Packed
+from probserve.models.deltanet import GatedDeltaNet, Span, StateShape, sigmoid_rows
 from probserve.models.families import TYPES, column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gemma4_layer import Gemma4Layers
@@ -131,16 +132,24 @@ class KVCache:
 
 
 def kv_shapes(config: Any) -> list[tuple[int, int]]:
-    """(KV heads, head size) of each layer the cache keeps: every layer, or (Gemma 4) each that
-    writes its own K/V."""
+    """(KV heads, head size) of each layer the cache keeps: every layer, a hybrid model's
+    attention layers (its linear layers carry a recurrent state per sequence instead:
+    models/deltanet.py), or (Gemma 4) each that writes its own K/V."""
     try:
-        layout = family(config).gemma4
+        fam: Family | None = family(config)
     except Unsupported:
-        layout = None
-    if layout is not None:
-        return layout.cache_shapes()
+        fam = None
+    if fam is not None and fam.gemma4 is not None:
+        return fam.gemma4.cache_shapes()
+    layers = fam.linear.count(False) if fam is not None and fam.linear else config.num_hidden_layers
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return [(int(config.num_key_value_heads), int(d))] * int(config.num_hidden_layers)
+    return [(int(config.num_key_value_heads), int(d))] * int(layers)
+
+
+def state_shape(config: Any) -> StateShape | None:
+    """A hybrid model's recurrent state (None: every layer attends over the KV cache)."""
+    fam = family(config)
+    return StateShape.of(config, fam.linear) if fam.hybrid else None
 
 
 def moe_layers(config: Any) -> tuple[int, ...]:
@@ -226,12 +235,19 @@ class _Layer:
         self.ln2 = norm_weight(t["post_attention_layernorm.weight"], fam)
         self.pre_ff = t.norm("pre_feedforward_layernorm")
         self.post_ff = t.norm("post_feedforward_layernorm")
-        self.q_norm, self.k_norm = t.norm("self_attn.q_norm"), t.norm("self_attn.k_norm")
-        # (a Gemma 4 layer reading another's cache has no k/v, one whose values are its keys no v)
-        qkv = [f"self_attn.{n}_proj" for n in "qkv" if t.has(f"self_attn.{n}_proj.weight")]
-        self.qkv = t.linear("self_attn.qkv_proj") if fam.fused else t.linear(*qkv)
-        self.o = t.linear("self_attn.o_proj")
         self.window, self.rope_key = fam.windows[index], fam.rope_keys[index]
+        # a hybrid model's linear layer (its recurrence in place of attention), or attention
+        self.deltanet = _deltanet(config, index, t) if fam.linear and fam.linear[index] else None
+        self.kv_index = index - sum(fam.linear[:index])  # its place among the K/V layers
+        self.q_norm, self.k_norm = t.norm("self_attn.q_norm"), t.norm("self_attn.k_norm")
+        self.qkv: Linear | Joined | None = None
+        self.o: Linear | Joined | None = None
+        if self.deltanet is None:
+            # (a Gemma 4 layer reading another's cache has no k/v, one whose values are its
+            # keys no v)
+            qkv = [f"self_attn.{n}_proj" for n in "qkv" if t.has(f"self_attn.{n}_proj.weight")]
+            self.qkv = t.linear("self_attn.qkv_proj") if fam.fused else t.linear(*qkv)
+            self.o = t.linear("self_attn.o_proj")
         # gpt-oss: each head's sink logit
         sinks = t.vector("self_attn.sinks") if fam.sinks else None
         self.attention = LayerAttention(fam.scale, self.window, fam.attn_softcap, sinks)
@@ -241,9 +257,17 @@ class _Layer:
         self.down: Linear | Joined | None = None
         # this layer's place among the MoE layers (the routing a cache keeps)
         self.moe_index = sum(fam.sparse[:index]) if fam.experts else 0
+        # Qwen3.5-MoE: a shared expert's [gate | up], down, and its gate's single row
+        self.shared: tuple[Linear | Joined, Linear | Joined, Linear | Joined] | None = None
         if fam.experts and fam.sparse[index]:
             self.moe = _mixture(t)
             self.intermediate = fam.expert_intermediate
+            if fam.shared_expert:
+                at = "mlp.shared_expert."
+                self.shared = (
+                    t.linear(at + "gate_proj", at + "up_proj"), t.linear(at + "down_proj"),
+                    t.linear("mlp.shared_expert_gate"),
+                )  # fmt: skip
         else:
             gate_up = ("mlp.gate_up_proj",) if fam.fused else ("mlp.gate_proj", "mlp.up_proj")
             self.gate_up, self.down = t.linear(*gate_up), t.linear("mlp.down_proj")
@@ -252,6 +276,7 @@ class _Layer:
     def described(self, rope: int) -> LayerWeights:
         """This layer as the native call reads it (`rope`: its RoPE table's index)."""
         moe = self.moe
+        assert self.qkv is not None and self.o is not None  # (no hybrid runs the native call)
         mixture = None
         if moe is not None:
             mixture = MoEWeights(
@@ -263,6 +288,47 @@ class _Layer:
             post_ff=self.post_ff, q_norm=self.q_norm, k_norm=self.k_norm,
             window=int(self.window or 0), rope=rope, moe=mixture, sinks=self.attention.sinks,
         )  # fmt: skip
+
+
+def _deltanet(config: Any, index: int, t: _Tensors) -> GatedDeltaNet:
+    """Layer `index`'s Gated DeltaNet: its projections [q k v | z | b | a] held as one (Qwen3-
+    Next's packed rows put in that order)."""
+    fam, at = t.fam, "linear_attn."
+    if fam.packed_linear:
+        qkvz, ba = _packed_rows(config)
+        weights = [
+            as_float(t[at + "in_proj_qkvz.weight"])[qkvz], as_float(t[at + "in_proj_ba.weight"])[ba]
+        ]  # fmt: skip
+        proj = projection(weights, [None, None], t.ops)
+    else:
+        proj = t.linear(at + "in_proj_qkv", at + "in_proj_z", at + "in_proj_b", at + "in_proj_a")
+    return GatedDeltaNet(
+        sum(fam.linear[:index]), StateShape.of(config, fam.linear), proj,
+        t.linear(at + "out_proj"), as_float(t[at + "conv1d.weight"]), as_float(t[at + "A_log"]),
+        as_float(t[at + "dt_bias"]), as_float(t[at + "norm.weight"]), float(config.rms_norm_eps),
+        t.ops,
+    )  # fmt: skip
+
+
+def _packed_rows(config: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of Qwen3-Next's in_proj_qkvz (each key head's [q k v z], v and z its r = nv / nk
+    value heads') in the order [q | k | v | z], and of in_proj_ba ([b a] per key head) as
+    [b | a]: row permutations, the weights' values untouched."""
+    nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+    dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+    r = nv // nk
+
+    def part(width: int, at: int, size: int) -> torch.Tensor:
+        return (torch.arange(nk)[:, None] * width + at + torch.arange(size)).reshape(-1)
+
+    g, rv = 2 * dk + 2 * r * dv, r * dv
+    qkvz = [part(g, 0, dk), part(g, dk, dk), part(g, 2 * dk, rv), part(g, 2 * dk + rv, rv)]
+    return torch.cat(qkvz), torch.cat([part(2 * r, 0, r), part(2 * r, r, r)])
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _weights(linear: Linear | Joined | None) -> list[Packed]:
@@ -288,8 +354,9 @@ def sample_matrix(model: Any, weights: Mapping[str, Weight] | None = None) -> to
     names = [first + "gate_proj.weight", first + "up_proj.weight"]
     if fam.fused:
         names = [first + "gate_up_proj.weight"]
-    if fam.experts:
-        names = ["model.layers.0.self_attn.q_proj.weight"]
+    if fam.experts:  # (a hybrid model's first attention layer)
+        first_attention = fam.linear.index(False) if fam.hybrid else 0
+        names = [f"model.layers.{first_attention}.self_attn.q_proj.weight"]
     return as_float(stack_rows([weights[n] for n in names]))
 
 
@@ -343,9 +410,13 @@ class LlamaForward:
             self._expert_act = glu
         keys = list(self.rotary)
         self.native = None
-        if not op_by_op and self.gemma4 is None:  # (Gemma 4's layers run op by op)
+        if not op_by_op and self.gemma4 is None and not fam.hybrid:  # (Gemma 4's layers, and a
+            # hybrid model's recurrent ones, run op by op)
             described = [layer.described(keys.index(layer.rope_key)) for layer in self.layers]
             self.native = ops.chain(self._shape(), described)
+        # a partial rotary (Qwen3.5) is applied here; the backend's RoPE then an identity
+        d = self.head_dim
+        self._identity = (ops.place(torch.ones(1, d)), ops.place(torch.zeros(1, d)))
 
     def _head(self, head: Weight, embed: Weight) -> None:
         """The head, and the embedding: a tied one is read from the head's own copy (dense,
@@ -385,8 +456,9 @@ class LlamaForward:
             else:
                 self.rotary[key] = model.model.rotary_emb
                 self._dynamic.add(key)
-        self._rope_cos = {key: torch.empty((0, dims[key])) for key in self.rotary}
-        self._rope_sin = {key: torch.empty((0, dims[key])) for key in self.rotary}
+        widths = {key: self.family.rotary_dim or dims[key] for key in self.rotary}
+        self._rope_cos = {key: torch.empty((0, widths[key])) for key in self.rotary}
+        self._rope_sin = {key: torch.empty((0, widths[key])) for key in self.rotary}
 
     def _shape(self) -> Shape:
         fam = self.family
@@ -407,10 +479,16 @@ class LlamaForward:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, cache: KVCache
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        cache: KVCache,
+        spans: Sequence[Span] = (),
     ) -> torch.Tensor:
         """Runs the packed tokens; writes their K/V and final hidden states into `cache`;
-        returns the final-norm hidden states [T, H]."""
+        returns the final-norm hidden states [T, H]. `spans`: a hybrid model's sequences in the
+        step, each with its recurrent state (models/deltanet.py), carried past its rows."""
         h = self._embed(input_ids)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -427,7 +505,7 @@ class LlamaForward:
             )  # fmt: skip
         else:
             for li, layer in enumerate(self.layers):
-                h = self._layer(h, li, layer, rope[layer.rope_key], plan, cache)
+                h = self._layer(h, li, layer, rope[layer.rope_key], plan, cache, spans)
                 if self.gemma4 is not None:
                     h = self.gemma4.after(h, li, per_layer)
         out = self._norm(h, self.norm)
@@ -442,20 +520,15 @@ class LlamaForward:
         rope: Rope,
         plan: AttentionPlan,
         cache: KVCache,
+        spans: Sequence[Span],
     ) -> torch.Tensor:
-        """One decoder layer over the step's rows h, its K/V written at their slots."""
+        """One decoder layer over the step's rows h, its K/V written at their slots (a linear
+        layer: its sequences' states carried past their rows)."""
         x = self._norm(h, layer.ln1)
-        if self.gemma4 is not None:  # its own shapes, perhaps another layer's cache
-            kv = self.gemma4.kv(li, cache.k, cache.v, cache.block_size)
-            q = self.gemma4.queries(x, li, layer, rope, plan.slots, kv)
+        if layer.deltanet is not None:
+            attn = layer.deltanet(x, spans)
         else:
-            qkv = layer.qkv(x)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
-            kv = LayerKV(cache.k[li], cache.v[li], cache.block_size)
-            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-            q = self.ops.rotate(qkv, heads, rope, plan.slots, kv)
-        attn = layer.o(self.ops.attend(q, kv, plan, layer.attention))
+            attn = self._attention(x, li, layer, rope, plan, cache)
         if self.family.sandwich:
             assert layer.pre_ff is not None and layer.post_ff is not None
             h = h + self._norm(attn, layer.ln2)
@@ -463,6 +536,60 @@ class LlamaForward:
             return h + self._norm(self._ffn(layer, x, cache, plan.slots), layer.post_ff)
         h = h + attn
         return h + self._ffn(layer, self._norm(h, layer.ln2), cache, plan.slots)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        li: int,
+        layer: _Layer,
+        rope: Rope,
+        plan: AttentionPlan,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Layer li's attention output for normed rows x (Gemma 4's: its own shapes, perhaps
+        another layer's cache; Qwen3.5's: its output gated, RoPE on part of each head)."""
+        assert layer.qkv is not None and layer.o is not None
+        if self.gemma4 is not None:
+            kv = self.gemma4.kv(li, cache.k, cache.v, cache.block_size)
+            q = self.gemma4.queries(x, li, layer, rope, plan.slots, kv)
+            return layer.o(self.ops.attend(q, kv, plan, layer.attention))
+        qkv = layer.qkv(x)
+        gate = None
+        if self.family.attn_gate:
+            qkv, gate = self._split_gate(qkv)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+        kv = LayerKV(cache.k[layer.kv_index], cache.v[layer.kv_index], cache.block_size)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if 0 < self.family.rotary_dim < self.head_dim:
+            qkv = self._partial_rope(qkv, rope)
+            rows = torch.zeros(qkv.shape[0], dtype=torch.long, device=qkv.device)
+            rope = (*self._identity, rows)
+        q = self.ops.rotate(qkv, heads, rope, plan.slots, kv)
+        out = self.ops.attend(q, kv, plan, layer.attention)
+        if gate is not None:
+            out = out * sigmoid_rows(gate)
+        return layer.o(out)
+
+    def _split_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gated query projection's [q_h | gate_h] per head: (q k v, the gates [T, nq d])."""
+        t, nq, d = qkv.shape[0], self.num_heads, self.head_dim
+        both = qkv[:, : 2 * nq * d].reshape(t, nq, 2 * d)
+        q, gate = both[..., :d].reshape(t, nq * d), both[..., d:].reshape(t, nq * d)
+        return torch.cat([q, qkv[:, 2 * nq * d :]], dim=1), gate
+
+    def _partial_rope(self, qkv: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """RoPE on the first `rotary_dim` dimensions of each query and key head (exact per
+        element: x * cos + rotate_half(x) * sin), the rest as they are."""
+        t, nq, nkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        r = self.family.rotary_dim
+        cos, sin, positions = rope
+        c = cos.to(qkv.device).index_select(0, positions).unsqueeze(1)
+        s = sin.to(qkv.device).index_select(0, positions).unsqueeze(1)
+        qk = qkv[:, : (nq + nkv) * d].reshape(t, nq + nkv, d)
+        part = qk[..., :r]
+        turned = torch.cat([part * c + _rotate_half(part) * s, qk[..., r:]], dim=-1)
+        return torch.cat([turned.reshape(t, -1), qkv[:, (nq + nkv) * d :]], dim=1)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The ids' rows: the head's (a tied embedding), the embedding's float32 table, or its
@@ -498,6 +625,9 @@ class LlamaForward:
             if cache.experts is not None and cache.expert_weights is not None:
                 cache.experts[:, layer.moe_index].index_copy_(0, slots, ids.to(torch.int16))
                 cache.expert_weights[:, layer.moe_index].index_copy_(0, slots, weights.float())
+            if layer.shared is not None:  # + sigmoid(gate(x)) * the shared expert's SwiGLU
+                gate_up, down, gate = layer.shared
+                out = out + sigmoid_rows(gate(x)) * down(self._act(gate_up(x)))
             return out
         assert layer.gate_up is not None and layer.down is not None
         return layer.down(self._act(layer.gate_up(x)))

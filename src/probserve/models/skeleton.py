@@ -40,8 +40,8 @@ class Rotary(nn.Module):
         params = rope_params(config, key)
         self.rope_type = rope_type(config, key)
         self.original: int | None = None
-        if self.rope_type == "default":
-            dim = head_dim(config)
+        if self.rope_type == "default":  # (Qwen3.5: the first partial_rotary_factor of a head)
+            dim = int(head_dim(config) * float(params.get("partial_rotary_factor", 1.0) or 1.0))
             base = params["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0

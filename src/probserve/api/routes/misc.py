@@ -94,6 +94,9 @@ def serving_facts(info: EngineInfo) -> dict[str, object]:
         "kernel_isa": info.kernel_isa,
         "speculative": info.speculative,
         "system_fingerprint": info.system_fingerprint,
+        # a hybrid model's (Qwen3.5's) recurrent state a sequence holds beside its KV blocks
+        "state_bytes_per_sequence": info.state_bytes_per_sequence or None,
+        "prefix_caching_off": info.prefix_caching_off or None,  # why, where asked but off
         "routed_experts": (
             {"layers": list(info.moe_layers), "experts_per_token": info.experts_per_token}
             if info.moe_layers

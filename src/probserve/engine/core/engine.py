@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from probserve.engine.config import EngineConfig
 from probserve.engine.core import disk_cache, prompt_scoring
 from probserve.engine.core.figures import engine_stats
 from probserve.engine.core.grammar import Grammars
 from probserve.engine.core.runners.choice import Runner, choose_runner
+from probserve.engine.core.runners.recurrent import RecurrentRunner
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.speculation import Proposer
@@ -72,7 +73,9 @@ class EngineCore:
         # engine: torch runs markedly slower on a thread other than the one that first used it
         self._runner: Runner | None = None
         self.pool = choice.block_pool()
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, choice.num_seqs, config.max_num_batched_tokens)
+        if choice.state_bytes:  # a cached prefix ends where a state snapshot is kept
+            self.scheduler.restorable = self._restorable
         # speculative decoding where the runner checks proposals (a request may ask, or not)
         self.speculator: Speculator | None = None
         if choice.cls.speculates:
@@ -95,13 +98,7 @@ class EngineCore:
     def runner(self) -> Runner:
         if self._runner is None:
             self._runner = self.choice.build(self.loaded)
-            log.info(
-                "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s, "
-                "deterministic %s, weights %s",
-                self.choice.name, self.pool.num_blocks, self.config.block_size,
-                self.choice.token_capacity, "on" if self.pool.prefix_caching else "off",
-                "on" if self.info.deterministic else "off", self.info.weights,
-            )  # fmt: skip
+            self.choice.log_built(self.pool.prefix_caching, self.info)
         return self._runner
 
     def _kv_cache(self) -> KVCache:  # the paged runner's (the one runner caching prefixes)
@@ -151,8 +148,11 @@ class EngineCore:
         totals |= self.disk.figures() if self.disk else {}
         return engine_stats(
             self.scheduler, self.pool, len(self._deferred), self.process_usage,
-            self.iteration_tokens, totals,
+            self.iteration_tokens, totals, states=bool(self.choice.state_bytes),
         )  # fmt: skip
+
+    def _restorable(self, block: int) -> bool:  # a hybrid model's: its snapshot still kept
+        return cast(RecurrentRunner, self.runner).restorable(block)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

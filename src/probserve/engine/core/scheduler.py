@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 from probserve.engine.core import prompt_scoring
 from probserve.engine.core.block_pool import BlockPool
@@ -57,6 +58,9 @@ class Scheduler:
         # full blocks being computed right now, by hash: a request that would compute the same
         # block again waits for it instead (lm-eval sends a context's continuations together)
         self._in_flight: dict[BlockHash, Sequence] = {}
+        # where a cached prefix may end (a hybrid model: a block whose state snapshot is kept);
+        # None: anywhere
+        self.restorable: Callable[[int], bool] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,8 +104,9 @@ class Scheduler:
         Returns the hashes of the full blocks the sequence will compute itself."""
         if not self.pool.prefix_caching:
             return []
-        bs, parent, last_hit = self.block_size, None, None
+        bs, parent = self.block_size, None
         missing: list[BlockHash] = []
+        hits: list[BlockHash] = []
         for i in range((seq.num_tokens - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
@@ -110,8 +115,13 @@ class Scheduler:
                 missing.append(h)
             else:
                 seq.block_table.append(block)
-                last_hit = h
+                hits.append(h)
             parent = h
+        if self.restorable is not None:  # no further than a block the runner can resume after
+            while seq.block_table and not self.restorable(seq.block_table[-1]):
+                self.pool.release(seq.block_table.pop())
+                missing.insert(0, hits.pop())
+        last_hit = hits[-1] if hits else None
         seq.num_computed = seq.num_cached = len(seq.block_table) * bs
         seq.num_hashed_blocks = len(seq.block_table)
         seq.last_block_hash = last_hit

@@ -3,13 +3,17 @@ runner can do (speculate, keep hidden states, warm up); and the choice of runner
 with its backend (core/backend.py) and KV cache.
 
 `PagedRunner` (paged.py) serves the families of models/family.py with one packed forward
-per step over a paged KV cache; `HFRunner` (hf.py) any other causal LM through
+per step over a paged KV cache (`RecurrentRunner`, recurrent.py, the hybrid ones whose
+sequences also carry a recurrent state); `HFRunner` (hf.py) any other causal LM through
 transformers' own forward.
-Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks.
+Each runner sizes its own KV cache (`kv_bytes_per_token`), from which the engine counts blocks,
+after reserving `max_num_seqs` sequences' recurrent state (`state_bytes_per_sequence`) and the
+prefix cache's state snapshots (recurrent.py's `snapshot_count`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,6 +22,8 @@ from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.row_math import RowMath
 from probserve.engine.fingerprint import NumericsFingerprint
 from probserve.engine.info import EngineInfo
+
+log = logging.getLogger("probserve.engine.core.engine")  # the engine's lines, as before
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +74,11 @@ class RunnerClass(Protocol):
     def kv_bytes_per_token(config: Any) -> int: ...
 
     @staticmethod
+    def state_bytes_per_sequence(config: Any) -> int:
+        """The recurrent state one sequence holds beside its KV blocks (0: none)."""
+        ...
+
+    @staticmethod
     def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
         """(the MoE layers whose routing a request may ask for, experts a token); ((), 0):
         this runner returns no routing for this model."""
@@ -85,8 +96,9 @@ def runner_class(
     transformers'; `blocker`: why the paged forward cannot run it deterministically."""
     from probserve.engine.core.runners.hf import HFRunner
     from probserve.engine.core.runners.paged import PagedRunner
+    from probserve.engine.core.runners.recurrent import RecurrentRunner
     from probserve.models import ModelLoadError
-    from probserve.models.family import SUPPORTED_TYPES
+    from probserve.models.family import SUPPORTED_TYPES, family
 
     if config.runner == "paged" and not supported:
         kind = getattr(getattr(loaded.model, "config", None), "model_type", "this model")
@@ -96,7 +108,7 @@ def runner_class(
             f"{', '.join(sorted(SUPPORTED_TYPES))}; use --runner auto or hf"
         )
     if config.runner == "paged" or (config.runner == "auto" and supported):
-        return PagedRunner
+        return RecurrentRunner if family(loaded.model.config).hybrid else PagedRunner
     from probserve.models.llama import paged_only
 
     if config.runner == "auto" and paged_only(loaded.model):
@@ -114,10 +126,18 @@ class RunnerChoice:
     backend: Backend
     num_blocks: int  # blocks of the KV cache (block 0 the null block: at least 2)
     retain_blocks: int  # released blocks the prefix cache keeps (--prefix-cache-gib)
+    state_bytes: int = 0  # the recurrent state a sequence holds (a hybrid model's; 0: none)
+    snapshots: int = 0  # the prefix cache's state snapshots at most (a hybrid model's)
+    max_seqs: int = 0  # sequences run together: max_num_seqs, or fewer whose states fit (0: it)
 
     @property
     def name(self) -> str:
         return self.cls.__name__  # type: ignore[attr-defined]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences run together: --max-num-seqs, or fewer whose recurrent states fit."""
+        return self.max_seqs or self.config.max_num_seqs
 
     @property
     def token_capacity(self) -> int:
@@ -126,9 +146,36 @@ class RunnerChoice:
     def block_pool(self) -> BlockPool:
         """Its KV cache's blocks, the prefix cache on where asked and the runner keeps one."""
         caching = self.config.prefix_caching and self.cls.prefix_caching
+        caching = caching and not self.prefix_caching_off
         return BlockPool(
             self.num_blocks, self.config.block_size, caching, retain_blocks=self.retain_blocks
         )
+
+    def log_built(self, prefix_caching: bool, info: EngineInfo) -> None:
+        """What the engine logs once its runner is built: the runner, its KV cache and its
+        backend, and a hybrid model's recurrent state and its reservation."""
+        c = self.config
+        log.info(
+            "engine: %s, %d KV blocks of %d tokens (%d tokens), prefix caching %s, "
+            "deterministic %s, weights %s",
+            self.name, self.num_blocks, c.block_size, self.token_capacity,
+            "on" if prefix_caching else "off", "on" if info.deterministic else "off",
+            info.weights,
+        )  # fmt: skip
+        if info.prefix_caching_off:
+            log.info("engine: prefix caching off: %s", info.prefix_caching_off)
+        if not self.state_bytes:
+            return
+        log.info(
+            "engine: recurrent state %d bytes a sequence, reserved for %d sequences (%d states "
+            "each: its own and those kept for proposals) and %d prefix-cache snapshots",
+            self.state_bytes, self.max_seqs, 2 + c.speculative_tokens, self.snapshots,
+        )  # fmt: skip
+        if self.max_seqs < c.max_num_seqs:
+            log.warning(
+                "engine: %d sequences at once, not --max-num-seqs %d: half of --kv-cache-gib "
+                "holds no more recurrent states", self.max_seqs, c.max_num_seqs,
+            )  # fmt: skip
 
     def build(self, loaded: LoadedModel) -> Runner:
         return self.cls(loaded, self.num_blocks, self.config, self.backend)
@@ -149,6 +196,7 @@ class RunnerChoice:
             hidden_size=int(getattr(model, "hidden_size", 0) or 0),
             block_size=self.config.block_size, moe_layers=moe_layers,
             experts_per_token=experts_per_token, fingerprint=self.fingerprint(loaded),
+            state_bytes_per_sequence=self.state_bytes, prefix_caching_off=self.prefix_caching_off,
             **self.backend.facts(),
         )  # fmt: skip
 
@@ -167,9 +215,21 @@ class RunnerChoice:
             deterministic=deterministic, linear="" if deterministic else self.backend.linear,
         )  # fmt: skip
 
+    @property
+    def prefix_caching_off(self) -> str:
+        """Why the prefix cache is off though asked for ("" where it is on or not asked)."""
+        from probserve.engine.core.runners.recurrent import NO_SNAPSHOTS
+
+        if not self.config.prefix_caching:
+            return ""
+        if not self.cls.prefix_caching:
+            return f"{self.name} has none"
+        return NO_SNAPSHOTS if self.state_bytes and not self.snapshots else ""
+
 
 def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
     from probserve.engine.core.runners.paged import PagedRunner
+    from probserve.engine.core.runners.recurrent import RecurrentRunner, snapshot_count
 
     if not 0 <= config.max_model_len <= loaded.context_length:
         raise ValueError(
@@ -180,15 +240,31 @@ def choose_runner(loaded: LoadedModel, config: EngineConfig) -> RunnerChoice:
 
     supported, blocker = llama.fit(loaded.model)  # read once
     cls = runner_class(loaded, config, supported, blocker)
-    backend = resolve(loaded, config, cls is PagedRunner, blocker)
+    backend = resolve(loaded, config, cls in (PagedRunner, RecurrentRunner), blocker)
     per_block = cls.kv_bytes_per_token(loaded.model.config) * config.block_size
+    state = cls.state_bytes_per_sequence(loaded.model.config)
+    # every running sequence's recurrent state with those a step verifying its proposals keeps
+    # (as many sequences as half the budget holds, at most max_num_seqs), and the prefix
+    # cache's snapshots (at most a quarter of it)
+    per_seq = state * (2 + config.speculative_tokens)
+    seqs = config.max_num_seqs
+    if state:
+        seqs = min(seqs, int(config.kv_cache_gib * 2**30) // 2 // per_seq)
+        if seqs < 1:
+            raise ValueError(
+                f"--kv-cache-gib {config.kv_cache_gib:g}: half of it does not hold one "
+                f"sequence's recurrent state ({per_seq / 2**30:.3f} GiB, with the states kept "
+                f"for {config.speculative_tokens} proposals)"
+            )
+    snapshots = snapshot_count(config, state)
+    reserved = per_seq * seqs + state * snapshots
 
-    def blocks_in(gib: float) -> int:
-        return int(gib * 2**30) // per_block
+    def blocks_in(gib: float, less: int = 0) -> int:
+        return (int(gib * 2**30) - less) // per_block
 
     return RunnerChoice(
-        cls, config, backend, max(2, blocks_in(config.kv_cache_gib)),
-        blocks_in(config.prefix_cache_gib),
+        cls, config, backend, max(2, blocks_in(config.kv_cache_gib, reserved)),
+        blocks_in(config.prefix_cache_gib), state, snapshots, seqs,
     )  # fmt: skip
 
 

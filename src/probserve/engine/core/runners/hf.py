@@ -37,6 +37,10 @@ class HFRunner:
         return 4 * 2 * int(text.num_hidden_layers) * kv_heads * head_dim
 
     @staticmethod
+    def state_bytes_per_sequence(config: Any) -> int:
+        return 0  # (its per-sequence caches are transformers', counted per token above)
+
+    @staticmethod
     def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
         """None: transformers' forward keeps no routing (a request asking is refused)."""
         return (), 0

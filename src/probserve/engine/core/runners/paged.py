@@ -34,6 +34,7 @@ from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.step import Chunk, RunOutput, ScoreRows, empty_logits
 from probserve.engine.types import RoutedExperts
 from probserve.kernels.attention_plan import AttentionPlan, PrefillGroup
+from probserve.models.deltanet import Span
 from probserve.models.family import family
 from probserve.models.llama import KVCache, LlamaForward, moe_layers
 from probserve.models.loader import LoadedModel
@@ -42,10 +43,15 @@ from probserve.models.loader import LoadedModel
 class PagedRunner:
     prefix_caching = True
     speculates = True  # runs proposed tokens as extra rows (core/speculation.py)
+    replays_graphs = True  # the GPU path's decode steps replay CUDA graphs
 
     @staticmethod
     def kv_bytes_per_token(config: Any) -> int:
         return KVCache.bytes_per_token(config)
+
+    @staticmethod
+    def state_bytes_per_sequence(config: Any) -> int:
+        return 0  # (a hybrid model's recurrent state: runners/recurrent.py)
 
     @staticmethod
     def routing_shape(config: Any) -> tuple[tuple[int, ...], int]:
@@ -79,7 +85,7 @@ class PagedRunner:
         self.graphs: DecodeGraphs | None = None
         # the GPU path's decode steps replay CUDA graphs (decode_graphs.py), their padding rows
         # in a scratch block past the pool's
-        graphs = backend.graphs
+        graphs = backend.graphs and self.replays_graphs
         blocks = num_blocks + int(graphs)
         self.cache = KVCache.allocate(model.config, blocks, block_size, self.device)
         self.vocab = self.forward.vocab_size
@@ -169,6 +175,13 @@ class PagedRunner:
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         return tables
 
+    def _spans(self, chunks: list[Chunk]) -> list[Span]:
+        """The step's sequences with their recurrent states (none: every layer attends)."""
+        return []
+
+    def _computed(self, chunks: list[Chunk], spans: list[Span]) -> None:
+        """After the forward: what the recurrent states saved (none here)."""
+
     def warm(self) -> None:
         """The decode graphs captured ahead of the first request (a GPU's)."""
         if self.graphs is not None:
@@ -197,7 +210,9 @@ class PagedRunner:
         if replayed is not None:
             return RunOutput(replayed)
         input_ids, positions, plan = self._plan(chunks)
-        hidden = self.forward.forward(input_ids, positions, plan, self.cache)
+        spans = self._spans(chunks)
+        hidden = self.forward.forward(input_ids, positions, plan, self.cache, spans)
+        self._computed(chunks, spans)
         sample_rows: list[int] = []
         prompt_rows: dict[str, ScoreRows] = {}
         row = 0

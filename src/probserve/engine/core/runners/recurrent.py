@@ -1,0 +1,135 @@
+"""RecurrentRunner: the paged runner of a hybrid model (Qwen3.5, Qwen3-Next: Gated DeltaNet
+layers among attention ones, models/deltanet.py), whose sequences carry a recurrent state beside
+their KV blocks.
+
+A sequence's state (its conv and delta-rule state in every linear layer) is made when its first
+chunk is computed, zeros (or a prefix-cache snapshot), is carried past each chunk it computes,
+and goes with its blocks: the scheduler drops it (`Sequence.runner_state`) when the sequence
+finishes or is preempted, and a preempted sequence is recomputed like a new one. At most
+`max_num_seqs` sequences run, so at most that many states are held (each with the states a
+verify step keeps); the engine reserves their bytes out of the KV cache's budget before it
+counts blocks (runners/choice.py), and the snapshots' too.
+
+The prefix cache: the state past the last token of each block a sequence computes is kept as
+that block's snapshot (`snapshot_count` of them at most, the least recently used dropped first);
+the scheduler reuses a cached prefix only up to a block whose snapshot is kept (`restorable`),
+and the sequence's state starts from that snapshot: the bits a cold run reaches there, since
+the recurrence has one order whatever the chunking.
+
+Speculation: a step that verifies a sequence's proposals keeps the state past its last real
+token and past each proposal; its next chunk's first position says how many were accepted, and
+the state past the last of them is put back (`RecurrentState.settle`): a rejected proposal
+leaves no trace, and the numbers are the same bits as decoding one token a step.
+
+Decode steps run the forward itself, not CUDA graphs (the states are per sequence).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from probserve.engine.config import EngineConfig
+from probserve.engine.core.backend import Backend
+from probserve.engine.core.runners.paged import PagedRunner
+from probserve.engine.core.step import Chunk
+from probserve.models.deltanet import RecurrentState, Span
+from probserve.models.llama import state_shape
+from probserve.models.loader import LoadedModel
+
+NO_SNAPSHOTS = "--prefix-cache-gib holds no recurrent state snapshot"
+
+
+def snapshot_count(config: EngineConfig, state_bytes: int) -> int:
+    """The prefix cache's state snapshots: --prefix-cache-gib's worth, at most a quarter of
+    --kv-cache-gib (0 where the prefix cache is off)."""
+    if not state_bytes or not config.prefix_caching:
+        return 0
+    return int(min(config.prefix_cache_gib, config.kv_cache_gib / 4) * 2**30) // state_bytes
+
+
+class RecurrentRunner(PagedRunner):
+    prefix_caching = True  # (from the snapshots at block boundaries)
+    speculates = True  # (its states past each verify row kept, the accepted one put back)
+    replays_graphs = False
+
+    @staticmethod
+    def state_bytes_per_sequence(config: Any) -> int:
+        shape = state_shape(config)
+        return shape.bytes if shape is not None else 0
+
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, config: EngineConfig, backend: Backend
+    ) -> None:
+        super().__init__(loaded, num_blocks, config, backend)
+        shape = state_shape(loaded.model.config)
+        assert shape is not None
+        self.state_shape = shape
+        self.snapshot_limit = snapshot_count(config, shape.bytes)
+        # a block's snapshot: the state past its last token (conv, delta), least recent first
+        self.snapshots: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+
+    def restorable(self, block: int) -> bool:
+        """A cached prefix may end at `block`: its snapshot is kept (now the most recent)."""
+        if block not in self.snapshots:
+            return False
+        self.snapshots.move_to_end(block)
+        return True
+
+    def _spans(self, chunks: list[Chunk]) -> list[Span]:
+        """Each chunk's rows and its sequence's state: at its first chunk a fresh one (zeros,
+        or the snapshot of the cached prefix's last block), else the state past its last
+        accepted token; the rows whose state is saved: each block's last token (with snapshots
+        kept), and with proposals the last real token and each proposal."""
+        spans, row, bs = [], 0, self.block_size
+        for ch in chunks:
+            state = ch.seq.runner_state
+            if ch.start == 0 or not isinstance(state, RecurrentState):
+                state = ch.seq.runner_state = RecurrentState.zeros(self.state_shape, self.device)
+                if ch.start:
+                    self._restore(ch, state)
+            state.settle(ch.start)
+            saves: set[int] = set()
+            if self.snapshot_limit:
+                # (a proposal's too: a block it completes is registered if it is accepted, and
+                # its snapshot must then be this one, never an earlier owner's of the block)
+                saves.update(p - ch.start for p in range(ch.start, ch.end) if (p + 1) % bs == 0)
+            if ch.proposed:
+                saves.update(range(ch.real_end - 1 - ch.start, ch.length))
+            state.saving(len(saves))
+            spans.append(Span(row, row + ch.length, state, tuple(sorted(saves))))
+            row += ch.length
+        return spans
+
+    def _restore(self, ch: Chunk, state: RecurrentState) -> None:
+        """A cached prefix's state: its last block's snapshot (the scheduler reused no more)."""
+        block = ch.seq.block_table[ch.start // self.block_size - 1]
+        snapshot = self.snapshots.get(block)
+        if ch.start % self.block_size or snapshot is None:
+            raise RuntimeError(f"{ch.seq.request_id}: no recurrent state for position {ch.start}")
+        state.restore(*snapshot)
+
+    def _computed(self, chunks: list[Chunk], spans: list[Span]) -> None:
+        """The saved states: snapshots of the blocks completed, the verify rows' kept."""
+        bs = self.block_size
+        for ch, span in zip(chunks, spans, strict=True):
+            state = span.state
+            if not span.saves:
+                continue
+            assert state.saved_conv is not None and state.saved_delta is not None
+            for j, row in enumerate(span.saves):
+                p = ch.start + row
+                conv, delta = state.saved_conv[j], state.saved_delta[j]
+                if ch.proposed and p >= ch.real_end - 1:
+                    state.kept[p] = (conv.clone(), delta.clone())
+                if (p + 1) % bs == 0 and self.snapshot_limit:
+                    self._snapshot(ch.seq.block_table[p // bs], conv, delta)
+            state.saving(0)
+
+    def _snapshot(self, block: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        self.snapshots.pop(block, None)
+        self.snapshots[block] = (conv.clone(), delta.clone())
+        while len(self.snapshots) > self.snapshot_limit:
+            self.snapshots.popitem(last=False)

@@ -1,0 +1,249 @@
+"""Gated DeltaNet: Qwen3.5's linear-attention layer, and the recurrent state each sequence
+carries through it (its conv state and its delta-rule state, one of each per such layer).
+
+The layer: one projection of the normed rows into [q | k | v] (the conv's channels), z, b and
+a; a causal depthwise conv1d (kernel K, no bias) over each sequence's channels, then SiLU; q
+and k l2-normed (x * rsqrt(sum x^2 + 1e-6)), q scaled by dk^-0.5; per value head beta =
+sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); per token, in float32,
+    S <- S * exp(g);  S <- S + k (outer) ((v - S^T k) * beta);  o = S^T q
+(value head h reads key head h // (nv / nk)); the output w * rms(o) * silu(z) (a plain w), and
+out_proj.
+
+One order for every path: the recurrence runs token by token, each token's step the same
+operations on tensors of the same shapes, whether its token came in a whole prompt, a chunk of
+one, a decode step or a batch of other sequences; the conv is a fixed sum over its K taps, each
+an exact elementwise product; everything that reduces over a row (the norms, the products)
+runs on the backend's row-invariant operations or on one token's tensors alone. So a position's
+numbers, and the state a sequence carries past it, are the same bits however its prompt was
+chunked or batched. transformers' prefill uses a chunked (64-token) form of the same
+recurrence, its decode this one: the two agree to float32 rounding, not bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from probserve.kernels.layer_ops import LayerOps
+from probserve.models.linear import Joined, Linear
+
+L2_EPS = 1e-6  # the l2 norm's of q and k (transformers' and FLA's)
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """The sizes of a hybrid model's recurrent state: its linear layers, the conv's channels
+    and kernel, the key and value heads and their dimensions."""
+
+    layers: int
+    channels: int
+    kernel: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+
+    @staticmethod
+    def of(config: Any, linear: Sequence[bool]) -> StateShape:
+        nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        return StateShape(
+            layers=sum(linear), channels=2 * nk * dk + nv * dv,
+            kernel=int(config.linear_conv_kernel_dim), k_heads=nk, v_heads=nv, k_dim=dk, v_dim=dv,
+        )  # fmt: skip
+
+    @property
+    def bytes(self) -> int:
+        """A sequence's state, float32: conv (K - 1 columns) and delta rule, every layer."""
+        per_layer = self.channels * (self.kernel - 1) + self.v_heads * self.k_dim * self.v_dim
+        return 4 * self.layers * per_layer
+
+
+@dataclass
+class RecurrentState:
+    """One sequence's state past its last computed token: conv [layers, C, K - 1] (the last
+    K - 1 inputs of the conv) and delta [layers, nv, dk, dv]. Zeros before its first token.
+
+    A step may save the state past some of its rows (`saving`, then the forward fills saved_conv
+    [n, layers, C, K - 1] and saved_delta [n, layers, nv, dk, dv] in the order of its span's
+    `saves`): the runner keeps those past a block's last token as the prefix cache's snapshots,
+    and those past a verify step's last real token and each proposal (`kept`, by position); the
+    next chunk's first position says how many proposals were accepted, and `settle` puts back
+    the state past the last of them (a rejected proposal's update undone, the same bits as
+    never having run it)."""
+
+    conv: torch.Tensor
+    delta: torch.Tensor
+    saved_conv: torch.Tensor | None = None
+    saved_delta: torch.Tensor | None = None
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @staticmethod
+    def zeros(shape: StateShape, device: torch.device | None = None) -> RecurrentState:
+        conv = (shape.layers, shape.channels, shape.kernel - 1)
+        delta = (shape.layers, shape.v_heads, shape.k_dim, shape.v_dim)
+        return RecurrentState(torch.zeros(conv, device=device), torch.zeros(delta, device=device))
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds now (the states it saved and kept included)."""
+        held = [self.conv, self.delta, self.saved_conv, self.saved_delta]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    def saving(self, rows: int) -> None:
+        """Room for the state past `rows` of the step's rows (none: nothing saved)."""
+        self.saved_conv = self.conv.new_empty((rows, *self.conv.shape)) if rows else None
+        self.saved_delta = self.delta.new_empty((rows, *self.delta.shape)) if rows else None
+
+    def restore(self, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        self.conv.copy_(conv)
+        self.delta.copy_(delta)
+
+    def settle(self, start: int) -> None:
+        """A chunk starts at `start`: the state past position start - 1, from the kept ones
+        where the last step kept some (its proposals up to there accepted)."""
+        if not self.kept:
+            return
+        kept = self.kept.get(start - 1)
+        if kept is None:
+            raise RuntimeError(f"no kept recurrent state for position {start - 1}")
+        self.restore(*kept)
+        self.kept = {}
+
+
+@dataclass(frozen=True)
+class Span:
+    """A sequence's rows [start, end) of the step, continuing from `state` (updated in place);
+    the state past each of its rows `saves` (relative to start, increasing) saved into the
+    state's saved_conv and saved_delta, in that order."""
+
+    start: int
+    end: int
+    state: RecurrentState
+    saves: tuple[int, ...] = ()
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) [T, n] whose row's bits are its own alone: on the host, one call a row (torch's
+    vectorized and scalar loops round a transcendental differently, and which one an element
+    meets depends on its place in the tensor); on a device, one call (per element alike)."""
+    if x.device.type != "cpu" or x.shape[0] <= 1:
+        return torch.sigmoid(x)
+    return torch.stack([torch.sigmoid(row) for row in x])
+
+
+class GatedDeltaNet:
+    def __init__(
+        self,
+        index: int,
+        shape: StateShape,
+        proj: Linear | Joined,
+        out: Linear | Joined,
+        conv: torch.Tensor,
+        a_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        ops: LayerOps,
+    ) -> None:
+        """Linear layer `index` (its place among the linear layers: its state's): `proj` the
+        rows [q k v | z | b | a], `conv` [C, K], the decay's A_log and dt_bias [nv], the gated
+        norm's weight [dv]."""
+        self.index, self.shape, self.proj, self.out, self.eps, self.ops = (
+            index, shape, proj, out, eps, ops,
+        )  # fmt: skip
+        self.conv = ops.place(conv.detach().float().reshape(shape.channels, shape.kernel).clone())
+        self.rate = ops.place(-torch.exp(a_log.detach().float()))  # -exp(A_log)
+        self.dt_bias = ops.place(dt_bias.detach().float().clone())
+        self.norm = ops.place(norm.detach().float().clone())
+        self.ones: torch.Tensor | None = None  # silu(x) as silu_mul([x | 1]): the ones
+
+    def __call__(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """The layer's output for the step's normed rows x [T, H], each span continuing its
+        sequence's state (which it leaves past its last row)."""
+        s = self.shape
+        t, c, vd = x.shape[0], s.channels, s.v_heads * s.v_dim
+        p = self.proj(x)
+        mixed, z = p[:, :c], p[:, c : c + vd]
+        b, a = p[:, c + vd : c + vd + s.v_heads], p[:, c + vd + s.v_heads :]
+        conv = x.new_empty((t, c))
+        for span in spans:
+            inputs = mixed[span.start : span.end]
+            conv[span.start : span.end] = self._conv(inputs, span.state, span.saves)
+        conv = self._silu_mul(conv, None)
+        o = x.new_empty((t, vd))
+        for span in spans:
+            rows = slice(span.start, span.end)
+            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state, span.saves)
+        normed = self.ops.rms_norm(o.reshape(t * s.v_heads, s.v_dim), self.norm, self.eps)
+        gated = self._silu_mul(z.reshape(t * s.v_heads, s.v_dim), normed)
+        return self.out(gated.reshape(t, vd))
+
+    def _silu_mul(self, x: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+        """silu(x) * up (up None: ones, silu(x) exactly) on the backend's row-invariant op."""
+        if up is None:
+            if self.ones is None or self.ones.shape != x.shape:
+                self.ones = torch.ones_like(x)
+            up = self.ones
+        return self.ops.silu_mul(torch.cat([x, up], dim=1).contiguous())
+
+    def _conv(
+        self, mixed: torch.Tensor, state: RecurrentState, saves: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The causal conv of a sequence's rows [n, C] after the K - 1 inputs its state keeps
+        (left there updated; past each row of `saves` saved too): sum over taps k of
+        w[:, k] * input[t - (K - 1) + k], in k order."""
+        n, k = mixed.shape[0], self.shape.kernel
+        held = state.conv[self.index]
+        cols = torch.cat([held, mixed.T], dim=1)  # [C, K - 1 + n]
+        acc = cols[:, 0:n] * self.conv[:, 0:1]
+        for tap in range(1, k):
+            acc = acc + cols[:, tap : tap + n] * self.conv[:, tap : tap + 1]
+        held.copy_(cols[:, n:])
+        if saves:
+            assert state.saved_conv is not None
+            for j, row in enumerate(saves):  # the inputs up to row `row`
+                state.saved_conv[j, self.index].copy_(cols[:, row + 1 : row + k])
+        return acc.T
+
+    def _recurrence(
+        self,
+        conv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: RecurrentState,
+        saves: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The gated delta rule over a sequence's rows (conv's [q k v] after SiLU, b, a), token
+        by token from its state (left past the last; past each row of `saves` saved too):
+        o [n, nv * dv]."""
+        s = self.shape
+        kd = s.k_heads * s.k_dim
+        group = s.v_heads // s.k_heads
+        root = s.k_dim**0.5
+        big_s = state.delta[self.index]
+        out = conv.new_empty((conv.shape[0], s.v_heads * s.v_dim))
+        saved = {row: j for j, row in enumerate(saves)}
+        for i in range(conv.shape[0]):
+            q = conv[i, :kd].reshape(s.k_heads, s.k_dim)
+            k = conv[i, kd : 2 * kd].reshape(s.k_heads, s.k_dim)
+            v = conv[i, 2 * kd :].reshape(s.v_heads, s.v_dim)
+            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+            q = (q / root).repeat_interleave(group, 0)  # [nv, dk]
+            k = k.repeat_interleave(group, 0)
+            beta = torch.sigmoid(b[i])
+            g = self.rate * F.softplus(a[i] + self.dt_bias)
+            big_s.mul_(torch.exp(g)[:, None, None])
+            memory = (big_s * k[:, :, None]).sum(1)  # S^T k: [nv, dv]
+            delta = (v - memory) * beta[:, None]
+            big_s.add_(k[:, :, None] * delta[:, None, :])
+            out[i] = (big_s * q[:, :, None]).sum(1).reshape(-1)
+            if i in saved:
+                assert state.saved_delta is not None
+                state.saved_delta[saved[i], self.index].copy_(big_s)
+        return out

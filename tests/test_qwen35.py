@@ -1,0 +1,398 @@
+"""Qwen3.5 dense, Qwen3.5-MoE and Qwen3-Next (hybrid: Gated DeltaNet layers among gated
+full-attention ones, models/deltanet.py; Qwen3-Next's projections packed per key head) on the
+paged forward, against transformers' own float32 forward: tiny random models of its classes
+(both layer kinds, GQA in the linear layers, partial rotary, a shared expert), prompt and
+generated logprobs within 1e-4 on both paths (deterministic kernels and torch), greedy tokens
+transformers' argmax, the MoE layers' routing; bitwise the same alone, among five others with a
+7-token step budget (chunked prefill across the recurrence), from the prefix cache (a block's
+state snapshot restored; a prefix ends at a block with one) and after preemption; speculation's
+rejected proposals rolled back bit for bit; the recurrent state counted (reserved out of the KV
+budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_core
+from reference import full_logprobs
+from test_families import _check_routing
+
+from probserve.engine import (
+    EngineConfig,
+    EngineCore,
+    EngineRequest,
+    LogprobsSpec,
+    RoutingSpec,
+    SamplingParams,
+)
+from probserve.models import LoadedModel
+from probserve.models.family import family
+
+KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+
+
+def _config(kind: str, vocab: int) -> Any:
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    common = {
+        "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8, "max_position_embeddings": 256, "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        # linear, full, linear, full: both kinds, a linear layer after an attention one
+        "layer_types": ["linear_attention", "full_attention"] * 2,
+    }  # fmt: skip
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(**common, intermediate_size=96)
+    if kind == "qwen3_next":  # its projections packed per key head; layer 1 dense
+        return Qwen3NextConfig(
+            **common, intermediate_size=96, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+        )  # fmt: skip
+    return Qwen3_5MoeTextConfig(
+        **common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    config = _config(request.param, smol.vocab_size)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf.requires_grad_(False)
+    with torch.no_grad():  # norms (1 + w; the gated norm's plain w) and weights off their init
+        for name, param in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
+            elif "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            else:
+                param.normal_(0.0, 0.1)
+    return LoadedModel(
+        model=hf,
+        tokenizer=smol.tokenizer,
+        name=f"tiny-{request.param}",
+        eos_token_ids=frozenset({2}),
+        context_length=256,
+        vocab_size=smol.vocab_size,
+    )
+
+
+def _request(ids: list[int], rid: str, max_tokens: int = 8, routing: bool = False) -> EngineRequest:
+    return EngineRequest(
+        rid,
+        tuple(ids),
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
+        routing=RoutingSpec(prompt=True) if routing else None,
+    )
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(10, 40000, size=n)]
+
+
+def _numbers(outs: list) -> list[bytes]:
+    out = []
+    for o in outs:
+        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        for lp in (o.logprobs, o.prompt_logprobs):
+            if lp is not None:
+                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
+                    out.append(np.ascontiguousarray(arr).tobytes())
+    return out
+
+
+def _joined(outs: list) -> list[bytes]:
+    """The tokens and each generated logprobs array over all the outputs (rows in any grouping:
+    a step that accepts proposals sends several tokens at once)."""
+    arrays: dict[str, list[np.ndarray]] = {"tokens": [np.asarray(o.new_token_ids) for o in outs]}
+    for o in outs:
+        if o.logprobs is not None:
+            for name in ("token_ids", "logprobs", "top_ids", "top_logprobs", "entropy"):
+                arrays.setdefault(name, []).append(np.asarray(getattr(o.logprobs, name)))
+    return [np.concatenate(v).tobytes() for v in arrays.values()]
+
+
+def test_its_family_is_hybrid(model: LoadedModel):
+    fam = family(model.model.config)
+    assert fam.linear == (True, False, True, False)
+    assert fam.rotary_dim == 4 and fam.attn_gate and fam.norm_plus_one
+    assert fam.shared_expert == bool(fam.experts)
+    assert fam.packed_linear == (model.name == "tiny-qwen3_next")
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic: bool):
+    core = EngineCore(
+        model, EngineConfig(deterministic=deterministic, kv_cache_gib=0.02, block_size=4)
+    )
+    assert core.info.runner == "RecurrentRunner" and core.info.deterministic == deterministic
+    ids = _prompt(1, 23)
+    routed = bool(family(model.model.config).experts)  # its MoE layers' routing returned too
+    outs = run_core(core, [_request(ids, "r", 10, routing=routed)])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    if routed:
+        _check_routing(model, outs, ids, gen)
+    ref = full_logprobs(model.model, ids + gen)
+    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
+    got = np.asarray(prompt.logprobs, dtype=np.float64)
+    assert list(prompt.token_ids) == ids[1:]
+    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
+    assert np.abs(got - want).max() < 1e-4
+    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
+    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
+    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
+    assert np.abs(lps - want).max() < 1e-4
+    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+
+
+def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
+    canary = _prompt(2, 19)
+    alone_core = EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02))
+    alone = run_core(alone_core, [_request(canary, "c")])["c"]
+    core = EngineCore(
+        model,
+        EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_batched_tokens=7),
+    )
+    others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
+    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]  # its state from a snapshot
+    assert core.scheduler.prefix_hit_tokens - hits == 16  # four blocks of 4 (one token left)
+    assert _numbers(mixed) == _numbers(alone) == _numbers(again)
+    # every sequence's state went with it
+    assert core.stats().recurrent_state_bytes == 0 and core.stats().held_caches == 0
+
+
+def test_a_cached_prefix_ends_at_a_block_with_a_snapshot(model: LoadedModel):
+    """Snapshots for two blocks only (the least recently used dropped): a prompt whose cached
+    blocks outnumber them reuses its prefix up to the last block whose snapshot is kept, and
+    its numbers are the cold run's."""
+    canary = _prompt(8, 21)
+    cold = run_core(
+        EngineCore(
+            model, EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+        ),
+        [_request(canary, "c")],
+    )["c"]
+    state = EngineCore(model, EngineConfig(kv_cache_gib=0.02)).choice.state_bytes
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=2.5 * state / 2**30
+    )
+    core = EngineCore(model, config)
+    assert core.choice.snapshots == 2
+    run_core(core, [_request(canary, "first", 1)])  # 5 blocks: snapshots of 4 and 5 kept
+    assert len(core.runner.snapshots) == 2  # type: ignore[attr-defined]
+    # the first 4 blocks again (block 4's snapshot now the most recent), then a block of its
+    # own: its snapshot takes block 5's place
+    hits = core.scheduler.prefix_hit_tokens
+    run_core(core, [_request(canary[:16] + _prompt(9, 5), "other", 1)])
+    assert core.scheduler.prefix_hit_tokens - hits == 16
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]
+    # 5 blocks cached, the 5th without its snapshot: the prefix ends at block 4
+    assert core.scheduler.prefix_hit_tokens - hits == 16
+    assert _numbers(again) == _numbers(cold)
+
+
+def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
+    """A KV pool too small for everyone: sequences are preempted (their states dropped with
+    their blocks) and recomputed, and the canary's numbers are its numbers alone."""
+    canary = _prompt(3, 17)
+    alone = run_core(
+        EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02)),
+        [_request(canary, "c", 12)],
+    )["c"]
+    config = _config(model.name.removeprefix("tiny-"), model.vocab_size)
+    per_block = EngineCore(model, EngineConfig(kv_cache_gib=0.02, block_size=4)).choice
+    per_token = per_block.cls.kv_bytes_per_token(config)
+    # max_num_seqs 4: their states (each with those kept for proposals: half the budget holds
+    # them), 12 snapshots for the prefix cache (a preempted sequence resumes from its own; at
+    # most a quarter of the budget), then 16 blocks
+    state = per_block.state_bytes
+    reserved = state * (4 * (2 + per_block.config.speculative_tokens) + 12)
+    budget = (reserved + 16 * 4 * per_token) / 2**30
+    core = EngineCore(
+        model,
+        EngineConfig(
+            deterministic=True, kv_cache_gib=budget, block_size=4, max_num_seqs=4,
+            prefix_cache_gib=12 * state / 2**30,
+        ),
+    )  # fmt: skip
+    assert core.pool.num_blocks == 16 and core.choice.snapshots == 12
+    assert core.scheduler.max_num_seqs == 4
+    others = [_request(_prompt(20 + i, 11), f"o{i}", 12) for i in range(3)]
+    mixed = run_core(core, [*others, _request(canary, "c", 12)])["c"]
+    assert core.scheduler.num_preemptions > 0
+    assert _numbers(mixed) == _numbers(alone)
+
+
+def test_the_state_is_reserved_and_counted(model: LoadedModel):
+    config = EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_seqs=3)
+    core = EngineCore(model, config)
+    per_seq = core.info.state_bytes_per_sequence
+    # 2 linear layers: conv (C = 2*2*8 + 4*8 = 64 channels, 3 columns) and 4 heads of 8 x 8
+    assert per_seq == 4 * 2 * (64 * 3 + 4 * 8 * 8)
+    per_block = core.choice.cls.kv_bytes_per_token(model.model.config) * 4
+    states = 3 * (2 + config.speculative_tokens)  # each its own, and those kept for proposals
+    snapshots = int(0.02 / 4 * 2**30) // per_seq  # a quarter of the KV budget (< 0.25 GiB)
+    assert core.choice.snapshots == snapshots
+    reserved = (states + snapshots) * per_seq
+    assert core.pool.num_blocks == (int(0.02 * 2**30) - reserved) // per_block
+    assert core.info.prefix_caching and not core.info.prefix_caching_off
+    none = EngineCore(model, EngineConfig(kv_cache_gib=0.02, prefix_cache_gib=0.0))
+    assert not none.info.prefix_caching
+    assert none.info.prefix_caching_off == "--prefix-cache-gib holds no recurrent state snapshot"
+    from probserve.api.routes.misc import serving_facts  # what /health and /v1/models show
+
+    facts = serving_facts(none.info)
+    assert facts["state_bytes_per_sequence"] == per_seq
+    assert facts["prefix_caching_off"] == none.info.prefix_caching_off
+    assert serving_facts(core.info)["prefix_caching_off"] is None
+    core.add_request(_request(_prompt(4, 9), "s", 3))
+    core.step()  # the prompt computed: its state held
+    assert core.stats().recurrent_state_bytes == per_seq
+    while core.has_work():
+        core.step()
+    assert core.stats().recurrent_state_bytes == 0
+    # half of a budget of 24 states holds two sequences' (each with those kept for 4 proposals)
+    small = EngineCore(model, EngineConfig(kv_cache_gib=24 * per_seq / 2**30, max_num_seqs=8))
+    assert small.choice.max_seqs == small.scheduler.max_num_seqs == 2
+    with pytest.raises(ValueError, match="recurrent state"):
+        EngineCore(model, EngineConfig(kv_cache_gib=per_seq * 4 / 2**30, max_num_seqs=8))
+
+
+class _Proposer:
+    """Proposes each sequence's true continuation with its last token wrong every other time,
+    so a step's proposals are partly accepted, partly rejected (their state updates undone)."""
+
+    def __init__(self, truths: dict[tuple[int, ...], list[int]]) -> None:
+        self.truths, self.calls = truths, 0
+
+    def propose_many(self, asks: list) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for rid, tokens, k in asks:
+            self.calls += 1
+            for prompt, full in self.truths.items():
+                if tuple(tokens[: len(prompt)]) == prompt:
+                    want = list(full[len(tokens) : len(tokens) + k])
+                    if self.calls % 2 and len(want) > 1:
+                        want[-1] += 1
+                    out[rid] = tuple(want)
+        return out
+
+
+def test_speculation_rolls_back_rejected_proposals_bit_for_bit(model: LoadedModel):
+    """Proposals, some accepted and some rejected, among other requests in 7-token steps: the
+    same bits as decoding one token a step, and the kept states are counted then freed."""
+    from probserve.engine.core.host import engine_over
+
+    prompts = {"a": _prompt(6, 13), "b": _prompt(7, 9)}
+    plain = run_core(
+        EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02)),
+        [_request(ids, rid, 12) for rid, ids in prompts.items()],
+    )
+    truths = {
+        tuple(ids): [*ids, *(t for o in plain[rid] for t in o.new_token_ids)]
+        for rid, ids in prompts.items()
+    }
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, speculative="ngram",
+        max_num_batched_tokens=7, speculative_tokens=3,
+    )  # fmt: skip
+    core = engine_over(model, config)
+    assert core.speculator is not None
+    core.speculator.proposer = _Proposer(truths)  # type: ignore[assignment]
+    others = [_request(_prompt(30 + i, 6), f"o{i}", 4) for i in range(2)]
+    spec = run_core(core, [others[0], *(_request(i, r, 12) for r, i in prompts.items()), others[1]])
+    assert 0 < core.speculator.accepted < core.speculator.drafted
+    for rid in prompts:
+        assert _joined(spec[rid]) == _joined(plain[rid]), rid
+    assert core.stats().recurrent_state_bytes == 0
+
+
+GPU_VOCAB = 256  # a small head: the interpreter runs every program of every kernel in Python
+
+
+def test_the_gpu_path_serves_qwen3_5_exactly_and_invariantly(smol: LoadedModel) -> None:
+    """Qwen3.5 dense on the GPU path (its Triton kernels; under Triton's interpreter on the host
+    here): within 1e-4 of transformers, and the same bits alone and among others in 7-token
+    steps (no decode graphs: each sequence's state is its own)."""
+    import triton  # noqa: F401  (a dev dependency: without it this fails, it never skips)
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    config = _config("qwen3_5", GPU_VOCAB)
+    config._attn_implementation = "eager"
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if "norm" in name else 0.1))
+    model = LoadedModel(
+        model=hf, tokenizer=smol.tokenizer, name="tiny-qwen3_5", eos_token_ids=frozenset({2}),
+        context_length=256, vocab_size=GPU_VOCAB,
+    )  # fmt: skip
+
+    def gpu(**more: Any) -> EngineConfig:
+        return EngineConfig(device="cuda", kv_cache_gib=0.01, block_size=4, **more)
+
+    def prompt(seed: int, n: int) -> list[int]:
+        return [int(t) for t in np.random.default_rng(seed).integers(3, GPU_VOCAB, size=n)]
+
+    core = EngineCore(model, gpu())
+    core.warmup()
+    assert core.info.runner == "RecurrentRunner" and core.info.deterministic
+    assert core.info.device == ("cuda" if torch.cuda.is_available() else "interpreted")
+    ids = prompt(1, 15)
+    outs = run_core(core, [_request(ids, "r", 5)])["r"]
+    gen = [t for o in outs for t in o.new_token_ids]
+    ref = full_logprobs(hf, ids + gen).double()
+    got = np.asarray(next(o.prompt_logprobs for o in outs if o.prompt_logprobs).logprobs)
+    assert np.abs(got - ref[np.arange(len(ids) - 1), ids[1:]].numpy()).max() < 1e-4
+    rows = np.arange(len(ids) - 1, len(ids) - 1 + len(gen))
+    lps = np.concatenate([np.asarray(o.logprobs.logprobs) for o in outs if o.logprobs is not None])
+    assert np.abs(lps - ref[rows, gen].numpy()).max() < 1e-4
+    assert gen == [int(ref[r].argmax()) for r in rows]
+    mixed_core = EngineCore(model, gpu(max_num_batched_tokens=7))
+    others = [_request(prompt(10 + i, 4 + 3 * i), f"o{i}", 2 + i) for i in range(3)]
+    mixed = run_core(mixed_core, [*others[:1], _request(ids, "r", 5), *others[1:]])["r"]
+    assert _numbers(mixed) == _numbers(outs)
+
+
+def test_a_qwen3_5_checkpoint_directory_is_served_on_the_paged_forward(
+    smol: LoadedModel, tmp_path: Any
+) -> None:
+    """A directory as Qwen3.5 checkpoints ship (the vision-language class, `qwen3_5`, its text
+    weights under model.language_model): loaded as the text model, served by RecurrentRunner,
+    its logprobs within 1e-4 of transformers'."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from probserve.models import load_model
+
+    torch.manual_seed(3)
+    text = _config("qwen3_5", smol.vocab_size).to_dict()
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 32, "num_heads": 2,
+              "out_hidden_size": 64}  # fmt: skip
+    vlm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
+    vlm.save_pretrained(tmp_path)
+    smol.tokenizer.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    core = EngineCore(loaded, EngineConfig(kv_cache_gib=0.02))
+    assert core.info.runner == "RecurrentRunner" and core.info.architecture == "qwen3_5_text"
+    ids = _prompt(5, 12)
+    outs = run_core(core, [_request(ids, "d", 4)])["d"]
+    ref = full_logprobs(loaded.model, ids)
+    got = np.asarray(next(o.prompt_logprobs for o in outs if o.prompt_logprobs).logprobs)
+    assert np.abs(got - np.array([float(ref[j, ids[j + 1]]) for j in range(11)])).max() < 1e-4
