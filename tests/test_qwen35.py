@@ -18,15 +18,11 @@ import pytest
 import torch
 from conftest import run_core
 from reference import full_logprobs
-from test_families import _check_routing
+from test_families import _check_routing, _request, against_transformers
 
 from probserve.engine import (
     EngineConfig,
     EngineCore,
-    EngineRequest,
-    LogprobsSpec,
-    RoutingSpec,
-    SamplingParams,
 )
 from probserve.models import LoadedModel
 from probserve.models.family import family
@@ -88,16 +84,6 @@ def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
     )
 
 
-def _request(ids: list[int], rid: str, max_tokens: int = 8, routing: bool = False) -> EngineRequest:
-    return EngineRequest(
-        rid,
-        tuple(ids),
-        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-        LogprobsSpec(top_k=3, prompt_top_k=2, entropy=True),
-        routing=RoutingSpec(prompt=True) if routing else None,
-    )
-
-
 def _prompt(seed: int, n: int) -> list[int]:
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(10, 40000, size=n)]
@@ -145,17 +131,7 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     gen = [t for o in outs for t in o.new_token_ids]
     if routed:
         _check_routing(model, outs, ids, gen)
-    ref = full_logprobs(model.model, ids + gen)
-    prompt = next(o.prompt_logprobs for o in outs if o.prompt_logprobs is not None)
-    got = np.asarray(prompt.logprobs, dtype=np.float64)
-    assert list(prompt.token_ids) == ids[1:]
-    want = np.array([float(ref[j, ids[j + 1]]) for j in range(len(ids) - 1)])
-    assert np.abs(got - want).max() < 1e-4
-    sampled = [o.logprobs for o in outs if o.logprobs is not None and len(o.logprobs)]
-    lps = np.concatenate([np.asarray(lp.logprobs, dtype=np.float64) for lp in sampled])
-    want = np.array([float(ref[len(ids) - 1 + j, t]) for j, t in enumerate(gen)])
-    assert np.abs(lps - want).max() < 1e-4
-    assert gen == [int(ref[len(ids) - 1 + j].argmax()) for j in range(len(gen))]
+    against_transformers(model, outs, ids, gen)
 
 
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
