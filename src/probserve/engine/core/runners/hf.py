@@ -27,14 +27,15 @@ class HFRunner:
         """float32 K and V of every layer; any config transformers knows (GPT-2's n_layer and
         n_head are aliased to the standard names), key/value heads default to the heads."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        per_layer = getattr(text, "per_layer_config", None)  # shapes by layer (Gemma 4)
-        if per_layer is not None:
-            layers = [per_layer[i] for i in range(int(text.num_hidden_layers))]
+        n = int(text.num_hidden_layers)
+        try:
+            heads = int(text.num_attention_heads)
+            kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+            head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        except RuntimeError:  # shapes by layer (Gemma 4: transformers refuses the global ones)
+            layers = [text.per_layer_config[i] for i in range(n)]
             return 4 * 2 * sum(int(c.num_key_value_heads) * int(c.head_dim) for c in layers)
-        heads = int(text.num_attention_heads)
-        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        return 4 * 2 * int(text.num_hidden_layers) * kv_heads * head_dim
+        return 4 * 2 * n * kv_heads * head_dim
 
     @staticmethod
     def state_bytes_per_sequence(config: Any) -> int:
