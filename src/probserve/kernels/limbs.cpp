@@ -268,10 +268,14 @@ inline void half_scales(const uint8_t* blk, const uint8_t* sb, int64_t h, __m512
 // in int32 (below 2^29), then T in a double, scaled by the group's scales s and offsets o (the
 // row's sum S) and the row's block scale e. The vpdpbusd and the tile paths both end here, so
 // they give the same bits by construction
-template <int F>
+// (FOLDED: the tile path's sums of an offset format, whose quants entered the products as the
+// signed u + offset: T + offset S itself, the same integer, so the same double and the same bits
+// without the add)
+template <int F, bool FOLDED = false>
 inline void add_group(const __m512i* a, double S, const __m512d* s, const __m512d* o, __m512d e,
                       __m512d* y) {
     using L = LimbLayout<F>;
+    static_assert(!FOLDED || L::offset != 0, "only an offset format's sums fold the offset");
     const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
     const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
     __m512d l01, h01, l23, h23;
@@ -280,7 +284,11 @@ inline void add_group(const __m512i* a, double S, const __m512d* s, const __m512
     const __m512d big = _mm512_set1_pd(65536.0);
     const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
     __m512d u0, u1;
-    if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
+    if constexpr (FOLDED) {  // (T + offset S) s: the sums are T + offset S already
+        (void)S;
+        u0 = _mm512_mul_pd(t0, s[0]);
+        u1 = _mm512_mul_pd(t1, s[1]);
+    } else if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
         const __m512d os = _mm512_set1_pd(S * L::offset);
         u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[0]);
         u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[1]);
