@@ -577,13 +577,14 @@ int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, 
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
 // bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
 // null. On the tiles ps_limb_tiles() names: the rows in whole passes of 16, and the rest too
-// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Not
-// Q6_K: its groups of 16 k's take two tile passes a sub-block, and the tiles measured no faster
-// than vpdpbusd at 16 and 32 rows, slower below (docs/benchmarks.md)
+// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Q6_K
+// only in whole passes: its groups of 16 k's take two tile passes a sub-block, 1.13x vpdpbusd at
+// 16 rows (with its quants signed: limbs_amx.h), slower below (docs/benchmarks.md)
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
-    const int tiles = fmt == L6_K ? static_cast<int>(TILES_NONE) : chosen_tiles();
-    const int64_t whole = M % TILE_PASS >= TILE_ROWS ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
+    const int tiles = chosen_tiles();
+    const int64_t rest = fmt == L6_K ? TILE_PASS : TILE_ROWS;  // the fewest rows of a rest on the tiles
+    const int64_t whole = M % TILE_PASS >= rest ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
     if (tiles == TILES_NONE || whole == 0) {
         ps_limb_linear_on(TILES_NONE, fmt, x, M, K, packed, N, bias, out);
         return;
