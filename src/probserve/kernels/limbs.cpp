@@ -516,7 +516,7 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 extern "C" {
 
 // the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows()
-// rows or more: 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
+// rows or more (Q6_K: whole passes only): 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
 // emulation
 int ps_limb_tiles() { return chosen_tiles(); }
 
