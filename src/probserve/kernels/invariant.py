@@ -40,7 +40,8 @@ class InvariantKernels(FlatKernels):
     """The library's kernels. `block_sums`: the products on GGUF blocks apply each sub-block's
     scale to its sum (quantized.cpp, --block-sums): row-invariant and within float32 rounding of
     the dequantized product, but not its bits. `limbs`: the formats limbs.cpp multiplies in
-    integer limbs are packed for it (--products limbs; not with block_sums): row-invariant and
+    integer limbs are packed for it (True: every one; or the GGML types given, as --products
+    chose them; not with block_sums): row-invariant and
     closer to a float64 product than the float32 path. The weights packed by `qpack` carry the
     choice. As the forward's `LayerOps` (kernels/layer_ops.py) they run every operation on
     the host, keep GGUF blocks as the file holds them, and chain the layers in one native call
@@ -50,11 +51,14 @@ class InvariantKernels(FlatKernels):
     keeps_blocks = True  # GGUF blocks are multiplied as the file holds them (qpack)
     reads_rows = True
 
-    def __init__(self, block_sums: bool = False, limbs: bool = False) -> None:
+    def __init__(self, block_sums: bool = False, limbs: bool | frozenset[int] = False) -> None:
         self.lib = load()
         self.panel = int(self.lib.ps_panel_width())
         self.block_sums = block_sums
-        self.limb_types = limb_types(self.lib) if limbs and not block_sums else frozenset()
+        chosen: frozenset[int] = frozenset()
+        if not block_sums and limbs is not False:
+            chosen = limb_types(self.lib) if limbs is True else limb_types(self.lib) & limbs
+        self.limb_types = chosen
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         return t  # the host is where they run
