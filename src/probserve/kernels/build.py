@@ -1,8 +1,8 @@
 """Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
 
-The sources (invariant.cpp, quantized.cpp, limbs.cpp and layer.cpp, with simd.h) are compiled
-into one library with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it
-runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
+The sources (invariant.cpp, quantized.cpp, limbs.cpp, layer.cpp, route.cpp and deltanet.cpp,
+with simd.h) are compiled into one library with the system's C++ compiler (`CXX`, else c++, g++
+or clang++) for the CPU it runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
 ~/.cache/probserve) under a key of the sources, the compiler, the flags and the CPU's feature
 list, so a source change, another compiler or another machine builds afresh and every later
 start loads the cached library in milliseconds. The build writes to a temporary file and renames
@@ -39,6 +39,7 @@ SOURCES = (
     HERE / "limbs.cpp",
     HERE / "layer.cpp",
     HERE / "route.cpp",
+    HERE / "deltanet.cpp",
 )  # one library
 HEADERS = (
     HERE / "simd.h",
