@@ -55,12 +55,14 @@ def _config(kind: str, vocab: int) -> Any:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+def tiny_hybrid(kind: str, smol: LoadedModel) -> LoadedModel:
+    """A tiny random model of transformers' class for `kind` (one of KINDS), its norms and
+    weights off their init, with SmolLM2's tokenizer (tests/test_exactness.py's float64 rule
+    reads it too)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)
-    config = _config(request.param, smol.vocab_size)
+    config = _config(kind, smol.vocab_size)
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
@@ -77,11 +79,16 @@ def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
     return LoadedModel(
         model=hf,
         tokenizer=smol.tokenizer,
-        name=f"tiny-{request.param}",
+        name=f"tiny-{kind}",
         eos_token_ids=frozenset({2}),
         context_length=256,
         vocab_size=smol.vocab_size,
     )
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    return tiny_hybrid(request.param, smol)
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -264,8 +264,9 @@ class InvariantKernels(FlatKernels):
         each span's channel blocks, then its value heads; one order per token and head."""
         x = _f32(proj)
         t, c, vd = x.shape[0], layer.channels, layer.v_heads * layer.v_dim
-        if x.shape[1] != c + vd + 2 * layer.v_heads:
-            raise ValueError(f"gated delta rows of {x.shape[1]} columns, expected {c + vd + 2 * layer.v_heads}")
+        width = c + vd + 2 * layer.v_heads
+        if x.shape[1] != width:
+            raise ValueError(f"gated delta rows of {x.shape[1]} columns, expected {width}")
         out = torch.empty((t, vd), dtype=torch.float32)
         if not spans or not t:
             return out
