@@ -67,8 +67,10 @@ class Float64Everywhere(TorchFunctionMode):
 
 
 def truth_everywhere(m32: Any, ids: list[int]) -> np.ndarray:
-    """The float64 truth of a model whose code casts to float32 anywhere (Float64Everywhere)."""
+    """The float64 truth of a model whose code casts to float32 anywhere (Float64Everywhere);
+    a mixture of experts' experts one by one (torch's grouped product has no float64)."""
     m64 = copy.deepcopy(m32).double()
+    m64.config._experts_implementation = "eager"
     with Float64Everywhere():
         return reference_logprobs(m64, ids)
 

@@ -270,7 +270,8 @@ class InvariantKernels(FlatKernels):
         out = torch.empty((t, vd), dtype=torch.float32)
         if not spans or not t:
             return out
-        rows, saves = [], []
+        rows: list[tuple[int, ...]] = []
+        saves: list[tuple[int, int, int]] = []
         for span in spans:
             held = (span.conv, span.delta, *(d for _, cv, dl in span.saves for d in (cv, dl)))
             if any(h.dtype != torch.float32 or not h.is_contiguous() for h in held):
