@@ -7,7 +7,8 @@ transformers' argmax, the MoE layers' routing; bitwise the same alone, among fiv
 7-token step budget (chunked prefill across the recurrence), from the prefix cache (a block's
 state snapshot restored; a prefix ends at a block with one) and after preemption; speculation's
 rejected proposals rolled back bit for bit; the recurrent state counted (reserved out of the KV
-budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too."""
+budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too; the native rule
+(kernels/deltanet.cpp) against the torch one, bitwise the same in chunks and on one thread."""
 
 from __future__ import annotations
 
