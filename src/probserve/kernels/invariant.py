@@ -15,6 +15,7 @@ import torch
 
 from probserve.kernels.attention_plan import FlatKernels
 from probserve.kernels.build import header_constant, load
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.kernels.qlayout import FORMATS, LIMB_PANEL, LIMB_TYPES, pack_blocks, pack_limbs
@@ -259,6 +260,42 @@ class InvariantKernels(FlatKernels):
         if m:
             self.lib.ps_route(x.data_ptr(), m, e, k, int(norm), ids.data_ptr(), weights.data_ptr())
         return ids, weights
+
+    def gated_delta(
+        self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
+    ) -> torch.Tensor:
+        """The conv + SiLU and gated delta rule in one call (kernels/deltanet.cpp): threads over
+        each span's channel blocks, then its value heads; one order per token and head."""
+        x = _f32(proj)
+        t, c, vd = x.shape[0], layer.channels, layer.v_heads * layer.v_dim
+        width = c + vd + 2 * layer.v_heads
+        if x.shape[1] != width:
+            raise ValueError(f"gated delta rows of {x.shape[1]} columns, expected {width}")
+        out = torch.empty((t, vd), dtype=torch.float32)
+        if not spans or not t:
+            return out
+        rows: list[tuple[int, ...]] = []
+        saves: list[tuple[int, int, int]] = []
+        for span in spans:
+            held = (span.conv, span.delta, *(d for _, cv, dl in span.saves for d in (cv, dl)))
+            if any(h.dtype != torch.float32 or not h.is_contiguous() for h in held):
+                raise ValueError("recurrent states must be contiguous float32 tensors")
+            rows.append((span.start, span.end, span.conv.data_ptr(), span.delta.data_ptr(),
+                         len(saves), len(span.saves)))  # fmt: skip
+            saves += [(row, cv.data_ptr(), dl.data_ptr()) for row, cv, dl in span.saves]
+        table = torch.tensor(rows, dtype=torch.int64)
+        saved = torch.tensor(saves or [(0, 0, 0)], dtype=torch.int64)
+        dims = torch.tensor(
+            [c, layer.kernel, layer.k_heads, layer.v_heads, layer.k_dim, layer.v_dim],
+            dtype=torch.int64,
+        )
+        mixed = torch.empty((t, c), dtype=torch.float32)
+        self.lib.ps_gated_delta(
+            x.data_ptr(), t, x.shape[1], dims.data_ptr(), layer.conv.data_ptr(),
+            layer.rate.data_ptr(), layer.dt_bias.data_ptr(), table.data_ptr(), len(rows),
+            saved.data_ptr(), mixed.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
 
     def rope_cache(
         self,
