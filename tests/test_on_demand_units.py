@@ -167,3 +167,34 @@ def test_unload_waits_for_the_request_in_flight():
         assert entry.state == "unloaded" and stand.running == set()
 
     asyncio.run(run())
+
+
+def test_models_on_demand_from_a_config_file_and_no_default_model(tmp_path: Path):
+    from probserve.cli import build_parser, with_presets
+    from probserve.models import ModelLoadError
+    from probserve.serving import on_demand_specs
+    from probserve.settings import ServeSettings
+
+    def serve_settings(*argv: str) -> ServeSettings:  # as `probserve serve` parses them
+        parser = build_parser()
+        return ServeSettings.of(parser.parse_args(with_presets(parser, ["serve", *argv], {})))
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "x.gguf").write_bytes(b"x")
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"models-dir: {tmp_path / 'm'}\non-demand-model: [org/repo:Q4_K_M, /a/b.gguf]\n"
+        "models-max: 2\nidle-unload: 30\n"
+    )
+    settings = serve_settings("--config", str(config))
+    assert settings.models == ()  # none pinned: nothing loads at start
+    assert settings.flags.models_max == 2 and settings.flags.idle_unload == 30
+    assert on_demand_specs(settings) == {
+        "x": str(tmp_path / "m" / "x.gguf"),
+        "org/repo:Q4_K_M": "org/repo:Q4_K_M",
+        "/a/b.gguf": "/a/b.gguf",
+    }
+    assert [m.spec for m in serve_settings("--model", "a", "--config", str(config)).models] == ["a"]
+    for bad in (("--worker", "inline"), ("--models-max", "-1"), ("--idle-unload", "-2")):
+        with pytest.raises(ModelLoadError):
+            serve_settings("--config", str(config), *bad)

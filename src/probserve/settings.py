@@ -225,7 +225,7 @@ class ServeSettings:
         ):  # fmt: skip
             if len(given) > len(specs):
                 raise ModelLoadError(f"{len(given)} {what} flags for {len(specs)} models")
-        if (engine.speculative == "draft") != (len(drafts) == len(specs)) or (
+        if (engine.speculative == "draft") != (bool(specs) and len(drafts) == len(specs)) or (
             drafts and engine.speculative != "draft"
         ):
             raise ModelLoadError(
