@@ -77,6 +77,10 @@ class Stand:
 class Model:
     def __init__(self, name: str) -> None:
         self.name = name
+        self.dead = False
+
+    def health(self) -> tuple[str, str | None]:
+        return ("dead", "killed") if self.dead else ("ok", None)
 
 
 def manager(stand: Stand, max_loaded: int = 1, idle: float = 0.0) -> OnDemand:
@@ -198,3 +202,37 @@ def test_models_on_demand_from_a_config_file_and_no_default_model(tmp_path: Path
     for bad in (("--worker", "inline"), ("--models-max", "-1"), ("--idle-unload", "-2")):
         with pytest.raises(ModelLoadError):
             serve_settings("--config", str(config), *bad)
+
+
+def test_a_loaded_model_whose_engine_died_for_good_loads_again():
+    async def run() -> None:
+        stand = Stand()
+        od = manager(stand)
+        model, release = await od.acquire("a", None)
+        release()
+        model.dead = True  # its worker's restarts spent
+        again, release = await od.acquire("a", None)
+        assert again is not model and not again.dead and stand.starts == ["a", "a"]
+        release()
+
+    asyncio.run(run())
+
+
+def test_a_server_with_only_models_on_demand():
+    from probserve.api.server.config import ServerConfig
+    from probserve.api.server.state import ServerState
+
+    stand = Stand()
+    state = ServerState([], ServerConfig(), manager(stand))
+    assert state.default_name == "a" and stand.starts == []
+    with pytest.raises(APIError) as err:
+        state.serving(None)  # not loaded: a route that cannot wait for it says so
+    assert err.value.status == 503 and err.value.code == "model_not_loaded"
+    with pytest.raises(APIError) as err:
+        state.serving("/m/a")  # a spec is no name
+    assert err.value.status == 404
+    # the token histograms reach past any model's context (none is known at start)
+    state.metrics.request_prompt.labels("a").observe(500_000)
+    assert 'vllm:request_prompt_tokens_bucket{le="500000.0",model_name="a"} 1.0' in (
+        state.metrics.render().decode()
+    )

@@ -83,7 +83,7 @@ class OnDemand:
         entry = self.entries[name]
         entry.waiting += 1
         try:
-            while entry.state != "loaded":
+            while not self._serves(entry):
                 if entry.unloading is not None:
                     await asyncio.shield(entry.unloading)
                 else:
@@ -120,6 +120,17 @@ class OnDemand:
         if entry.unloading is not None:
             await asyncio.shield(entry.unloading)
         return entry
+
+    def _serves(self, entry: OnDemandModel) -> bool:
+        """Loaded with an engine that serves; a loaded model whose engine is dead for good (its
+        worker's restarts spent) is unloaded, for the request to load it afresh."""
+        if entry.state != "loaded" or entry.served is None:
+            return False
+        status, why = entry.served.health()
+        if status != "dead":
+            return True
+        self._begin_unload(entry, f"its engine died: {why}")
+        return False
 
     # ---- loading --------------------------------------------------------------------------
     async def _loaded(self, entry: OnDemandModel) -> None:

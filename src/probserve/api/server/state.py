@@ -24,6 +24,8 @@ from probserve.engine import EngineClient, EngineDead
 from probserve.engine.info import EngineInfo
 from probserve.models import ModelRecord
 
+MOST_TOKENS = 2**20  # the token histograms' last bucket where models load on demand
+
 
 @dataclass
 class Serving:
@@ -105,7 +107,8 @@ class ServerState:
         self.pinned = list(self.models)
         if self.on_demand is not None:
             self.on_demand.models = self.models  # a loaded model serves among them
-        self.metrics = Metrics(self.models)
+        # models on demand: token histograms up to MOST_TOKENS (their contexts are not known yet)
+        self.metrics = Metrics(self.models, MOST_TOKENS if self.on_demand is not None else None)
         self.distribution_rows = RowBudget(self.config.limits.max_distribution_rows_in_flight)
 
     @property
