@@ -236,3 +236,28 @@ def test_a_server_with_only_models_on_demand():
     assert 'vllm:request_prompt_tokens_bucket{le="500000.0",model_name="a"} 1.0' in (
         state.metrics.render().decode()
     )
+
+
+def test_load_and_unload_routes_are_behind_the_key_and_know_only_configured_names():
+    from fastapi.testclient import TestClient
+
+    from probserve.api.app import create_app
+    from probserve.api.server.config import ServerConfig
+    from probserve.api.server.state import ServerState
+
+    stand = Stand()
+    state = ServerState([], ServerConfig(api_keys=("k",)), manager(stand))
+    key = {"Authorization": "Bearer k"}
+    with TestClient(create_app(state)) as client:
+        r = client.post("/models/load", json={"model": "a"})
+        assert r.status_code == 401 and stand.starts == []
+        r = client.post("/models/load", json={"model": "/m/a"}, headers=key)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        r = client.post("/models/load", json={"model": "a"}, headers=key)
+        assert r.status_code == 200 and r.json()["state"] == "loaded"
+        assert stand.running == {"a"}
+        r = client.post("/models/unload", json={"model": "a"}, headers=key)
+        assert r.status_code == 200 and r.json()["state"] == "unloaded"
+        assert stand.running == set()
+        r = client.post("/models/unload", json={"model": "a", "x": 1}, headers=key)
+        assert r.status_code == 200 and r.headers["x-ignored-fields"] == "x"

@@ -72,6 +72,7 @@ class OnDemand:
         self.models: list[ServedModel] = []  # the server's serving models (ServerState's list)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="probserve-on-demand")
         self._changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task[None]] = set()  # notifications on their way (held)
 
     # ---- requests -------------------------------------------------------------------------
     async def acquire(
@@ -223,7 +224,9 @@ class OnDemand:
             elif 0 < after < math.inf:
                 loop = asyncio.get_running_loop()
                 entry.timer = loop.call_later(after, self._expired, entry)
-        asyncio.get_running_loop().create_task(self._notify())
+        task = asyncio.get_running_loop().create_task(self._notify())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _expired(self, entry: OnDemandModel) -> None:
         entry.timer = None
