@@ -35,7 +35,13 @@ from probserve.api.protocol import (
 )
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
-from probserve.api.tools.reply import ReplyParser, cut_short, finish_reason, whole_reply
+from probserve.api.tools.reply import (
+    ReplyParser,
+    arguments_schemas,
+    cut_short,
+    finish_reason,
+    whole_reply,
+)
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
@@ -98,7 +104,8 @@ def _message(
     said = {"reasoning": reasoning, "reasoning_content": reasoning}
     if tools is None:
         return AssistantMessage(content=text, **said), None
-    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish))
+    schemas = arguments_schemas(tools)
+    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish), schemas)
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls
