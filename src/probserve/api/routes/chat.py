@@ -57,7 +57,7 @@ def _prompt_extras(
     """The prompt's scores where prompt_logprobs asks (LogprobsFormatter.prompt_scores)."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt)
-    return fmt.prompt_scores(scores, body.prompt_logprobs, prompt.sources)
+    return fmt.prompt_scores(scores, body.prompt_logprobs, prompt.sources, prompt.reasoning)
 
 
 def _continuation(
@@ -66,8 +66,10 @@ def _continuation(
     """Chat echo: the final assistant message's tokens, scored."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt) and scores is not None
-    pieces = prompt.scored(scores, len(prompt.ids) - prompt.continuation)
+    first = len(prompt.ids) - prompt.continuation
+    pieces = prompt.scored(scores, first)
     return ContinuationScore(
+        reasoning=prompt.reasoning[first:] or None,  # a thinking model's: per entry
         content=_fmt(run, body).chat(pieces, k),
         logprob_sum=float(sum(float(scores.logprobs[p.row]) for p in pieces)),
         is_greedy=all(int(scores.ranks[p.row]) == 1 for p in pieces),

@@ -3,7 +3,8 @@ llguidance: `<function=NAME>\\n`, its parameters in its schema's order (the requ
 always, the others optional), each `<parameter=P>\\nvalue\\n</parameter>\\n`, then
 `</function>\\n`. A value whose schema type is only non-string types (integer, number,
 boolean, object, array, null) is JSON following that parameter's schema; a string's (or an
-untyped one's) is free text up to its closing tag (an enum's or const's strings: those only).
+untyped one's) is free text up to its closing tag (within its minLength and maxLength; an
+enum's or const's strings: those only).
 A function whose schema lets in keys it does not name takes more parameters, any name, as
 text. `tool_grammar` (grammar.py) wraps the calls in `<tool_call>` tags."""
 
@@ -42,7 +43,8 @@ def _function_rules(i: int, name: str, schema: Any) -> list[str]:
     rules, parts = [], []
     for j, (key, sub) in enumerate(properties.items()):
         tag = json.dumps(f"<parameter={key}>\n")
-        rules.append(f"p{i}_{j}: {tag} {_value(sub, defs)} \"\\n\"")
+        value, terminals = _value(sub, defs, f"TEXT_{i}_{j}")
+        rules.extend([f"p{i}_{j}: {tag} {value} \"\\n\"", *terminals])
         parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
     closed = isinstance(schema, dict) and schema.get("additionalProperties") is False
     if not closed:  # keys it does not name: any, as text
@@ -52,17 +54,31 @@ def _function_rules(i: int, name: str, schema: Any) -> list[str]:
     return [f"f{i}: {head} {' '.join(parts)} {close}".replace("  ", " "), *rules]
 
 
-def _value(schema: Any, defs: dict[str, Any]) -> str:
-    """One parameter's value and its closing tag."""
+def _value(schema: Any, defs: dict[str, Any], term: str) -> tuple[str, list[str]]:
+    """One parameter's value and its closing tag, and the terminal it needs (named `term`)."""
     types = schema_types(schema)
     end = json.dumps("\n</parameter>")
     if types and "string" not in types:
         body = {"x-guidance": JSON_OPTIONS, **defs, **schema}
-        return f"%json {json.dumps(body)} {end}"
+        return f"%json {json.dumps(body)} {end}", []
     values = _strings(schema)
     if values is not None:
-        return "(" + " | ".join(json.dumps(f"{v}\n</parameter>") for v in values) + ")"
-    return "TEXT_VALUE"
+        return "(" + " | ".join(json.dumps(f"{v}\n</parameter>") for v in values) + ")", []
+    bounds = _lengths(schema)
+    if bounds is None:
+        return "TEXT_VALUE", []
+    least, most = bounds
+    text = f"/(?s:.{{{least},{most}}})\\n<\\/parameter>/ & ~/(?s:.*<\\/parameter>.+)/"
+    return term, [f"{term}: {text}"]
+
+
+def _lengths(schema: Any) -> tuple[int, str] | None:
+    """A string's minLength and maxLength as a regex's bounds (None: neither is set)."""
+    if not isinstance(schema, dict) or not ({"minLength", "maxLength"} & set(schema)):
+        return None
+    least, most = schema.get("minLength", 0), schema.get("maxLength")
+    least = least if isinstance(least, int) and least >= 0 else 0
+    return least, str(most) if isinstance(most, int) and most >= least else ""
 
 
 def _strings(schema: Any) -> list[str] | None:
