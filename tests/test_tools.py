@@ -81,7 +81,7 @@ REPLIES = [
     (
         Q,
         "Sure.\n<tool_call>\n<function=get>\n<parameter=city>\nSan </x> Jos\u00e9\n</parameter>\n"
-        "<parameter=n>\n[1, {\"a\": \"}\"}]\n</parameter>\n</function>\n</tool_call>\n"
+        '<parameter=n>\n[1, {"a": "}"}]\n</parameter>\n</function>\n</tool_call>\n'
         "<tool_call>\n<function=b>\n</function>\n</tool_call>",
         "Sure.",
         [("get", '{"city": "San </x> Jos\u00e9", "n": [1, {"a": "}"}]}'), ("b", "{}")],
@@ -189,8 +189,10 @@ def test_xml_arguments_are_typed_by_their_schemas():
     (call,) = whole_reply(FORMATS[Q], text, schemas=schemas).calls
     assert call.complete
     pairs = json.loads(call.arguments, object_pairs_hook=list)  # keys repeat: as pairs
-    assert pairs == [("s", "42"), ("i", 42), ("o", [("k", [True])]), ("e", "a"), ("n", None),
-                     ("u", "not json"), ("s", '"quoted"'), ("u", '"quoted"'), ("i", "4 2")]  # fmt: skip
+    assert pairs == [
+        ("s", "42"), ("i", 42), ("o", [("k", [True])]), ("e", "a"), ("n", None),
+        ("u", "not json"), ("s", '"quoted"'), ("u", '"quoted"'), ("i", "4 2"),
+    ]  # fmt: skip
 
 
 WEATHER = FunctionDefinition(

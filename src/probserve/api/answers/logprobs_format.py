@@ -180,7 +180,8 @@ class LogprobsFormatter:
     ) -> dict[str, object]:
         """A chat choice's prompt fields (none where `k`, prompt_logprobs, is None):
         prompt_logprobs (vLLM's shape), where each prompt token comes from (`sources`: message
-        index and role; `reasoning`: per token, inside a thinking span), and, aligned with prompt_logprobs (nothing for the first token, then
+        index and role; `reasoning`: per token, inside a thinking span), and, aligned with
+        prompt_logprobs (nothing for the first token, then
         one per scored position), the entropy and target ids' logprobs where asked."""
         if k is None or scores is None:
             return {}
@@ -188,7 +189,9 @@ class LogprobsFormatter:
             "prompt_logprobs": self.prompt_logprobs(scores, k),
             "prompt_token_sources": [
                 PromptTokenSource(message_index=i, role=role, reasoning=inside)
-                for (i, role), inside in zip(sources, reasoning or [False] * len(sources), strict=True)
+                for (i, role), inside in zip(
+                    sources, reasoning or [False] * len(sources), strict=True
+                )
             ],
         }
         if scores.entropy is not None:

@@ -95,8 +95,8 @@ def tool_grammar(
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
     where it is a special token (Mistral's [TOOL_CALLS]); the arguments follow `ask.schemas`;
     `primed`: the reply begins after `ask.primer`, which the prompt holds; `tags`: Hermes' (and
-    Qwen3-Coder's) `<tool_call>` and `</tool_call>` ids where the tokenizer has them as added tokens (Qwen's),
-    which the grammar then names as tokens (as text they would be barred)."""
+    Qwen3-Coder's) `<tool_call>` and `</tool_call>` ids where the tokenizer has them as added
+    tokens (Qwen's), which the grammar then names as tokens (as text they would be barred)."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
         if primed:

@@ -84,10 +84,10 @@ class XmlCall:
         elif tag.startswith(_PARAMETER) and c == ">":
             self._parameter = tag[len(_PARAMETER) : -1].strip()
             self._tag = ""
-        elif not (_FUNCTION_END.startswith(tag) or _PARAMETER.startswith(tag[: len(_PARAMETER)])):
-            self.failed = True
-        elif c == "\n" or len(tag) > len(_PARAMETER) + _NAME_MOST:
-            self.failed = True
+        else:
+            known = _FUNCTION_END.startswith(tag) or _PARAMETER.startswith(tag[: len(_PARAMETER)])
+            if not known or c == "\n" or len(tag) > len(_PARAMETER) + _NAME_MOST:
+                self.failed = True
 
     def _value_char(self, c: str) -> None:
         self._value.append(c)

@@ -39,12 +39,14 @@ def _function_rules(i: int, name: str, schema: Any) -> list[str]:
     properties = properties if isinstance(properties, dict) else {}
     required = schema.get("required") if isinstance(schema, dict) else None
     required = set(required) if isinstance(required, list) else set()
-    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
+    defs = {
+        k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema
+    }
     rules, parts = [], []
     for j, (key, sub) in enumerate(properties.items()):
         tag = json.dumps(f"<parameter={key}>\n")
         value, terminals = _value(sub, defs, f"TEXT_{i}_{j}")
-        rules.extend([f"p{i}_{j}: {tag} {value} \"\\n\"", *terminals])
+        rules.extend([f'p{i}_{j}: {tag} {value} "\\n"', *terminals])
         parts.append(f"p{i}_{j}" + ("" if key in required else "?"))
     closed = isinstance(schema, dict) and schema.get("additionalProperties") is False
     if not closed:  # keys it does not name: any, as text

@@ -1,0 +1,105 @@
+"""Clients read a thinking model's answer and its reasoning where each looks for them: the
+anthropic SDK (a `thinking` block before the `text` block), LangChain's ChatOpenAI over the
+Responses API (its standard `reasoning` and `text` content blocks; LangChain reads no
+reasoning from chat completions), instructor (the answer parsed into its model from `content`,
+the reasoning beside it in the raw completion's `message.reasoning`). The OpenAI SDK's own
+checks are in test_clients.py. The model is test_reasoning's tiny random Qwen2 on R1-distill's
+tokenizer, served with a Qwen3.5-shaped template (the prompt opens the thinking), steered to
+think a few tokens then answer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import pytest
+from pydantic import BaseModel, Field
+from test_reasoning import ASK, BUDGET, QWEN35, _steer, r1
+
+from probserve.models import LoadedModel
+from probserve.serving import with_chat_template
+
+pytestmark = pytest.mark.slow  # a server per module
+
+__all__ = ["r1"]  # the model fixture, shared with test_reasoning
+
+MARKERS = ("<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def url(r1: LoadedModel) -> Iterator[str]:
+    from server_util import running_server
+
+    with running_server(with_chat_template(r1, QWEN35)) as base:
+        yield base
+
+
+def _steering(route: str) -> dict[str, Any]:
+    """`_steer`'s fields but the thinking budget, which each SDK asks for its own way."""
+    out = _steer("q_http", route=route)
+    out.pop("thinking", None)
+    out.pop("thinking_budget", None)
+    out.pop("temperature")
+    return out
+
+
+def test_the_anthropic_sdk_reads_a_thinking_block_then_the_text(url: str) -> None:
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    msg = client.messages.create(
+        model="r1-tiny", max_tokens=64, messages=ASK, temperature=0,  # type: ignore[arg-type]
+        thinking={"type": "enabled", "budget_tokens": BUDGET},
+        extra_body=_steering("messages"),
+    )  # fmt: skip
+    kinds = [b.type for b in msg.content]
+    assert kinds == ["thinking", "text"], kinds
+    thinking, text = msg.content
+    assert isinstance(thinking, anthropic.types.ThinkingBlock) and thinking.thinking.strip()
+    assert isinstance(text, anthropic.types.TextBlock) and text.text.strip()
+    assert not any(m in text.text or m in thinking.thinking for m in MARKERS)
+
+
+def test_langchain_reads_reasoning_and_text_blocks_over_responses(url: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model="r1-tiny", base_url=f"{url}/v1", api_key="unused", temperature=0,  # type: ignore[arg-type]
+        max_retries=0, use_responses_api=True, max_tokens=64,  # type: ignore[call-arg]
+        extra_body={**_steering("responses"), "thinking_budget": BUDGET},
+    )  # fmt: skip
+    msg = chat.invoke(ASK[0]["content"])
+    blocks = msg.content_blocks
+    reasoning = [b for b in blocks if b["type"] == "reasoning"]
+    assert [b["type"] for b in blocks] == ["reasoning", "text"], blocks
+    thought = str(reasoning[0].get("reasoning") or "")
+    assert thought.strip() and msg.text.strip()
+    assert not any(m in msg.text or m in thought for m in MARKERS)
+
+
+class Answer(BaseModel):
+    verdict: Literal["yes", "no"]
+    n: int = Field(ge=0, le=9)
+
+
+def test_instructor_parses_the_answer_and_leaves_the_reasoning_beside_it(url: str) -> None:
+    import instructor
+    import openai
+
+    client = instructor.from_openai(
+        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0),
+        mode=instructor.Mode.JSON_SCHEMA,
+    )
+    steer = _steering("chat")
+    steer.pop("structured_outputs")  # instructor's response_format shapes the answer
+    answer, completion = client.chat.completions.create_with_completion(
+        model="r1-tiny", response_model=Answer, messages=ASK,  # type: ignore[arg-type]
+        max_tokens=64, temperature=0, max_retries=1,
+        extra_body={**steer, "thinking_budget": BUDGET},
+    )  # fmt: skip
+    assert isinstance(answer, Answer)
+    message = completion.choices[0].message
+    assert message.content is not None and not any(m in message.content for m in MARKERS)
+    reasoning = (message.model_extra or {}).get("reasoning")
+    assert isinstance(reasoning, str) and reasoning.strip()
+    assert not any(m in reasoning for m in MARKERS)
