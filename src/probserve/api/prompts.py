@@ -245,8 +245,8 @@ class ChatPrompt(Prompt):
     `thinking.reasoning_positions`), empty for a model whose replies are not split."""
 
     sources: list[tuple[int | None, str]] = field(default_factory=list)
-    reasoning: list[bool] = field(default_factory=list)
     continuation: int = 0  # echo: how many trailing tokens are the final assistant message
+    reasoning: list[bool] = field(default_factory=list)
 
 
 Span = tuple[int, int, int]  # (start, end, message index): a message's content in the text
