@@ -57,7 +57,7 @@ def _ask(seed: int) -> dict[str, Any]:
     return {
         "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
         "parallel_tool_calls": False, "max_tokens": 96, "temperature": 1.0, "seed": seed,
-        "thinking_budget": 4, "logit_bias": {str(HMM): 30},
+        "thinking_budget": 4, "logit_bias": {str(HMM): 30}, "logprobs": True,
     }  # fmt: skip
 
 
@@ -73,9 +73,10 @@ def _check(arguments: str) -> None:
 def test_a_required_xml_call_after_thinking_parses_for_each_seed(
     xml_http: httpx.Client, seed: int
 ) -> None:
-    """The reply thinks freely, then writes one XML call; its arguments are one JSON object,
-    typed by the schema (a string, an integer); the content holds no markers (none at all:
-    the reply is the call); the streamed reply joins to the same reasoning and call."""
+    """The reply thinks freely, then writes one XML call (as its tokens show); its arguments are
+    one JSON object, typed by the schema (a string, an integer); the content holds no markers
+    (none at all: the reply is the call); the streamed reply joins to the same reasoning and
+    call."""
     choice = _post(xml_http, "/v1/chat/completions", _ask(seed))["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     msg = choice["message"]
@@ -84,6 +85,8 @@ def test_a_required_xml_call_after_thinking_parses_for_each_seed(
     (call,) = msg["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     _check(call["function"]["arguments"])
+    written = "".join(e["token"] for e in choice["logprobs"]["content"])  # the answer as written
+    assert "<function=get_weather>\n<parameter=city>\n" in written, written
     chunks = _events(xml_http, "/v1/chat/completions", _ask(seed))
     joined = _joined_chat(chunks)
     assert joined["reasoning"] == msg["reasoning"] and joined["finish"] == "tool_calls"

@@ -290,7 +290,7 @@ def _calls_of(smol: LoadedModel, core: EngineCore, ask: ToolAsk, rid: str) -> Re
     """The model's greedy reply under the ask's grammar, parsed."""
     asked = tool_grammar(ask, None)
     assert asked is not None
-    most = 160 if ask.fmt.parser is Q else 80  # XML calls take more tokens than JSON ones
+    most = 100 if ask.fmt.parser is Q else 80  # XML calls take more tokens than JSON ones
     grammar = compile_grammar(asked, 65_536, 1024)
     lltok = llguidance_tokenizer(smol.tokenizer, smol.vocab_size, sorted(smol.eos_token_ids))
     assert grammar_error(grammar, lltok) == ""
