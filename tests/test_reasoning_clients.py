@@ -1,11 +1,11 @@
 """Clients read a thinking model's answer and its reasoning where each looks for them: the
 anthropic SDK (a `thinking` block before the `text` block), LangChain's ChatOpenAI over the
-Responses API (its standard `reasoning` and `text` content blocks; LangChain reads no
-reasoning from chat completions), instructor (the answer parsed into its model from `content`,
-the reasoning beside it in the raw completion's `message.reasoning`). The OpenAI SDK's own
-checks are in test_clients.py. The model is test_reasoning's tiny random Qwen2 on R1-distill's
-tokenizer, served with a Qwen3.5-shaped template (the prompt opens the thinking), steered to
-think a few tokens then answer."""
+Responses API (the reasoning item, then the text, among the message's content blocks;
+LangChain reads no reasoning from chat completions), instructor (the answer parsed into its
+model from `content`, the reasoning beside it in the raw completion's `message.reasoning`).
+The OpenAI SDK's own checks are in test_clients.py. The model is test_reasoning's tiny random
+Qwen2 on R1-distill's tokenizer, served with a Qwen3.5-shaped template (the prompt opens the
+thinking), steered to think a few tokens then answer."""
 
 from __future__ import annotations
 
@@ -69,12 +69,18 @@ def test_langchain_reads_reasoning_and_text_blocks_over_responses(url: str) -> N
         extra_body={**_steering("responses"), "thinking_budget": BUDGET},
     )  # fmt: skip
     msg = chat.invoke(ASK[0]["content"])
-    blocks = msg.content_blocks
-    reasoning = [b for b in blocks if b["type"] == "reasoning"]
-    assert [b["type"] for b in blocks] == ["reasoning", "text"], blocks
-    thought = str(reasoning[0].get("reasoning") or "")
+    # the Responses output as LangChain keeps it: the reasoning item (its `reasoning_text`
+    # content, as vLLM sends it; LangChain's standard block reads only a `summary`, which
+    # probserve leaves empty as vLLM does), then the text
+    assert isinstance(msg.content, list)
+    kinds = [b["type"] for b in msg.content if isinstance(b, dict)]
+    assert kinds == ["reasoning", "text"], msg.content
+    item = msg.content[0]
+    assert isinstance(item, dict)
+    thought = "".join(part["text"] for part in item["content"])
     assert thought.strip() and msg.text.strip()
     assert not any(m in msg.text or m in thought for m in MARKERS)
+    assert [b["type"] for b in msg.content_blocks] == ["reasoning", "text"]
 
 
 class Answer(BaseModel):
