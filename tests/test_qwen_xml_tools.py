@@ -126,3 +126,36 @@ def test_an_earlier_call_and_its_result_render_as_the_template_writes_them(
     ) in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     assert '"name": "get_weather"' in text  # the tools, listed by the template
+
+
+def test_responses_and_messages_give_the_chat_call(xml_http: httpx.Client) -> None:
+    """The same greedy reply on the three routes: chat's call, Responses' function_call item
+    (the same arguments text), the Messages tool_use block (its input the arguments' value)."""
+    fn = WEATHER["function"]
+    common = {"temperature": 0, "logit_bias": {str(HMM): 30}}
+    chat = _post(xml_http, "/v1/chat/completions", {
+        **common, "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+        "parallel_tool_calls": False, "max_tokens": 96, "thinking_budget": 4,
+    })["choices"][0]["message"]  # fmt: skip
+    (call,) = chat["tool_calls"]
+    _check(call["function"]["arguments"])
+    resp = _post(xml_http, "/v1/responses", {
+        **common, "input": ASK, "tools": [{"type": "function", **fn}],
+        "tool_choice": "required", "parallel_tool_calls": False, "max_output_tokens": 96,
+        "thinking_budget": 4,
+    })  # fmt: skip
+    items = [o for o in resp["output"] if o["type"] == "function_call"]
+    assert [(o["name"], o["arguments"]) for o in items] == [
+        ("get_weather", call["function"]["arguments"])
+    ]
+    msg = _post(xml_http, "/v1/messages", {
+        **common, "messages": ASK, "max_tokens": 96,
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "tools": [{"name": fn["name"], "input_schema": fn["parameters"]}],
+        "thinking": {"type": "enabled", "budget_tokens": 4},
+    })  # fmt: skip
+    uses = [b for b in msg["content"] if b["type"] == "tool_use"]
+    assert [(b["name"], b["input"]) for b in uses] == [
+        ("get_weather", json.loads(call["function"]["arguments"]))
+    ]
+    assert msg["stop_reason"] == "tool_use"
