@@ -48,9 +48,9 @@ def test_the_anthropic_sdk_reads_a_thinking_block_then_the_text(url: str) -> Non
 
     client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     msg = client.messages.create(
-        model="r1-tiny", max_tokens=64, messages=ASK, temperature=0,  # type: ignore[arg-type]
+        model="r1-tiny", max_tokens=64, messages=ASK,  # type: ignore[arg-type]
         thinking={"type": "enabled", "budget_tokens": BUDGET},
-        extra_body=_steering("messages"),
+        extra_body={**_steering("messages"), "temperature": 0},  # (this SDK takes none)
     )  # fmt: skip
     kinds = [b.type for b in msg.content]
     assert kinds == ["thinking", "text"], kinds
