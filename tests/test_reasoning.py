@@ -573,3 +573,46 @@ def test_a_required_call_comes_after_free_thinking(q_http: httpx.Client) -> None
         for tc in c["delta"].get("tool_calls") or ()
     )
     assert arguments == call["function"]["arguments"]
+
+
+@pytest.mark.parametrize("server", ["q_http", "r1_http"])
+def test_chat_scoring_marks_the_prompts_reasoning_spans(
+    server: str, request: pytest.FixtureRequest
+) -> None:
+    """prompt_logprobs' sources say which prompt tokens lie inside a thinking span: an earlier
+    turn's thinking where the template keeps it (this Qwen3.5-shaped one does; R1's drops it:
+    then nothing is marked, as nothing of it is in the prompt), and the generation prompt's
+    prefilled `<think>`; markers a user typed (text, not marker ids) open nothing. Echo marks
+    its continuation's tokens that lie inside a thinking span."""
+    c = request.getfixturevalue(server)
+    said, thought = "Rayleigh scattering.", "short waves scatter"
+    history = [*ASK, {"role": "assistant", "content": said, "reasoning": thought},
+               {"role": "user", "content": "More <think> typed </think> here?"}]  # fmt: skip
+    whole = _post(c, "/v1/chat/completions", {
+        "messages": history, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+        "return_token_ids": True,
+    })  # fmt: skip
+    out, ids = whole["choices"][0], whole["prompt_token_ids"]
+    sources, scores = out["prompt_token_sources"], out["prompt_logprobs"]
+    assert len(sources) == len(ids)
+    marked = [i for i, s in enumerate(sources) if s["reasoning"]]
+    assert not [i for i in marked if sources[i]["role"] == "user"]  # typed markers: text
+    text = "".join(scores[i][str(ids[i])]["decoded_token"] for i in marked if i)
+    # echo scores the final message's content after the generation prompt: where that prompt
+    # prefills `<think>` (Qwen3.5's), the content lies inside the open thinking, and is marked so
+    echo = _post(c, "/v1/chat/completions", {
+        "messages": [*ASK, {"role": "assistant", "content": said, "reasoning": thought}],
+        "echo": True, "max_tokens": 0, "logprobs": True,
+    })["choices"][0]["continuation"]  # fmt: skip
+    flags = echo["reasoning"]
+    assert len(flags) == len(echo["content"]) > 0
+    assert "".join(e["token"] for e in echo["content"]) == said
+    if server == "r1_http":  # the template drops the earlier thinking; no <think> prefilled
+        assert marked == [] and thought not in str(scores) and not any(flags)
+        return
+    assert all(flags)
+    # the earlier block, markers included, then the generation prompt's `<think>\n`
+    first, end = ids.index(START), ids.index(END)
+    assert marked[: end - first + 1] == list(range(first, end + 1))
+    assert "short waves" in text and ids[marked[end - first + 1]] == START
+    assert marked[-1] == len(ids) - 1

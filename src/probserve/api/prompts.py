@@ -240,10 +240,13 @@ def render_chat(
 @dataclass
 class ChatPrompt(Prompt):
     """A rendered chat prompt, each token attributed to the message whose text it carries or to
-    the template (`sources`: (message index or None, role or "template") per token)."""
+    the template (`sources`: (message index or None, role or "template") per token);
+    `reasoning`: per token, whether it lies inside a thinking span (a thinking model's;
+    `thinking.reasoning_positions`), empty for a model whose replies are not split."""
 
     sources: list[tuple[int | None, str]] = field(default_factory=list)
     continuation: int = 0  # echo: how many trailing tokens are the final assistant message
+    reasoning: list[bool] = field(default_factory=list)
 
 
 Span = tuple[int, int, int]  # (start, end, message index): a message's content in the text

@@ -172,18 +172,26 @@ class LogprobsFormatter:
         return ChatLogprobs(content=self.chat(pieces, k), refusal=None, reasoning=reasoning)
 
     def prompt_scores(
-        self, scores: TokenLogprobs | None, k: int | None, sources: Sequence[tuple[int | None, str]]
+        self,
+        scores: TokenLogprobs | None,
+        k: int | None,
+        sources: Sequence[tuple[int | None, str]],
+        reasoning: Sequence[bool] = (),
     ) -> dict[str, object]:
         """A chat choice's prompt fields (none where `k`, prompt_logprobs, is None):
         prompt_logprobs (vLLM's shape), where each prompt token comes from (`sources`: message
-        index and role), and, aligned with prompt_logprobs (nothing for the first token, then
+        index and role; `reasoning`: per token, inside a thinking span), and, aligned with
+        prompt_logprobs (nothing for the first token, then
         one per scored position), the entropy and target ids' logprobs where asked."""
         if k is None or scores is None:
             return {}
         out: dict[str, object] = {
             "prompt_logprobs": self.prompt_logprobs(scores, k),
             "prompt_token_sources": [
-                PromptTokenSource(message_index=i, role=role) for i, role in sources
+                PromptTokenSource(message_index=i, role=role, reasoning=inside)
+                for (i, role), inside in zip(
+                    sources, reasoning or [False] * len(sources), strict=True
+                )
             ],
         }
         if scores.entropy is not None:

@@ -74,6 +74,26 @@ def opened(markers: ThinkMarkers, ids: Sequence[int], table: TokenTable) -> Thin
     return dataclasses.replace(markers, opened=False, closed=False)
 
 
+def reasoning_positions(
+    markers: ThinkMarkers, ids: Sequence[int], roles: Sequence[str]
+) -> list[bool]:
+    """Per prompt token, whether it lies inside a thinking span: from a start marker to its end
+    marker, both included (as a reply's markers are in its reasoning channel), or to the
+    prompt's end (the template's prefilled `<think>`). Only the template's markers and an
+    assistant's count (`roles`: each token's source role, "template" for the template's own):
+    a marker typed in a user's (or system's, or tool's) text opens and closes nothing."""
+    out: list[bool] = []
+    inside = False
+    for tid, role in zip(ids, roles, strict=True):
+        ours = role in ("template", "assistant")
+        if ours and tid == markers.start:
+            inside = True
+        out.append(inside)
+        if ours and tid == markers.end:
+            inside = False
+    return out
+
+
 class ThinkSplit:
     """One reply's pieces, as they come, into (reasoning, answer). States: "start" (nothing
     seen: a start marker opens the thinking, anything else is the answer), "thinking" (until

@@ -9,7 +9,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from probserve.api.answers.thinking import ThinkMarkers, opened, think_markers
+from probserve.api.answers.thinking import (
+    ThinkMarkers,
+    opened,
+    reasoning_positions,
+    think_markers,
+)
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import after_thinking, compiled_grammar, grammar_ask
@@ -99,6 +104,10 @@ async def rendered_chat(
         c.add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
+    markers = thinking_markers(state)
+    if markers is not None:
+        roles = [role for _, role in prompt.sources]
+        prompt.reasoning = reasoning_positions(markers, prompt.ids, roles)
     return prompt, shown.primed, tools
 
 

@@ -237,6 +237,7 @@ class PromptTokenSource(BaseModel):
 
     message_index: int | None
     role: str  # the message's role, or "template"
+    reasoning: bool = False  # inside a thinking span (a thinking model's; docs/logprobs.md)
 
 
 class ContinuationScore(BaseModel):
@@ -245,6 +246,8 @@ class ContinuationScore(BaseModel):
     content: list[ChatLogprobEntry]
     logprob_sum: float
     is_greedy: bool  # every token was the most likely one
+    # a thinking model's: per entry, whether it lies inside the message's thinking span
+    reasoning: list[bool] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -35,7 +35,13 @@ from probserve.api.protocol import (
 )
 from probserve.api.server.lookup import serving_of
 from probserve.api.server.state import Serving
-from probserve.api.tools.reply import ReplyParser, cut_short, finish_reason, whole_reply
+from probserve.api.tools.reply import (
+    ReplyParser,
+    arguments_schemas,
+    cut_short,
+    finish_reason,
+    whole_reply,
+)
 from probserve.engine import TokenLogprobs
 
 router = APIRouter()
@@ -51,7 +57,7 @@ def _prompt_extras(
     """The prompt's scores where prompt_logprobs asks (LogprobsFormatter.prompt_scores)."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt)
-    return fmt.prompt_scores(scores, body.prompt_logprobs, prompt.sources)
+    return fmt.prompt_scores(scores, body.prompt_logprobs, prompt.sources, prompt.reasoning)
 
 
 def _continuation(
@@ -60,8 +66,10 @@ def _continuation(
     """Chat echo: the final assistant message's tokens, scored."""
     prompt = run.plan.prompts[0]
     assert isinstance(prompt, ChatPrompt) and scores is not None
-    pieces = prompt.scored(scores, len(prompt.ids) - prompt.continuation)
+    first = len(prompt.ids) - prompt.continuation
+    pieces = prompt.scored(scores, first)
     return ContinuationScore(
+        reasoning=prompt.reasoning[first:] or None,  # a thinking model's: per entry
         content=_fmt(run, body).chat(pieces, k),
         logprob_sum=float(sum(float(scores.logprobs[p.row]) for p in pieces)),
         is_greedy=all(int(scores.ranks[p.row]) == 1 for p in pieces),
@@ -98,7 +106,8 @@ def _message(
     said = {"reasoning": reasoning, "reasoning_content": reasoning}
     if tools is None:
         return AssistantMessage(content=text, **said), None
-    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish))
+    schemas = arguments_schemas(tools)
+    reply = whole_reply(tools.fmt, text, tools.forced, tools.primer, cut_short(finish), schemas)
     calls = [
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in reply.calls

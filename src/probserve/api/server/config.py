@@ -53,7 +53,8 @@ class ServerConfig:
     tool_call_parser: ToolParser = setting(
         ToolParser.AUTO,
         "how models write tool calls: auto (each model's chat template says: Hermes' "
-        "<tool_call>, Llama 3's JSON, Mistral's [TOOL_CALLS]; generic where it knows no tools), "
+        "<tool_call>, Qwen3-Coder / Qwen3.5's XML <function=...>, Llama 3's JSON, Mistral's "
+        "[TOOL_CALLS]; generic where it knows no tools), "
         "or one format for every model",
     )
     reasoning_parser: ReasoningParser = setting(

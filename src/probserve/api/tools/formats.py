@@ -14,6 +14,7 @@ class ToolParser(enum.StrEnum):
 
     AUTO = "auto"
     HERMES = "hermes"
+    QWEN3_CODER = "qwen3_coder"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
     GENERIC = "generic"
@@ -36,9 +37,15 @@ class ToolFormat:
     def native(self) -> bool:
         return self.parser is not ToolParser.GENERIC
 
+    @property
+    def tagged(self) -> bool:
+        """Each call is wrapped in `opener` ... `closer` (Hermes', Qwen3-Coder's XML)."""
+        return self.parser in (ToolParser.HERMES, ToolParser.QWEN3_CODER)
+
 
 FORMATS = {
     ToolParser.HERMES: ToolFormat(ToolParser.HERMES, "<tool_call>", "</tool_call>"),
+    ToolParser.QWEN3_CODER: ToolFormat(ToolParser.QWEN3_CODER, "<tool_call>", "</tool_call>"),
     ToolParser.LLAMA3_JSON: ToolFormat(ToolParser.LLAMA3_JSON, arguments="parameters"),
     ToolParser.MISTRAL: ToolFormat(ToolParser.MISTRAL, "[TOOL_CALLS]", special=True),
     ToolParser.GENERIC: ToolFormat(ToolParser.GENERIC),
@@ -46,13 +53,16 @@ FORMATS = {
 
 
 def detect_format(template: str | None, asked: ToolParser = ToolParser.AUTO) -> ToolFormat:
-    """The format `asked` for, or (auto) the one the template writes: Hermes' `<tool_call>`
-    (Qwen2.5, Qwen3, Hermes), Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON calls
+    """The format `asked` for, or (auto) the one the template writes: Qwen3-Coder's XML calls
+    (`<function=NAME>` and `<parameter=P>` inside `<tool_call>`: Qwen3-Coder, Qwen3.5, Qwen3.6),
+    Hermes' `<tool_call>` (Qwen2.5, Qwen3, Hermes), Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON calls
     (`<|python_tag|>` or `"parameters"` beside `tools`); generic when the template knows no
     tools."""
     if asked is not ToolParser.AUTO:
         return FORMATS[asked]
     text = template or ""
+    if "<function=" in text and "<parameter=" in text:
+        return FORMATS[ToolParser.QWEN3_CODER]
     if "<tool_call>" in text:
         return FORMATS[ToolParser.HERMES]
     if "[TOOL_CALLS]" in text:

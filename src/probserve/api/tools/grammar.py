@@ -13,6 +13,7 @@ from typing import Any
 from probserve.api.structured import JSON_OPTIONS, GrammarAsk
 from probserve.api.tools.ask import ToolAsk
 from probserve.api.tools.formats import ToolParser
+from probserve.api.tools.xml_grammar import xml_call_rules
 
 
 def call_schema(ask: ToolAsk, arguments: str = "arguments") -> dict[str, Any]:
@@ -93,9 +94,9 @@ def tool_grammar(
 ) -> GrammarAsk | None:
     """The grammar for `ask` (None: the reply is free). `special_id`: the opener's token id,
     where it is a special token (Mistral's [TOOL_CALLS]); the arguments follow `ask.schemas`;
-    `primed`: the reply begins after `ask.primer`, which the prompt holds; `tags`: Hermes'
-    `<tool_call>` and `</tool_call>` ids where the tokenizer has them as added tokens (Qwen's),
-    which the grammar then names as tokens (as text they would be barred)."""
+    `primed`: the reply begins after `ask.primer`, which the prompt holds; `tags`: Hermes' (and
+    Qwen3-Coder's) `<tool_call>` and `</tool_call>` ids where the tokenizer has them as added
+    tokens (Qwen's), which the grammar then names as tokens (as text they would be barred)."""
     fmt = ask.fmt
     if fmt.parser is ToolParser.GENERIC:
         if primed:
@@ -105,7 +106,15 @@ def tool_grammar(
         return None
     schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments)}
     call = f"%json {json.dumps(schema)}"
-    if fmt.parser is ToolParser.HERMES:
+    call_rules = [f"call: {call}"]
+    if fmt.parser is ToolParser.QWEN3_CODER:  # XML calls, each in its own <tool_call>
+        call_rules = xml_call_rules(ask)
+        first, then = '"<tool_call>\\n" call "</tool_call>"', '"\\n"'
+        if tags is not None:
+            first = f'<[{tags[0]}]> "\\n" call <[{tags[1]}]>'
+        text = r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
+        free = "start: TEXT | TEXT? calls"
+    elif fmt.parser is ToolParser.HERMES:
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'
         if tags is not None:
             first = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
@@ -121,11 +130,11 @@ def tool_grammar(
         text = r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"
         free = "start: TEXT | calls"
     # the first call, then (where several may be) more after the format's separator
-    again = "call" if fmt.parser is not ToolParser.HERMES else first
+    again = first if fmt.tagged else "call"
     calls = first if ask.most_calls == 1 else f"{first} ({then} {again})*"
     if fmt.parser is ToolParser.MISTRAL:
         calls += ' "]"'
-    rules = [f"calls: {calls}", f"call: {call}"]
+    rules = [f"calls: {calls}", *call_rules]
     start = "start: calls" if ask.forced else free
     if not ask.forced:
         rules.append(text)

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from probserve.api.tools.ask import ToolAsk
 from probserve.api.tools.call_object import CallObject
 from probserve.api.tools.formats import ToolFormat, ToolParser
+from probserve.api.tools.xml_call import XmlCall
 
 _WHITESPACE = " \t\n\r"
 _GENERIC_CALLS = '{"tool_calls": ['
@@ -73,15 +76,24 @@ class ReplyParser:
     an object), "object" (in a call object), "between" (after an object: a separator, a
     closer, or the end of the calls), "string" (generic: the content string). `forced`: a
     grammar makes the reply calls only (tool_choice "required" or a named function), so text
-    cut short before a call's name is known is no content: it is dropped."""
+    cut short before a call's name is known is no content: it is dropped. `schemas`: each
+    function's arguments schema by name (Qwen3-Coder's XML calls read their parameters' types
+    from it)."""
 
-    def __init__(self, fmt: ToolFormat, forced: bool = False, primer: str = "") -> None:
+    def __init__(
+        self,
+        fmt: ToolFormat,
+        forced: bool = False,
+        primer: str = "",
+        schemas: Mapping[str, Any] | None = None,
+    ) -> None:
         self.fmt = fmt
+        self.schemas: Mapping[str, Any] = schemas or {}
         self.forced = forced
         self.calls: list[Call] = []
         self._state = "start"
         self._held = ""  # text that may still be a call, or whitespace before one
-        self._object: CallObject | None = None
+        self._object: CallObject | XmlCall | None = None
         self._escape = ""  # generic content: an escape not yet whole
         self._out = ReplyDelta()
         self._sent = _Text()  # content in the delta being built
@@ -93,8 +105,8 @@ class ReplyParser:
 
     @classmethod
     def of(cls, ask: ToolAsk) -> ReplyParser:
-        """The parser of a reply to `ask` (its format, forced or not, its primer)."""
-        return cls(ask.fmt, ask.forced, ask.primer)
+        """The parser of a reply to `ask` (its format, forced or not, its primer, schemas)."""
+        return cls(ask.fmt, ask.forced, ask.primer, arguments_schemas(ask))
 
     # ---- the two entry points ----------------------------------------------------------------
 
@@ -157,7 +169,9 @@ class ReplyParser:
             if c == "[" and self.fmt.parser is ToolParser.MISTRAL and not self._listed:
                 self._listed = True  # Mistral's calls are a JSON list
                 return
-            if c == "{":
+            if c == "<" and self.fmt.parser is ToolParser.QWEN3_CODER:
+                self._begin_object(c)  # `<function=NAME>`
+            elif c == "{" and self.fmt.parser is not ToolParser.QWEN3_CODER:
                 self._begin_object(c)
             else:
                 self._to_content()
@@ -211,8 +225,10 @@ class ReplyParser:
             self._char(c)
 
     def _begin_object(self, c: str) -> None:
-        keys = (self.fmt.arguments, "arguments", "parameters")
-        self._object = CallObject(keys)
+        if self.fmt.parser is ToolParser.QWEN3_CODER:
+            self._object = XmlCall(self.schemas)
+        else:
+            self._object = CallObject((self.fmt.arguments, "arguments", "parameters"))
         self._held = self._held[: -len(c)]  # the object keeps its own text
         self._state = "object"
         self._object_char(c)
@@ -233,7 +249,7 @@ class ReplyParser:
         if obj.done or obj.failed:
             self._finish_object()
 
-    def _commit(self, obj: CallObject) -> None:
+    def _commit(self, obj: CallObject | XmlCall) -> None:
         assert obj.name is not None
         call = Call(f"call_{uuid.uuid4().hex[:24]}", obj.name, "")
         obj.committed = True
@@ -241,7 +257,7 @@ class ReplyParser:
         self._held = ""
         self._out.calls.append(CallDelta(len(self.calls) - 1, call.id, call.name))
 
-    def _arguments(self, obj: CallObject) -> None:
+    def _arguments(self, obj: CallObject | XmlCall) -> None:
         delta = obj.arguments_delta()
         if obj.done:
             delta += obj.missing_arguments()
@@ -272,11 +288,11 @@ class ReplyParser:
         self._held = ""
 
     def _between(self, c: str) -> None:
-        """After a call: a Hermes call ends at its closer (text before it is dropped), then
+        """After a call: a Hermes (or XML) call ends at its closer (text before it is dropped), then
         content or the next call; a Mistral or generic list goes on at "," and ends at "]";
         Llama 3 calls are separated by ";"."""
         parser = self.fmt.parser
-        if parser is ToolParser.HERMES:
+        if self.fmt.tagged:
             closer = self.fmt.closer
             self._held = (self._held + c)[-len(closer) :]  # what is dropped need not be kept
             if self._held == closer:
@@ -376,11 +392,21 @@ def _escape_whole(escape: str) -> bool:
     return len(escape) == 12
 
 
+def arguments_schemas(ask: ToolAsk) -> dict[str, Any]:
+    """Each offered function's arguments schema, by its name."""
+    return {f.name: schema for f, schema in ask.offered_schemas}
+
+
 def whole_reply(
-    fmt: ToolFormat, text: str, forced: bool = False, primer: str = "", cut: bool = False
+    fmt: ToolFormat,
+    text: str,
+    forced: bool = False,
+    primer: str = "",
+    cut: bool = False,
+    schemas: Mapping[str, Any] | None = None,
 ) -> ReplyParser:
     """A whole reply, parsed as its stream would be (`cut`: it was cut short)."""
-    parser = ReplyParser(fmt, forced, primer)
+    parser = ReplyParser(fmt, forced, primer, schemas)
     for at in range(0, len(text), 64):  # in pieces, as a stream: what is held stays short
         parser.feed(text[at : at + 64])
     parser.close(cut)
