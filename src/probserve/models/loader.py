@@ -140,6 +140,7 @@ def _native(
     from probserve.models import llama
     from probserve.models.family import Unsupported
     from probserve.models.gguf_blocks import block_formats, load_weights
+    from probserve.models.gguf_hybrid import TILED
     from probserve.models.skeleton import Skeleton
 
     path = source.quantized_file
@@ -149,6 +150,8 @@ def _native(
         config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
     if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
         config = _gguf_config(config, Path(path))
+    if config.model_type in TILED:  # its blocks keep the file's value-head order (gguf_hybrid)
+        config.gguf_value_heads = "tiled"
     generation = None
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
