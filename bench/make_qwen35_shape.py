@@ -171,7 +171,9 @@ def _smol_fields() -> dict[str, tuple[Any, GGUFValueType]]:
     folder = Path(next(iter(spec.submodule_search_locations)))
     reader = GGUFReader(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf"))
     return {
-        k: (f.contents(), f.types[0]) for k, f in reader.fields.items() if k.startswith("tokenizer.")
+        k: (f.contents(), f.types[0])
+        for k, f in reader.fields.items()
+        if k.startswith("tokenizer.")
     }
 
 

@@ -59,10 +59,8 @@ def _tensors(model: Any, arch: str) -> list[tuple[str, torch.Tensor]]:
                 x = torch.cat([x[:qk], tiled(x[qk:], 0, nk, r, dv)])
             elif rest == "linear_attn.in_proj_z.weight":
                 x = tiled(x, 0, nk, r, dv)
-            elif rest in ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight"):
-                x = tiled(x, 0, nk, r, 1)
-            elif rest in ("linear_attn.A_log", "linear_attn.dt_bias"):
-                x = tiled(x, 0, nk, r, 1)
+            elif rest.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+                x = tiled(x, 0, nk, r, 1)  # one row (or value) a head
             elif rest == "linear_attn.conv1d.weight":
                 x = torch.cat([x[:qk], tiled(x[qk:], 0, nk, r, dv)])
             elif rest == "linear_attn.out_proj.weight":
@@ -190,8 +188,10 @@ def write_hybrid_gguf(
     f32_always = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
     for name, value in tensors:
         data = value.numpy().astype(np.float32)
-        if data.ndim <= 1 or name.endswith(("_norm.weight", *f32_always)) or not name.endswith(
-            ".weight"
+        if (
+            data.ndim <= 1
+            or name.endswith(("_norm.weight", *f32_always))
+            or not name.endswith(".weight")
         ):
             writer.add_tensor(name, data)
         elif matrices == GGMLQuantizationType.F16:

@@ -23,7 +23,7 @@ from test_families import _request, against_transformers
 from test_qwen35 import _config, _numbers, _prompt
 
 from probserve.engine import EngineConfig, EngineCore
-from probserve.models import LoadedModel, load_model
+from probserve.models import LoadedModel, ModelLoadError, load_model
 from probserve.models.gguf_blocks import QuantizedTensor, as_float
 
 KINDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -34,6 +34,8 @@ def _tiny(kind: str, vocab: int) -> Any:
 
     torch.manual_seed(11)
     config = _config(kind, vocab)
+    if kind == "qwen3_next":  # every layer sparse, as the real model (llama.cpp's qwen3next
+        config.mlp_only_layers = []  # has no dense feed-forward tensors)
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
@@ -159,8 +161,12 @@ def test_a_gguf_file_is_served_in_its_blocks_within_1e_4_of_transformers(
         ).eval()
     # the forward holds transformers' tensors (the twin: each undone from the served blocks)
     ids = _prompt(1, 23)
+    twin = reference if kind == "qwen3_next" else _twin(hf, loaded)
+    # every served tensor is the checkpoint's within Q8_0's rounding (a head out of place: ~0.1)
+    served = dict(twin.named_parameters())
+    for name, param in hf.named_parameters():
+        torch.testing.assert_close(served[name], param, rtol=0, atol=4e-3, msg=name)
     if kind != "qwen3_next":
-        twin = _twin(hf, loaded)
         with torch.no_grad():
             mine, theirs = (m(torch.tensor([ids])).logits for m in (twin, reference))
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
@@ -180,15 +186,20 @@ def test_a_gguf_file_is_served_in_its_blocks_within_1e_4_of_transformers(
     others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
     mixed = run_core(mixed_core, [*others[:2], _request(ids, "r", 8), *others[2:]])["r"]
     assert _numbers(mixed) == _numbers(alone)
+    if kind == "qwen3_next":  # transformers cannot read it: served in its blocks only
+        with pytest.raises(ModelLoadError, match="blocks only"):
+            load_model(str(path), "float32")
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe"])
 def test_a_half_precision_file_is_served_from_transformers_reading_of_it(
-    smol: LoadedModel, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+    smol: LoadedModel, tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     """An F16 file (no block format: `--weights native` loads float32 through transformers'
-    GGUF loader, which undoes the converter itself): on the paged forward, within 1e-4."""
+    GGUF loader, which undoes the converter itself, given the configuration completed from the
+    file): on the paged forward, within 1e-4."""
     monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(cache))
-    hf = _tiny("qwen3_5", smol.vocab_size)
+    hf = _tiny(kind, smol.vocab_size)
     path = write_hybrid_gguf(hf, tmp_path / "f16.gguf", GGMLQuantizationType.F16)
     loaded = load_model(str(path), "native")
     assert loaded.weights is None and loaded.model.config.num_hidden_layers == 4

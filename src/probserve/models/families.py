@@ -227,7 +227,8 @@ TYPES: dict[str, ModelType] = {
         passes_config=True,
     ),
     "qwen3_next": ModelType(
-        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True
+        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True,
+        gguf=_hybrid_gguf("qwen3next"), unread=lambda _: "qwen3next",
     ),
 }  # fmt: skip
 # what the paged forward lacks for a type it does not run (the refusal's line)

@@ -34,6 +34,59 @@ HYBRID = TILED | {"qwen3_next"}
 UNPACKED = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
+# architectures transformers' GGUF loader does not read, whose configuration is made here
+OWN_CONFIG = {"qwen3next": "qwen3_next"}
+
+
+def own_config(path: str) -> Any | None:
+    """A Qwen3-Next file's configuration from its metadata (transformers reads Qwen3.5's files
+    but not these), or None for a file of another architecture. The layer kinds are completed
+    from the file's recurrent-layer list by models/families.py like the others'."""
+    from transformers import AutoConfig
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    meta, tensors = read_gguf_metadata(path)
+    arch = meta["general.architecture"]
+    if arch not in OWN_CONFIG:
+        return None
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    head, nv = int(key("attention.key_length")), int(key("ssm.time_step_rank"))
+    layers = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    every = int(key("full_attention_interval", 4))
+    routed = {int(n.split(".")[1]) for n in tensors if n.endswith("ffn_gate_inp.weight")}
+    fields = {
+        "vocab_size": meta["tokenizer.ggml.tokens"], "hidden_size": key("embedding_length"),
+        "num_hidden_layers": layers, "max_position_embeddings": key("context_length"),
+        "num_attention_heads": key("attention.head_count"),
+        "num_key_value_heads": key("attention.head_count_kv"), "head_dim": head,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_parameters": {
+            "rope_type": "default", "rope_theta": key("rope.freq_base"),
+            "partial_rotary_factor": key("rope.dimension_count") / head,
+        },
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_key_heads": key("ssm.group_count"), "linear_num_value_heads": nv,
+        "linear_value_head_dim": key("ssm.inner_size") // nv,
+        "layer_types": [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)
+        ],
+        "num_experts": key("expert_count", 0), "num_experts_per_tok": key("expert_used_count", 0),
+        "moe_intermediate_size": key("expert_feed_forward_length", 0),
+        "shared_expert_intermediate_size": key("expert_shared_feed_forward_length", 0),
+        "intermediate_size": key("feed_forward_length", 0), "norm_topk_prob": True,
+        "mlp_only_layers": [i for i in range(layers) if i not in routed],
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+    }  # fmt: skip
+    return AutoConfig.for_model(OWN_CONFIG[arch], **fields)
+
+
 def grouped_to_tiled(nk: int, r: int, size: int) -> torch.Tensor:
     """The index that takes a grouped vector of nk * r heads of `size` to the tiled order:
     tiled = grouped[index]."""

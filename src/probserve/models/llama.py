@@ -39,11 +39,11 @@ from probserve.kernels.layer_ops import LayerOps
 from probserve.kernels.layers import LayerWeights, MoEWeights, Shape
 from probserve.kernels.weights import Packed
 from probserve.models.deltanet import GatedDeltaNet, Span, StateShape, sigmoid_rows
-from probserve.models.gguf_hybrid import TiledInput
 from probserve.models.families import TYPES, column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gemma4_layer import Gemma4Layers
 from probserve.models.gguf_blocks import Weight, as_float, stack_rows
+from probserve.models.gguf_hybrid import TiledInput
 from probserve.models.linear import Joined, Linear, projection
 from probserve.models.moe import MoE
 from probserve.models.skeleton import Rotary

@@ -5,8 +5,9 @@ native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
 every engine start paid them for a model whose weights come from elsewhere. The names follow
 transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3, Phi-3, the mixtures of experts, and Qwen3.5's Gated DeltaNet layers), and `Rotary` computes their rotary
-embedding with the same operations in the same order (tests check the two bit for bit).
+Qwen3, Gemma 2, Gemma 3, Phi-3, the mixtures of experts, Qwen3.5's Gated DeltaNet layers), and
+`Rotary` computes their rotary embedding with the same operations in the same order (tests check
+the two bit for bit).
 """
 
 from __future__ import annotations
