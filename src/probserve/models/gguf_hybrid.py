@@ -136,6 +136,8 @@ def restore(out: dict[str, Any], config: Any) -> None:
             out[name] = changes[leaf](out[name])
         elif name.endswith("norm.weight") and leaf != "norm.weight":
             out[name] = out[name] - 1  # stored as w + 1
+        elif name.endswith("shared_expert_gate.weight") and getattr(out[name], "ndim", 2) == 1:
+            out[name] = out[name].reshape(1, -1)  # (a file may hold its one row as a vector)
         if leaf == "in_proj_ba.weight":  # Qwen3-Next: [b a] per key head, split
             ba = out.pop(name)
             at = np.arange(nk)[:, None] * 2 * r

@@ -150,8 +150,8 @@ def _native(
         config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
     if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
         config = _gguf_config(config, Path(path))
-    if config.model_type in TILED:  # its blocks keep the file's value-head order (gguf_hybrid)
-        config.gguf_value_heads = "tiled"
+    if config.model_type in TILED and config.linear_num_value_heads != config.linear_num_key_heads:
+        config.gguf_value_heads = "tiled"  # out_proj keeps the file's column order (gguf_hybrid)
     generation = None
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
