@@ -97,8 +97,10 @@ def _byte_chars() -> dict[int, str]:
     return chars
 
 
-def _merge(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[bytes, bytes]:
-    """The pair of tokens BPE joins into `token` (of `rank`): its bytes merged by rank below it."""
+def _merge(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[bytes, bytes] | None:
+    """The pair of tokens BPE joins into `token` (of `rank`): its bytes merged by rank below it;
+    for a token BPE never reaches so, its split into two tokens of the lowest ranks (None: no
+    such split)."""
     parts = [token[i : i + 1] for i in range(len(token))]
     while len(parts) > 2:
         best, at = rank, -1
@@ -109,7 +111,11 @@ def _merge(ranks: dict[bytes, int], token: bytes, rank: int) -> tuple[bytes, byt
         if at < 0:
             break
         parts[at : at + 2] = [parts[at] + parts[at + 1]]
-    return parts[0], b"".join(parts[1:])
+    if len(parts) == 2 and parts[0] in ranks and parts[1] in ranks:
+        return parts[0], parts[1]
+    splits = [(token[:i], token[i:]) for i in range(1, len(token))]
+    whole = [(ranks[a], ranks[b], a, b) for a, b in splits if a in ranks and b in ranks]
+    return (min(whole)[2], min(whole)[3]) if whole else None
 
 
 def tokenizer_fields() -> tuple[dict[str, tuple[Any, GGUFValueType]], str]:
@@ -136,9 +142,9 @@ def tokenizer_fields() -> tuple[dict[str, tuple[Any, GGUFValueType]], str]:
         tokens[rank], types[rank] = spell(token), 1  # NORMAL
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) > 1:
-            left, right = _merge(ranks, token, rank)
-            merges.append(f"{spell(left)} {spell(right)}")
+        pair = _merge(ranks, token, rank) if len(token) > 1 else None
+        if pair is not None:
+            merges.append(f"{spell(pair[0])} {spell(pair[1])}")
     for rank, text in qt.QWEN3_5_SPECIAL_TOKENS:
         tokens[rank], types[rank] = text, 3  # CONTROL
     for i in range(VOCAB):
