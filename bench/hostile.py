@@ -46,6 +46,9 @@ class Ctx:
     url: str
     client: httpx.Client
     header_timeout: float | None  # known when the script started the server
+    # long_prompt_flood: each prompt's length, and the engine's budget (--kv-cache-gib) in bytes
+    flood_tokens: int = 2000
+    kv_budget: float | None = None
 
 
 def expect(r: httpx.Response, status: int, param: str | None = None) -> str | None:
@@ -650,6 +653,52 @@ def duplicate_call_ids(ctx: Ctx) -> str | None:
     )
 
 
+def long_prompt_flood(ctx: Ctx) -> str | None:
+    """64 concurrent long prompts, each distinct (nothing shared in the prefix cache): every one
+    answers, the sequences running at once never hold more recurrent state (a hybrid model's,
+    /health's `recurrent_state_bytes`) than the KV budget, and the engine's resident memory grows
+    by no more than that budget (with --kv-budget-gib; admission counts the state)."""
+    first = ctx.client.get("/health").json()
+    rss0 = float(first.get("process_resident_memory_bytes") or 0)
+    peak = {"state": 0.0, "rss": rss0, "running": 0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=ctx.url, timeout=30) as c:
+            while not stop.is_set():
+                h = c.get("/health").json()
+                peak["state"] = max(peak["state"], float(h.get("recurrent_state_bytes") or 0))
+                peak["rss"] = max(peak["rss"], float(h.get("process_resident_memory_bytes") or 0))
+                peak["running"] = max(peak["running"], int(h.get("running") or 0))
+                stop.wait(0.2)
+
+    statuses: list[int] = []
+
+    def one(i: int) -> None:
+        ids = [100 + (i * 7919 + j * 104729) % 900 for j in range(ctx.flood_tokens)]
+        body = {"prompt": ids, "max_tokens": 2, "temperature": 0, "logprobs": 1}
+        statuses.append(ctx.client.post("/v1/completions", json=body, timeout=1800).status_code)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    print(json.dumps({"flood": {**peak, "rss_before": rss0, "statuses": sorted(set(statuses))}}))
+    if statuses.count(200) != 64:
+        return f"statuses {sorted(statuses)}"
+    if ctx.kv_budget is not None:
+        if peak["state"] > ctx.kv_budget:
+            return f"recurrent state {peak['state']:.0f} B over the budget {ctx.kv_budget:.0f} B"
+        if peak["rss"] - rss0 > ctx.kv_budget + 2**29:
+            return f"the engine grew {(peak['rss'] - rss0) / 2**20:.0f} MiB (budget + 512 MiB)"
+    return None
+
+
 CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("huge_seeds", huge_seeds),
     ("long_id_prompts", long_id_prompts),
@@ -684,6 +733,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("booleans_as_numbers", booleans_as_numbers),
     ("two_spellings_disagree", two_spellings_disagree),
     ("duplicate_call_ids", duplicate_call_ids),
+    ("long_prompt_flood", long_prompt_flood),
 ]
 
 
@@ -736,11 +786,18 @@ def canary(client: httpx.Client) -> object:
     return client.post("/v1/completions", json=CANARY).json()["choices"]
 
 
-def run(url: str, header_timeout: float | None, health_bound: float, only: list[str]) -> int:
+def run(
+    url: str,
+    header_timeout: float | None,
+    health_bound: float,
+    only: list[str],
+    flood_tokens: int = 2000,
+    kv_budget: float | None = None,
+) -> int:
     failed = 0
     with httpx.Client(base_url=url, timeout=300) as client:
         before = canary(client)
-        ctx = Ctx(url, client, header_timeout)
+        ctx = Ctx(url, client, header_timeout, flood_tokens, kv_budget)
         for name, case in CASES:
             if name not in only:
                 continue
@@ -786,6 +843,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--health-bound", type=float, default=1.0, help="slowest /health allowed (s)")
     ap.add_argument("--case", action="append", default=[], help="run only these cases")
     ap.add_argument("--skip", action="append", default=[], help="run every case but these")
+    ap.add_argument("--flood-tokens", type=int, default=2000, help="long_prompt_flood's prompts")
+    ap.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        default=None,
+        help="the server's --kv-cache-gib (0.5 with --start): long_prompt_flood holds it to it",
+    )
     args = ap.parse_args(argv)
     names = [name for name, _ in CASES]
     unknown = sorted(set(args.case + args.skip) - set(names))
@@ -797,7 +861,17 @@ def main(argv: list[str] | None = None) -> int:
     if url is None:
         raise SystemExit("give --url or --start")
     try:
-        return run(url, 2.0 if args.start else None, args.health_bound, only)
+        budget = (
+            args.kv_budget_gib if args.kv_budget_gib is not None else (0.5 if args.start else None)
+        )
+        return run(
+            url,
+            2.0 if args.start else None,
+            args.health_bound,
+            only,
+            args.flood_tokens,
+            None if budget is None else budget * 2**30,
+        )
     finally:
         if proc is not None:
             proc.terminate()

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 PROMPTS = {
     # the issue's worst case: its third token (id 1296) drifted 1.27e-4 on AVX-512
@@ -49,6 +50,31 @@ def float64_model(m32: Any) -> Any:
     return m64
 
 
+class Float64Everywhere(TorchFunctionMode):
+    """Inside it, every conversion to float32 a model's code writes (`x.float()`,
+    `.to(torch.float32)`, `dtype=torch.float32`) is one to float64: the newer families cast
+    inside more than their norms (Qwen3.5's gated norm, its delta rule's float32 copies, the
+    routers' softmax, Gemma 4's), and a float64 truth must not round through float32 there."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.Tensor.float:
+            func = torch.Tensor.double
+        args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+        kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+def truth_everywhere(m32: Any, ids: list[int]) -> np.ndarray:
+    """The float64 truth of a model whose code casts to float32 anywhere (Float64Everywhere);
+    a mixture of experts' experts one by one (torch's grouped product has no float64)."""
+    m64 = copy.deepcopy(m32).double()
+    m64.config._experts_implementation = "eager"
+    with Float64Everywhere():
+        return reference_logprobs(m64, ids)
+
+
 @torch.inference_mode()
 def reference_logprobs(model: Any, ids: list[int]) -> np.ndarray:
     logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0].double()
@@ -80,27 +106,33 @@ def measure(products: str) -> list[dict[str, Any]]:
     out = []
     for name, text in PROMPTS.items():
         ids = float32.tokenizer(text).input_ids
-        ours = engine_logprobs(core, name, ids)
-        truth = reference_logprobs(m64, ids)
-        refs = []  # the float32 reference in each of its summation orders (its BLAS's blocking)
-        for threads in REFERENCE_THREADS:
-            torch.set_num_threads(threads)
-            refs.append(reference_logprobs(float32.model, ids))
-        torch.set_num_threads(1)
-        errors = [np.abs(ref - truth) for ref in refs]
-        out.append({
-            "prompt": name,
-            "probserve": float(np.abs(ours - truth).max()),
-            "reference": max(float(e.max()) for e in errors),
-            "references": [float(e.max()) for e in errors],
-            "apart": max(float(np.abs(ours - ref).max()) for ref in refs),
-            # every token's error, for the pooled root-mean-square of the whole set
-            "probserve_errors": np.abs(ours - truth).tolist(),
-            "reference_errors": np.maximum.reduce(errors).tolist(),
-            "products": core.info.products,
-            "kernel_isa": core.info.kernel_isa,
-        })  # fmt: skip
+        out.append(compare(core, float32.model, name, ids, reference_logprobs(m64, ids)))
     return out
+
+
+def compare(core: Any, m32: Any, name: str, ids: list[int], truth: np.ndarray) -> dict[str, Any]:
+    """One prompt's row: the engine's and the float32 reference's errors against `truth`
+    (the reference's the worst of its summation orders, per token) and how far apart they are."""
+    ours = engine_logprobs(core, name, ids)
+    refs = []  # the float32 reference in each of its summation orders (its BLAS's blocking)
+    threads_before = torch.get_num_threads()
+    for threads in REFERENCE_THREADS:
+        torch.set_num_threads(threads)
+        refs.append(reference_logprobs(m32, ids))
+    torch.set_num_threads(threads_before)
+    errors = [np.abs(ref - truth) for ref in refs]
+    return {
+        "prompt": name,
+        "probserve": float(np.abs(ours - truth).max()),
+        "reference": max(float(e.max()) for e in errors),
+        "references": [float(e.max()) for e in errors],
+        "apart": max(float(np.abs(ours - ref).max()) for ref in refs),
+        # every token's error, for the pooled root-mean-square of the whole set
+        "probserve_errors": np.abs(ours - truth).tolist(),
+        "reference_errors": np.maximum.reduce(errors).tolist(),
+        "products": core.info.products,
+        "kernel_isa": core.info.kernel_isa,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

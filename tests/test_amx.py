@@ -1,8 +1,10 @@
 """The integer limbs on AMX tiles (kernels/limbs_amx.h, tiles.h): on any AVX-512 CPU the AMX
 kernels' code runs through the tiles' exact emulation and must give the vpdpbusd path's bytes for
 every format and row count; on a CPU with AMX-INT8 the instructions must give the emulation's
-bytes; and the automatic choice (tiles from ps_limb_tile_rows() rows) is what the library says
-(/health's kernel_isa) and what PROBSERVE_LIMB_TILES asks."""
+bytes; the automatic choice (tiles from ps_limb_tile_rows() rows) is what the library says
+(/health's kernel_isa) and what PROBSERVE_LIMB_TILES asks; and `--products auto`
+(engine/core/products.py) resolves per format as its table says on each simulated CPU, with
+batch-invariant bits where a model's formats split between float and limbs."""
 
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from test_quantized import LIMB_FORMATS, SHAPES, random_blocks
+from conftest import run_core
+from test_deterministic import _bits, _canary, _others
+from test_quantized import LIMB_FORMATS, SHAPES, kmix, random_blocks, tiny256  # noqa: F401
 
+from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
 from probserve.kernels.build import KernelBuildError, isa_path, load
 from probserve.kernels.invariant import InvariantKernels
 from probserve.kernels.weights import QuantizedWeight
@@ -137,3 +142,85 @@ def test_emulate_in_the_environment_takes_every_batch_to_the_emulation(
     monkeypatch.setenv("PROBSERVE_LIMB_TILES", "sometimes")
     with pytest.raises(KernelBuildError, match="PROBSERVE_LIMB_TILES='sometimes'"):
         load()
+
+
+# ---- --products auto: the measured choice per format -----------------------------------------
+class _Lib:
+    """A kernels library's two answers limb_isa reads, as a CPU of each kind gives them."""
+
+    def __init__(self, tiles: int, isa: int) -> None:
+        self.tiles, self.isa = tiles, isa
+
+    def ps_limb_tiles(self) -> int:
+        return self.tiles
+
+    def ps_limbs_isa(self) -> int:
+        return self.isa
+
+
+def test_auto_resolves_per_isa_as_the_table_says():
+    """Each simulated CPU's limb path (AMX, VNNI without AMX or with the tiles emulated, AVX2,
+    none) gets the formats its table measured faster in limbs (one row's and 16 rows' speed-ups
+    weighed alike), float for the rest and for formats it did not measure; float and limbs as
+    asked whatever the CPU."""
+    from probserve.engine.core.products import MEASURED, auto_limbs, chosen_limbs, limb_isa
+
+    assert limb_isa(_Lib(AMX, 512)) == "amx"
+    assert limb_isa(_Lib(VNNI, 512)) == limb_isa(_Lib(EMULATED, 512)) == "avx512-vnni"
+    assert limb_isa(_Lib(VNNI, 256)) == "avx2" and limb_isa(_Lib(VNNI, 0)) is None
+    every = [q.name for q in LIMB_FORMATS]
+    for isa, table in MEASURED.items():
+        want = {f for f, m in table.items() if m.one_row * m.rows16 >= 1.0}
+        assert auto_limbs(isa, every) == want, isa
+        assert chosen_limbs("auto", isa, every, [*every, "MXFP4"]) == want
+    assert auto_limbs("avx2", every) == frozenset()  # float wins everywhere there
+    on_amx = auto_limbs("amx", every)
+    assert {"Q4_0", "Q8_0", "Q4_K"} <= on_amx and "Q6_K" not in on_amx
+    assert auto_limbs(None, every) == frozenset()
+    assert chosen_limbs("limbs", "avx2", every, ["Q4_K", "Q6_K", "MXFP4"]) == {"Q4_K", "Q6_K"}
+    assert chosen_limbs("float", "amx", every, every) == frozenset()
+
+
+def test_describe_says_each_formats_choice_where_they_split():
+    from probserve.engine.core.products import describe
+
+    every = ["Q4_K", "Q5_K", "Q6_K"]
+    assert describe([], every, ["Q4_K", "Q6_K"]) == "float"
+    assert describe(["Q4_K", "Q6_K"], every, ["Q4_K", "Q6_K", "MXFP4"]) == "limbs"
+    assert describe(["Q4_K"], every, ["Q6_K", "Q4_K", "MXFP4"]) == "Q4_K=limbs,Q6_K=float"
+
+
+def test_auto_splits_a_model_by_format_and_stays_batch_invariant(request, limbs, monkeypatch):
+    """The K-quant mix (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) served with --products auto on a simulated
+    AMX CPU: /health and the fingerprint say each format's choice (Q4_K in limbs, Q6_K float),
+    the numbers differ from both uniform choices', and a request among others (the batch's
+    rows taking the tiles or vpdpbusd by count) is the same bits as alone."""
+    from probserve.engine.core import products
+
+    blocks, _, _ = request.getfixturevalue("kmix")  # test_quantized's
+    monkeypatch.setattr(products, "limb_isa", lambda lib: "amx")
+    config = EngineConfig(kv_cache_gib=0.05, block_size=4, products="auto")
+    core = EngineCore(blocks, config)
+    said = dict(part.split("=") for part in core.info.products.split(","))
+    assert said["Q4_K"] == "limbs" and said["Q6_K"] == "float", said
+    want = products.auto_limbs("amx", said)
+    assert {f for f, v in said.items() if v == "limbs"} == want
+    fingerprint = core.info.fingerprint
+    assert fingerprint is not None and fingerprint.products == core.info.products
+    ids = tuple(blocks.tokenizer("The quick brown fox jumps over the lazy dog because").input_ids)
+    req = EngineRequest("p", ids, SamplingParams(max_tokens=1), LogprobsSpec(prompt_top_k=1))
+
+    def prompt(c: EngineCore) -> bytes:
+        out = next(o.prompt_logprobs for o in run_core(c, [req])["p"] if o.prompt_logprobs)
+        return np.asarray(out.logprobs).tobytes()
+
+    mine = prompt(core)
+    for other in ("float", "limbs"):
+        uniform = EngineCore(blocks, EngineConfig(kv_cache_gib=0.05, block_size=4, products=other))
+        assert uniform.info.products == other
+        assert uniform.info.system_fingerprint != core.info.system_fingerprint
+        assert prompt(uniform) != mine, other
+    alone = run_core(core, [_canary(blocks, seeded=True)])["canary"]
+    crowd = _others(blocks, 20, seed=3)
+    mixed = run_core(core, [*crowd[:10], _canary(blocks, seeded=True), *crowd[10:]])
+    assert _bits(mixed["canary"]) == _bits(alone)

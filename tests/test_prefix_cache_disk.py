@@ -5,6 +5,7 @@ are skipped and counted, never served; the directory stays within its budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import threading
 from pathlib import Path
@@ -192,6 +193,41 @@ def test_fingerprint_is_stable_and_names_what_the_numbers_depend_on(tiny: Loaded
     assert fp is not None and fp.startswith("fp_") and len(fp) == 19
     assert a.info.fingerprint is not None and a.info.fingerprint.runner == "PagedRunner"
     assert _engine(tiny, None, block_size=8).info.system_fingerprint != fp
+
+
+def test_fingerprint_changes_with_the_numerics_code(tmp_path: Path, monkeypatch):
+    """A changed kernel or forward (same version) is another fingerprint: blocks it wrote are
+    never read by the new code."""
+    import shutil
+
+    import probserve.engine.fingerprint as fingerprint
+
+    package = Path(fingerprint.__file__).resolve().parent.parent
+    copy = tmp_path / "probserve"
+    for part in fingerprint.NUMERICS_CODE:
+        shutil.copytree(package / part, copy / part)
+    (copy / "engine" / "fingerprint.py").write_text("")
+    monkeypatch.setattr(fingerprint, "__file__", str(copy / "engine" / "fingerprint.py"))
+    first = fingerprint.numerics_code_digest()
+    assert first == fingerprint.numerics_code_digest()
+    kernel = copy / "kernels" / "limbs.cpp"
+    kernel.write_text(kernel.read_text() + "\n// another order of sums\n")
+    assert fingerprint.numerics_code_digest() != first
+    a = fingerprint.NumericsFingerprint(
+        "d",
+        "PagedRunner",
+        "cpu",
+        "avx512",
+        "float",
+        False,
+        "exact",
+        "float32",
+        16,
+        True,
+        "",
+        code=first,
+    )
+    assert dataclasses.replace(a, code=fingerprint.numerics_code_digest()).id != a.id
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ transformers' argmax, the MoE layers' routing; bitwise the same alone, among fiv
 7-token step budget (chunked prefill across the recurrence), from the prefix cache (a block's
 state snapshot restored; a prefix ends at a block with one) and after preemption; speculation's
 rejected proposals rolled back bit for bit; the recurrent state counted (reserved out of the KV
-budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too."""
+budget, held bytes in the engine's figures); Qwen3.5 on the GPU path too; the native rule
+(kernels/deltanet.cpp) against the torch one, bitwise the same in chunks and on one thread."""
 
 from __future__ import annotations
 
@@ -55,12 +56,14 @@ def _config(kind: str, vocab: int) -> Any:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+def tiny_hybrid(kind: str, smol: LoadedModel) -> LoadedModel:
+    """A tiny random model of transformers' class for `kind` (one of KINDS), its norms and
+    weights off their init, with SmolLM2's tokenizer (tests/test_exactness.py's float64 rule
+    reads it too)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(11)
-    config = _config(request.param, smol.vocab_size)
+    config = _config(kind, smol.vocab_size)
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
@@ -77,11 +80,16 @@ def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
     return LoadedModel(
         model=hf,
         tokenizer=smol.tokenizer,
-        name=f"tiny-{request.param}",
+        name=f"tiny-{kind}",
         eos_token_ids=frozenset({2}),
         context_length=256,
         vocab_size=smol.vocab_size,
     )
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request: pytest.FixtureRequest, smol: LoadedModel) -> LoadedModel:
+    return tiny_hybrid(request.param, smol)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -213,6 +221,57 @@ def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel)
     mixed = run_core(core, [*others, _request(canary, "c", 12)])["c"]
     assert core.scheduler.num_preemptions > 0
     assert _numbers(mixed) == _numbers(alone)
+
+
+def test_the_native_rule_is_the_torch_rule_and_ignores_chunking_and_threads() -> None:
+    """kernels/deltanet.cpp against kernels/delta_rule.py's torch rule (GQA, a value width
+    that is not a whole number of vector lanes, states saved mid-span), and bitwise the same
+    outputs, states and saved states for a sequence alone in chunks of 3, 1 and 4 rows, on one
+    thread, as beside another sequence on every thread."""
+    import torch.nn.functional as F
+
+    from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
+    from probserve.kernels.invariant import InvariantKernels
+
+    torch.manual_seed(0)
+    nk, nv, dk, dv, k = 2, 4, 8, 24, 4
+    c = 2 * nk * dk + nv * dv
+    layer = DeltaLayer(torch.randn(k, c) * 0.5, -torch.rand(nv) - 0.1, torch.randn(nv), nk, nv,
+                       dk, dv)  # fmt: skip
+    proj = torch.randn(13, c + nv * dv + 2 * nv)
+    start = [(torch.randn(k - 1, c), torch.randn(nv, dk, dv) * 0.1) for _ in range(2)]
+
+    def both(rule: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        states = [(conv.clone(), delta.clone()) for conv, delta in start]
+        saved = [(torch.empty(k - 1, c), torch.empty(nv, dk, dv)) for _ in range(3)]
+        spans = [
+            DeltaSpan(0, 5, *states[0], ((1, *saved[0]), (3, *saved[1]))),
+            DeltaSpan(5, 13, *states[1], ((6, *saved[2]),)),
+        ]
+        out = rule(proj, layer, spans)
+        return out, [t for pair in states + saved for t in pair]
+
+    ops = InvariantKernels()
+    native, held = both(ops.gated_delta)
+    torch_out, torch_held = both(lambda p, lay, sp: torch_gated_delta(F.silu, p, lay, sp))
+    assert (native - torch_out).abs().max() < 1e-5
+    for a, b in zip(held, torch_held, strict=True):
+        assert (a - b).abs().max() < 1e-5
+    # the second sequence alone, in chunks, on one thread
+    conv, delta = start[1][0].clone(), start[1][1].clone()
+    saved_conv, saved_delta = torch.empty(k - 1, c), torch.empty(nv, dk, dv)
+    outs, threads = [], torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for a, b in ((0, 3), (3, 4), (4, 8)):
+            saves = ((6 - a, saved_conv, saved_delta),) if a <= 6 < b else ()
+            span = DeltaSpan(0, b - a, conv, delta, saves)
+            outs.append(ops.gated_delta(proj[5 + a : 5 + b], layer, [span]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(torch.cat(outs), native[5:])
+    assert torch.equal(conv, held[2]) and torch.equal(delta, held[3])
+    assert torch.equal(saved_conv, held[8]) and torch.equal(saved_delta, held[9])
 
 
 def test_the_state_is_reserved_and_counted(model: LoadedModel):

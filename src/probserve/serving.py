@@ -2,7 +2,9 @@
 parsed once by cli) become started engines (a worker process per model by default), the
 server's state and supervisor, the app and its HTTP server. The local path and Ray's ingress
 (cluster/) both build from here: one model record (`ServedModel`), one naming rule
-(`served_names`)."""
+(`served_names`). The models served on demand (`--models-dir`, `--on-demand-model`) are
+started and stopped later by api/server/on_demand.py, with the callables built here
+(`on_demand`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any, TypeVar
 from probserve.api.app import create_app
 from probserve.api.edge.loading import LoadingApp
 from probserve.api.edge.server import DrainingServer, listening_socket, uvicorn_config
+from probserve.api.server.on_demand import OnDemand
 from probserve.api.server.served import ServedModel
 from probserve.api.server.state import ServerState
 from probserve.api.server.supervisor import Supervisor
@@ -32,6 +35,7 @@ from probserve.models import (
     resolve_model,
 )
 from probserve.models.generation_config import sampling_defaults
+from probserve.models.models_dir import models_in_dir
 from probserve.settings import ModelSetting, ServeSettings
 
 log = logging.getLogger(__name__)
@@ -159,13 +163,51 @@ def served_names(served_name: str | None, own: str) -> tuple[str, ...]:
     return (served_name, own) if served_name and served_name != own else (own,)
 
 
+def on_demand_specs(settings: ServeSettings) -> dict[str, str]:
+    """{name: spec} of the models served on demand: each of --models-dir's by its name
+    (models/models_dir.py), each --on-demand-model by its spec. Nothing is read but the
+    directory's listing."""
+    flags = settings.flags
+    specs = models_in_dir(flags.models_dir) if flags.models_dir else {}
+    specs.update({spec: spec for spec in flags.on_demand_model})
+    return specs
+
+
+def on_demand(
+    settings: ServeSettings,
+    factories: dict[str, Callable[[], EngineClient]],
+    supervisor: Callable[[], Supervisor],
+) -> OnDemand | None:
+    """The models served on demand, each started as a pinned model is (`start_model`: its
+    worker, the restarts' factory in `factories`, watched by the `supervisor`) and stopped
+    again; None where there are none."""
+    specs = on_demand_specs(settings)
+    if not specs:
+        return None
+
+    def load(name: str, spec: str) -> ServedModel:
+        model, make = start_model(settings, ModelSetting(spec, served_name=name), None)
+        model.names = (name,)  # its own name may be another model's
+        factories[name] = make
+        supervisor().adopt(model)
+        return model
+
+    def unload(model: ServedModel) -> None:
+        supervisor().forget(model)
+        model.engine.stop()
+
+    flags = settings.flags
+    return OnDemand(specs, load, unload, flags.models_max, flags.idle_unload)
+
+
 def build_state(
     settings: ServeSettings, loaded: LoadedModel | None = None
 ) -> tuple[ServerState, Supervisor]:
-    """Every model started (`loaded`, if given, is the first one), the server's state around
-    them and the supervisor that restarts their engines."""
+    """Every pinned model started (`loaded`, if given, is the first one), the models on demand
+    listed, the server's state around them and the supervisor that restarts their engines."""
     models: list[ServedModel] = []
     factories: dict[str, Callable[[], EngineClient]] = {}
+    supervisors: list[Supervisor] = []
     try:
         for i, asked in enumerate(settings.models):
             template = chat_template_text(asked.chat_template) if asked.chat_template else None
@@ -175,13 +217,15 @@ def build_state(
                 model.record = with_chat_template(model.record, template)
             models.append(model)
             factories[model.name] = make
-        state = ServerState(models, settings.server)
+        lazy = on_demand(settings, factories, lambda: supervisors[0])
+        state = ServerState(models, settings.server, lazy)
     except BaseException:
         for m in models:
             m.engine.stop()
         raise
     restarts = settings.flags.worker_restarts
     supervisor = Supervisor(state, lambda m: factories[m.name](), restarts)
+    supervisors.append(supervisor)
     return state, supervisor
 
 
@@ -233,6 +277,8 @@ class Loader:
                 m.engine.stop()
         if self.supervisor is not None:
             self.supervisor.close()
+        if self.state is not None and self.state.on_demand is not None:
+            self.state.on_demand.close()
         self._closed.set()
 
 
@@ -264,7 +310,8 @@ def run_server(settings: ServeSettings) -> int:
             return
         state, supervisor = loader.state, loader.supervisor
         assert supervisor is not None
-        names = ", ".join(m.name for m in state.models)
+        lazy = list(state.on_demand.entries) if state.on_demand is not None else []
+        names = ", ".join([m.name for m in state.models] + [f"{n} (on demand)" for n in lazy])
         log.info("serving %s on %s/v1 (playground: %s/playground)", names, base, base)
 
         def every_engine_died(reason: str) -> None:
@@ -286,4 +333,5 @@ def run_server(settings: ServeSettings) -> int:
     if loader.state is None:
         log.warning("stopped while the models were loading")
         return 0
-    return 1 if all(m.health()[0] == "dead" for m in loader.state.models) else 0
+    pinned = loader.state.pinned
+    return 1 if pinned and all(m.health()[0] == "dead" for m in pinned) else 0

@@ -50,6 +50,35 @@ class ServeFlags:
         "model with the same tokenizer (any --model spec), loaded beside it",
         group="model",
     )
+    models_dir: str | None = setting(
+        None,
+        "a folder of models served on demand, each loaded when a request names it (a .gguf "
+        "file by its name less .gguf, a Hugging Face folder by its name); only its listing is "
+        "read at start (docs/operations.md, 'Models on demand')",
+        metavar="DIR",
+        group="model",
+    )
+    on_demand_model: tuple[str, ...] = setting(
+        (),
+        "a model served on demand, by its spec (a path, a .gguf file or org/repo[:QUANT]; "
+        "the name clients use): loaded when a request names it (repeat for several; in a "
+        "--config file, `on-demand-model: [a, b]`)",
+        group="model",
+    )
+    models_max: int = setting(
+        0,
+        "models on demand loaded at once (0: no bound): loading one more evicts the least "
+        "recently used idle one (the --model models are pinned and not counted)",
+        metavar="N",
+        group="model",
+    )
+    idle_unload: float = setting(
+        0.0,
+        "seconds a model on demand stays loaded after its last request (0: until evicted); "
+        "a request's keep_alive sets its own",
+        metavar="SECONDS",
+        group="model",
+    )
     worker_restarts: int = setting(
         3,
         "restarts of a model's dead engine worker in any 10 minutes before it is given up (the "
@@ -146,6 +175,11 @@ def api_keys(flag: str | None, key_file: str | None = None) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def engine_worker(args: argparse.Namespace) -> str:
+    """Where the engines run, as --worker says."""
+    return str(from_args(EngineConfig, args).worker)
+
+
 @dataclass(frozen=True)
 class ModelSetting:
     """One model to serve: its --model spec, the name clients use for it (or None: its own)
@@ -169,11 +203,20 @@ class ServeSettings:
     @classmethod
     def of(cls, args: argparse.Namespace) -> ServeSettings:
         """From the parsed command line (`probserve serve MODEL`, then each `--model`; the
-        embedded model when none is given, paired in order with `--served-model-name` and
-        `--chat-template`; more of either than models is a ModelLoadError)."""
+        embedded model when none is given and none is served on demand, paired in order with
+        `--served-model-name` and `--chat-template`; more of either than models is a
+        ModelLoadError)."""
         flags = from_args(ServeFlags, args)
         first = (args.model_tag,) if getattr(args, "model_tag", None) else ()
-        specs = (*first, *flags.model) or (DEFAULT_MODEL,)
+        lazy = bool(flags.models_dir or flags.on_demand_model)
+        specs = (*first, *flags.model) or (() if lazy else (DEFAULT_MODEL,))
+        if lazy and (flags.ray or engine_worker(args) == "inline"):
+            raise ModelLoadError(
+                "models on demand (--models-dir, --on-demand-model) run in engine worker "
+                "processes: not with --ray or --worker inline"
+            )
+        if flags.models_max < 0 or not 0 <= flags.idle_unload < float("inf"):
+            raise ModelLoadError("--models-max and --idle-unload take a number >= 0")
         names, templates = flags.served_model_name, flags.chat_template
         drafts, engine = flags.draft_model, from_args(EngineConfig, args)
         for given, what in (
@@ -182,7 +225,7 @@ class ServeSettings:
         ):  # fmt: skip
             if len(given) > len(specs):
                 raise ModelLoadError(f"{len(given)} {what} flags for {len(specs)} models")
-        if (engine.speculative == "draft") != (len(drafts) == len(specs)) or (
+        if (engine.speculative == "draft") != (bool(specs) and len(drafts) == len(specs)) or (
             drafts and engine.speculative != "draft"
         ):
             raise ModelLoadError(

@@ -24,6 +24,7 @@ from probserve.api.routes import (
     embeddings,
     messages,
     misc,
+    model_loading,
     playground,
     rerank,
     responses,
@@ -55,6 +56,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(distributions.router)
     app.include_router(playground.router)
     app.include_router(misc.router)
+    app.include_router(model_loading.router)
     install_error_handlers(app)
     limits = state.config.http
     # the last added runs first: scope guard, access log, CORS (where origins are allowed:

@@ -86,14 +86,17 @@ class EngineConfig:
         "needs --deterministic and the paged runner, else float32; the GPU path reads the "
         "blocks and dequantizes them onto the device a matrix at a time); float32: dequantized",
     )
-    products: Literal["float", "limbs"] = setting(
+    products: Literal["auto", "float", "limbs"] = setting(
         "float",
         "how GGUF blocks are multiplied on the exact path: float (each weight dequantized, "
-        "float32 FMAs) or limbs (every GGUF block format but MXFP4; AVX-512 VNNI, else AVX2: each "
-        "activation as four integer bytes, exact integer products summed in float64, rounded "
-        "once: closer to a float64 forward; on AVX-512 VNNI faster for one stream's decode "
-        "steps, slower for batched steps, prefill and scoring; on AVX2 slower throughout: "
-        "docs/benchmarks.md); both bitwise batch-invariant",
+        "float32 FMAs), limbs (every GGUF block format but MXFP4; AMX tiles for batches where "
+        "the CPU has AMX-INT8, else AVX-512 VNNI, else AVX2: each activation as four integer "
+        "bytes, exact integer products summed in float64, rounded once: closer to a float64 "
+        "forward; faster than float at one row with VNNI, about even at 16 rows on AMX, slower "
+        "at 16 rows without it, slower throughout on AVX2), or auto (per weight format, float "
+        "or limbs as measured on this CPU's instruction path: a fixed table, never a timing, so "
+        "the same bits at every restart; /health's products says the choice: "
+        "docs/benchmarks.md); all bitwise batch-invariant",
     )
     block_sums: bool = setting(
         False,

@@ -1,14 +1,14 @@
 """Building and loading the C++ kernels: compiled once per machine, cached, loaded with ctypes.
 
-The sources (invariant.cpp, quantized.cpp, limbs.cpp and layer.cpp, with simd.h) are compiled
-into one library with the system's C++ compiler (`CXX`, else c++, g++ or clang++) for the CPU it
-runs on (-march=native) and OpenMP, into the cache (`PROBSERVE_CACHE_DIR`, default
-~/.cache/probserve) under a key of the sources, the compiler, the flags and the CPU's feature
-list, so a source change, another compiler or another machine builds afresh and every later
-start loads the cached library in milliseconds. The build writes to a temporary file and renames
-it into place, so concurrent starts never load half a library. torch is imported first: the
-library then shares torch's OpenMP runtime (one thread pool, not two). `python -m
-probserve.kernels.build` builds it ahead of time (the Makefile's set-up does).
+The sources (invariant.cpp, quantized.cpp, limbs.cpp, layer.cpp, route.cpp and deltanet.cpp,
+with simd.h) are compiled into one library with the system's C++ compiler (`CXX`, else c++, g++
+or clang++) for the CPU it runs on (-march=native) and OpenMP, into the cache
+(`PROBSERVE_CACHE_DIR`, default ~/.cache/probserve) under a key of the sources, the compiler,
+the flags and the CPU's feature list, so a source change, another compiler or another machine
+builds afresh and every later start loads the cached library in milliseconds. The build writes
+to a temporary file and renames it into place, so concurrent starts never load half a library.
+torch is imported first: the library then shares torch's OpenMP runtime (one thread pool, not
+two). `python -m probserve.kernels.build` builds it ahead of time (the Makefile's set-up does).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ SOURCES = (
     HERE / "limbs.cpp",
     HERE / "layer.cpp",
     HERE / "route.cpp",
+    HERE / "deltanet.cpp",
 )  # one library
 HEADERS = (
     HERE / "simd.h",

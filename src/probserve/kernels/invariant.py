@@ -15,6 +15,7 @@ import torch
 
 from probserve.kernels.attention_plan import FlatKernels
 from probserve.kernels.build import header_constant, load
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.kernels.qlayout import FORMATS, LIMB_PANEL, LIMB_TYPES, pack_blocks, pack_limbs
@@ -40,7 +41,8 @@ class InvariantKernels(FlatKernels):
     """The library's kernels. `block_sums`: the products on GGUF blocks apply each sub-block's
     scale to its sum (quantized.cpp, --block-sums): row-invariant and within float32 rounding of
     the dequantized product, but not its bits. `limbs`: the formats limbs.cpp multiplies in
-    integer limbs are packed for it (--products limbs; not with block_sums): row-invariant and
+    integer limbs are packed for it (True: every one; or the GGML types given, as --products
+    chose them; not with block_sums): row-invariant and
     closer to a float64 product than the float32 path. The weights packed by `qpack` carry the
     choice. As the forward's `LayerOps` (kernels/layer_ops.py) they run every operation on
     the host, keep GGUF blocks as the file holds them, and chain the layers in one native call
@@ -50,11 +52,14 @@ class InvariantKernels(FlatKernels):
     keeps_blocks = True  # GGUF blocks are multiplied as the file holds them (qpack)
     reads_rows = True
 
-    def __init__(self, block_sums: bool = False, limbs: bool = False) -> None:
+    def __init__(self, block_sums: bool = False, limbs: bool | frozenset[int] = False) -> None:
         self.lib = load()
         self.panel = int(self.lib.ps_panel_width())
         self.block_sums = block_sums
-        self.limb_types = limb_types(self.lib) if limbs and not block_sums else frozenset()
+        chosen: frozenset[int] = frozenset()
+        if not block_sums and limbs is not False:
+            chosen = limb_types(self.lib) if limbs is True else limb_types(self.lib) & limbs
+        self.limb_types = chosen
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         return t  # the host is where they run
@@ -255,6 +260,42 @@ class InvariantKernels(FlatKernels):
         if m:
             self.lib.ps_route(x.data_ptr(), m, e, k, int(norm), ids.data_ptr(), weights.data_ptr())
         return ids, weights
+
+    def gated_delta(
+        self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
+    ) -> torch.Tensor:
+        """The conv + SiLU and gated delta rule in one call (kernels/deltanet.cpp): threads over
+        each span's channel blocks, then its value heads; one order per token and head."""
+        x = _f32(proj)
+        t, c, vd = x.shape[0], layer.channels, layer.v_heads * layer.v_dim
+        width = c + vd + 2 * layer.v_heads
+        if x.shape[1] != width:
+            raise ValueError(f"gated delta rows of {x.shape[1]} columns, expected {width}")
+        out = torch.empty((t, vd), dtype=torch.float32)
+        if not spans or not t:
+            return out
+        rows: list[tuple[int, ...]] = []
+        saves: list[tuple[int, int, int]] = []
+        for span in spans:
+            held = (span.conv, span.delta, *(d for _, cv, dl in span.saves for d in (cv, dl)))
+            if any(h.dtype != torch.float32 or not h.is_contiguous() for h in held):
+                raise ValueError("recurrent states must be contiguous float32 tensors")
+            rows.append((span.start, span.end, span.conv.data_ptr(), span.delta.data_ptr(),
+                         len(saves), len(span.saves)))  # fmt: skip
+            saves += [(row, cv.data_ptr(), dl.data_ptr()) for row, cv, dl in span.saves]
+        table = torch.tensor(rows, dtype=torch.int64)
+        saved = torch.tensor(saves or [(0, 0, 0)], dtype=torch.int64)
+        dims = torch.tensor(
+            [c, layer.kernel, layer.k_heads, layer.v_heads, layer.k_dim, layer.v_dim],
+            dtype=torch.int64,
+        )
+        mixed = torch.empty((t, c), dtype=torch.float32)
+        self.lib.ps_gated_delta(
+            x.data_ptr(), t, x.shape[1], dims.data_ptr(), layer.conv.data_ptr(),
+            layer.rate.data_ptr(), layer.dt_bias.data_ptr(), table.data_ptr(), len(rows),
+            saved.data_ptr(), mixed.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        return out
 
     def rope_cache(
         self,

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from probserve.kernels.attention_plan import AttentionPlan, LayerAttention, LayerKV, Rope
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
 from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
 from probserve.kernels.weights import Packed, Source
@@ -85,6 +86,14 @@ class LayerOps(Protocol):
     ) -> torch.Tensor:
         """Causal attention of q [T, nq, d] over a layer's paged cache, as `plan` lays out the
         step: [T, nq * d]."""
+        ...
+
+    def gated_delta(
+        self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
+    ) -> torch.Tensor:
+        """A Gated DeltaNet layer's conv + SiLU and gated delta rule (kernels/delta_rule.py)
+        over the step's projected rows [T, C + nv dv + 2 nv] ([q k v | z | b | a]), each span
+        continuing its sequence's state: o [T, nv dv], one order per token on every path."""
         ...
 
     def experts(self, experts: Iterable[Expert], count: int) -> Experts:

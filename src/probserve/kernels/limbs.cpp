@@ -268,10 +268,14 @@ inline void half_scales(const uint8_t* blk, const uint8_t* sb, int64_t h, __m512
 // in int32 (below 2^29), then T in a double, scaled by the group's scales s and offsets o (the
 // row's sum S) and the row's block scale e. The vpdpbusd and the tile paths both end here, so
 // they give the same bits by construction
-template <int F>
+// (FOLDED: the tile path's sums of an offset format, whose quants entered the products as the
+// signed u + offset: T + offset S itself, the same integer, so the same double and the same bits
+// without the add)
+template <int F, bool FOLDED = false>
 inline void add_group(const __m512i* a, double S, const __m512d* s, const __m512d* o, __m512d e,
                       __m512d* y) {
     using L = LimbLayout<F>;
+    static_assert(!FOLDED || L::offset != 0, "only an offset format's sums fold the offset");
     const __m512i a01 = _mm512_add_epi32(a[0], _mm512_slli_epi32(a[1], 8));
     const __m512i a23 = _mm512_add_epi32(a[2], _mm512_slli_epi32(a[3], 8));
     __m512d l01, h01, l23, h23;
@@ -280,7 +284,11 @@ inline void add_group(const __m512i* a, double S, const __m512d* s, const __m512
     const __m512d big = _mm512_set1_pd(65536.0);
     const __m512d t0 = _mm512_fmadd_pd(l23, big, l01), t1 = _mm512_fmadd_pd(h23, big, h01);
     __m512d u0, u1;
-    if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
+    if constexpr (FOLDED) {  // (T + offset S) s: the sums are T + offset S already
+        (void)S;
+        u0 = _mm512_mul_pd(t0, s[0]);
+        u1 = _mm512_mul_pd(t1, s[1]);
+    } else if constexpr (L::offset != 0) {  // (T + offset S) s: the sum exact
         const __m512d os = _mm512_set1_pd(S * L::offset);
         u0 = _mm512_mul_pd(_mm512_add_pd(t0, os), s[0]);
         u1 = _mm512_mul_pd(_mm512_add_pd(t1, os), s[1]);
@@ -508,7 +516,7 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 extern "C" {
 
 // the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows()
-// rows or more: 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
+// rows or more (Q6_K: whole passes only): 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
 // emulation
 int ps_limb_tiles() { return chosen_tiles(); }
 
@@ -569,13 +577,14 @@ int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, 
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
 // bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
 // null. On the tiles ps_limb_tiles() names: the rows in whole passes of 16, and the rest too
-// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Not
-// Q6_K: its groups of 16 k's take two tile passes a sub-block, and the tiles measured no faster
-// than vpdpbusd at 16 and 32 rows, slower below (docs/benchmarks.md)
+// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Q6_K
+// only in whole passes: its groups of 16 k's take two tile passes a sub-block, 1.13x vpdpbusd at
+// 16 rows (with its quants signed: limbs_amx.h), slower below (docs/benchmarks.md)
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
-    const int tiles = fmt == L6_K ? static_cast<int>(TILES_NONE) : chosen_tiles();
-    const int64_t whole = M % TILE_PASS >= TILE_ROWS ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
+    const int tiles = chosen_tiles();
+    const int64_t rest = fmt == L6_K ? TILE_PASS : TILE_ROWS;  // the fewest rows of a rest on the tiles
+    const int64_t whole = M % TILE_PASS >= rest ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
     if (tiles == TILES_NONE || whole == 0) {
         ps_limb_linear_on(TILES_NONE, fmt, x, M, K, packed, N, bias, out);
         return;

@@ -6,18 +6,23 @@
 // A pass is 16 rows (one A tile's; the limbs are padded to whole tiles with zero rows) and one
 // half of a panel (16 columns: a C tile of int32), over all of K. Per group of k's (32; Q6_K's
 // 16) the group's quants are one B tile: the limb layout's chunks already are tdpbsud's B rows
-// (byte 4j + i: column j's k 4c + i of chunk c), so Q8_0's are loaded from the packed panel
-// itself and the other formats' are first widened to a byte a quant (half_quants, into a 512-byte
-// buffer: nothing is repacked or stored twice). Each of the four limbs is one A tile (16 rows of
-// the group's k's, strided by K in RowLimbs) and one tdpbsud into its own C tile (signed limbs
-// times unsigned quants: |sum| <= 32 * 128 * 255 < 2^21, exact), so a C tile holds, for 16 rows
-// and 16 columns, the very int32 sums vpdpbusd gives; they are stored and joined per row in the
-// same order, with the same float64 operations, as limb_micro's. Integer sums are exact in any
-// order, so each row's outputs are the vpdpbusd path's bits whichever path a call takes: the
-// choice by row count (limbs.cpp's ps_limb_linear) keeps every row's bits batch-invariant.
+// (byte 4j + i: column j's k 4c + i of chunk c), so Q4_1, Q5_1, Q4_K and Q5_K's are widened to
+// a byte a quant (half_quants, into a 512-byte buffer: nothing is repacked or stored twice) and
+// the offset formats' (Q4_0, Q5_0, Q8_0, Q6_K) also moved by their offset to signed bytes
+// u + offset (-32..31 at most; Q8_0's the file's int8). Each of the four limbs is one A tile (16
+// rows of the group's k's, strided by K in RowLimbs; three A tiles in turn) and one tdpbsud
+// (unsigned quants) or tdpbssd (signed) into its own C tile (|sum| <= 32 * 128 * 255 < 2^21,
+// exact). For the unsigned quants a C tile holds, for 16 rows and 16 columns, the very int32
+// sums vpdpbusd gives; for the signed, limb i's sums minus offset times the limb's own sum, so
+// the joined T is T + offset S, the integer limb_micro adds in float64 (exact there: < 2^53):
+// the same double either way, and add_group<F, FOLDED> leaves out the add. The sums are stored
+// and joined per row in the same order, with the same float64 operations, as limb_micro's.
+// Integer sums are exact in any order, so each row's outputs are the vpdpbusd path's bits
+// whichever path a call takes: the choice by row count (limbs.cpp's ps_limb_linear) keeps every
+// row's bits batch-invariant.
 
 constexpr int64_t TROWS = 16;               // rows a pass (an A tile's)
-enum : int { T_A0 = 4, T_A1 = 5, T_B = 6 };  // tiles 0..3: the C of limbs 0..3; two A's in turn; B
+enum : int { T_A0 = 4, T_A1 = 5, T_B = 6, T_A2 = 7 };  // tiles 0..3: the C of limbs 0..3; B; three A's
 
 // the tiles' shapes for format F: A 16 rows of a group's k's, B a group's chunks, C 16 x 16 int32
 template <int F>
@@ -28,7 +33,7 @@ TileConfig limb_tiles() {
         c.rows[t] = TROWS;
         c.colsb[t] = 64;
     }
-    for (int t : {T_A0, T_A1}) {
+    for (int t : {T_A0, T_A1, T_A2}) {
         c.rows[t] = TROWS;
         c.colsb[t] = 32 / G;
     }
@@ -62,11 +67,12 @@ struct TiledLimbs {
 };
 
 // limb I of pass p's rows over the group's k's (A tile) times the B tile, into C tile I
-template <int I, class Tiles>
+// (SIGNED: the B tile holds signed quants u + offset, tdpbssd; else unsigned u, tdpbsud)
+template <int I, bool SIGNED, class Tiles>
 inline void limb_tile(Tiles& t, const TiledLimbs& T, int64_t p, int64_t kb, int64_t off) {
-    constexpr int A = I % 2 ? T_A1 : T_A0;
+    constexpr int A = I == 1 ? T_A1 : I == 2 ? T_A2 : T_A0;
     t.template load<A>(T.at(I, p, kb) + off, 32);
-    t.template dp<true, false, I, A, T_B>();
+    t.template dp<true, SIGNED, I, A, T_B>();
 }
 
 // the sums of one pass (sums[i]: C tile i, 16 rows x 16 columns) added to the rows' y: group g
@@ -83,7 +89,7 @@ inline void add_pass(const int32_t (*sums)[TROWS][16], const RowLimbs& R, int64_
         __m512i a[LIMBS];
         for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_load_si512(sums[i][r]);
         const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
-        add_group<F>(a, S, s, o, e, y[r]);
+        add_group<F, L::offset != 0>(a, S, s, o, e, y[r]);
     }
 }
 
@@ -96,6 +102,7 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                const uint8_t* panel, int64_t h, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     constexpr int G = L::groups, CG = 8 / G, GK = 32 / G;  // chunks and k's a group
+    constexpr bool SIGNED = L::offset != 0;  // the offset folded into the quants (add_group's FOLDED)
     const int64_t K = R.K, pass = m0 / TROWS;
     __m512d y[TROWS][2];
     for (int64_t r = 0; r < rows; ++r) y[r][0] = y[r][1] = _mm512_setzero_pd();
@@ -112,9 +119,11 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
             __m512d s[G][2], o[G][2];
             half_scales<F>(blk, sb, h, s, o);
             const uint8_t* q = sb + L::scale_bytes + h * L::chunks * 64;
-            if constexpr (F != L8_0) {
+            if constexpr (F != L8_0 || SIGNED) {
                 __m512i w[8];
                 half_quants<F>(q, w);
+                if constexpr (SIGNED)  // u + offset, in -128..127 (Q8_0's: its int8, u ^ 128)
+                    for (int c = 0; c < 8; ++c) w[c] = _mm512_add_epi8(w[c], _mm512_set1_epi8(L::offset));
                 for (int c = 0; c < 8; ++c) _mm512_store_si512(sc.quants + 64 * c, w[c]);
                 q = sc.quants;
             }
@@ -124,10 +133,10 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                 t.template zero<1>();
                 t.template zero<2>();
                 t.template zero<3>();
-                limb_tile<0>(t, TL, pass, kb, g * GK);
-                limb_tile<1>(t, TL, pass, kb, g * GK);
-                limb_tile<2>(t, TL, pass, kb, g * GK);
-                limb_tile<3>(t, TL, pass, kb, g * GK);
+                limb_tile<0, SIGNED>(t, TL, pass, kb, g * GK);
+                limb_tile<1, SIGNED>(t, TL, pass, kb, g * GK);
+                limb_tile<2, SIGNED>(t, TL, pass, kb, g * GK);
+                limb_tile<3, SIGNED>(t, TL, pass, kb, g * GK);
                 t.template store<0>(sc.sums[cur][0], 64);
                 t.template store<1>(sc.sums[cur][1], 64);
                 t.template store<2>(sc.sums[cur][2], 64);

@@ -137,6 +137,18 @@ int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, 
 void ps_limb_rows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int64_t T,
                   float* out);
 
+// ---- deltanet.cpp: Gated DeltaNet's conv + SiLU and gated delta rule, one order per token --
+// proj [T, ld]: the rows [q k v (C) | z (nv dv) | b (nv) | a (nv)]; dims: C K nk nv dk dv;
+// conv_w [K, C]; rate (-exp(A_log)) and dt_bias [nv]; spans [nspans, 6]: start, end, the
+// addresses of its conv state [K - 1, C] and delta state [nv, dk, dv] (updated in place), its
+// first save and their count; saves [*, 3]: the row (relative to its span's start) and the
+// addresses the conv and delta states past it are copied to; mixed [T, C] scratch (the conv's
+// output after SiLU); out [T, nv dv] the rule's output.
+void ps_gated_delta(const float* proj, int64_t T, int64_t ld, const int64_t* dims,
+                    const float* conv_w, const float* rate, const float* dt_bias,
+                    const int64_t* spans, int64_t nspans, const int64_t* saves, float* mixed,
+                    float* out);
+
 // ---- layer.cpp: a step's decoder layers in one call -------------------------------------------
 int64_t ps_layers_scratch(const PsModel* m, int64_t T);
 void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch);

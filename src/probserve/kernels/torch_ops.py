@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from probserve.kernels.attention_plan import AttentionPlan, LayerAttention, LayerKV, Rope
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, Shape
 from probserve.kernels.weights import Packed, PackedWeight, Source, whole
@@ -133,6 +134,11 @@ class TorchOps:
             o = _sdpa(qp, keys, vals, mask, causal, layer)
             out[group.rows] = o[0].transpose(0, 1).reshape(-1, nq * d)
         return out
+
+    def gated_delta(
+        self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
+    ) -> torch.Tensor:
+        return torch_gated_delta(F.silu, proj, layer, spans)
 
     def experts(self, experts: Iterable[Expert], count: int) -> EachExpert:
         return EachExpert(tuple(experts))

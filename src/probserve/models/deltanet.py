@@ -9,14 +9,14 @@ sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); per token, in float32,
 (value head h reads key head h // (nv / nk)); the output w * rms(o) * silu(z) (a plain w), and
 out_proj.
 
-One order for every path: the recurrence runs token by token, each token's step the same
-operations on tensors of the same shapes, whether its token came in a whole prompt, a chunk of
-one, a decode step or a batch of other sequences; the conv is a fixed sum over its K taps, each
-an exact elementwise product; everything that reduces over a row (the norms, the products)
-runs on the backend's row-invariant operations or on one token's tensors alone. So a position's
-numbers, and the state a sequence carries past it, are the same bits however its prompt was
-chunked or batched. transformers' prefill uses a chunked (64-token) form of the same
-recurrence, its decode this one: the two agree to float32 rounding, not bits.
+One order for every path: the conv and the recurrence run in kernels/deltanet.cpp on the host's
+kernels (kernels/delta_rule.py: the same rule in torch for the backends without them), token by
+token, each token's step the same operations whether its token came in a whole prompt, a chunk
+of one, a decode step or a batch of other sequences; the norms run on the backend's
+row-invariant operations. So a position's numbers, and the state a sequence carries past it,
+are the same bits however its prompt was chunked or batched. transformers' prefill uses a
+chunked (64-token) form of the same recurrence, its decode this one: the two agree to float32
+rounding, not bits.
 """
 
 from __future__ import annotations
@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
 from probserve.kernels.layer_ops import LayerOps
 from probserve.models.linear import Joined, Linear
-
-L2_EPS = 1e-6  # the l2 norm's of q and k (transformers' and FLA's)
 
 
 @dataclass(frozen=True)
@@ -65,11 +63,12 @@ class StateShape:
 
 @dataclass
 class RecurrentState:
-    """One sequence's state past its last computed token: conv [layers, C, K - 1] (the last
-    K - 1 inputs of the conv) and delta [layers, nv, dk, dv]. Zeros before its first token.
+    """One sequence's state past its last computed token: conv [layers, K - 1, C] (the last
+    K - 1 inputs of the conv, oldest first) and delta [layers, nv, dk, dv]. Zeros before its
+    first token.
 
     A step may save the state past some of its rows (`saving`, then the forward fills saved_conv
-    [n, layers, C, K - 1] and saved_delta [n, layers, nv, dk, dv] in the order of its span's
+    [n, layers, K - 1, C] and saved_delta [n, layers, nv, dk, dv] in the order of its span's
     `saves`): the runner keeps those past a block's last token as the prefix cache's snapshots,
     and those past a verify step's last real token and each proposal (`kept`, by position); the
     next chunk's first position says how many proposals were accepted, and `settle` puts back
@@ -84,7 +83,7 @@ class RecurrentState:
 
     @staticmethod
     def zeros(shape: StateShape, device: torch.device | None = None) -> RecurrentState:
-        conv = (shape.layers, shape.channels, shape.kernel - 1)
+        conv = (shape.layers, shape.kernel - 1, shape.channels)
         delta = (shape.layers, shape.v_heads, shape.k_dim, shape.v_dim)
         return RecurrentState(torch.zeros(conv, device=device), torch.zeros(delta, device=device))
 
@@ -151,16 +150,18 @@ class GatedDeltaNet:
         ops: LayerOps,
     ) -> None:
         """Linear layer `index` (its place among the linear layers: its state's): `proj` the
-        rows [q k v | z | b | a], `conv` [C, K], the decay's A_log and dt_bias [nv], the gated
-        norm's weight [dv]."""
+        rows [q k v | z | b | a], `conv` [C, K] (or [C, 1, K]), the decay's A_log and dt_bias
+        [nv], the gated norm's weight [dv]."""
         self.index, self.shape, self.proj, self.out, self.eps, self.ops = (
             index, shape, proj, out, eps, ops,
         )  # fmt: skip
-        self.conv = ops.place(conv.detach().float().reshape(shape.channels, shape.kernel).clone())
-        self.rate = ops.place(-torch.exp(a_log.detach().float()))  # -exp(A_log)
-        self.dt_bias = ops.place(dt_bias.detach().float().clone())
+        taps = conv.detach().float().reshape(shape.channels, shape.kernel).T.contiguous()
+        self.rule = DeltaLayer(
+            conv=ops.place(taps), rate=ops.place(-torch.exp(a_log.detach().float())),
+            dt_bias=ops.place(dt_bias.detach().float().contiguous()), k_heads=shape.k_heads,
+            v_heads=shape.v_heads, k_dim=shape.k_dim, v_dim=shape.v_dim,
+        )  # fmt: skip
         self.norm = ops.place(norm.detach().float().clone())
-        self.ones: torch.Tensor | None = None  # silu(x) as silu_mul([x | 1]): the ones
 
     def __call__(self, x: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
         """The layer's output for the step's normed rows x [T, H], each span continuing its
@@ -168,82 +169,20 @@ class GatedDeltaNet:
         s = self.shape
         t, c, vd = x.shape[0], s.channels, s.v_heads * s.v_dim
         p = self.proj(x)
-        mixed, z = p[:, :c], p[:, c : c + vd]
-        b, a = p[:, c + vd : c + vd + s.v_heads], p[:, c + vd + s.v_heads :]
-        conv = x.new_empty((t, c))
-        for span in spans:
-            inputs = mixed[span.start : span.end]
-            conv[span.start : span.end] = self._conv(inputs, span.state, span.saves)
-        conv = self._silu_mul(conv, None)
-        o = x.new_empty((t, vd))
-        for span in spans:
-            rows = slice(span.start, span.end)
-            o[rows] = self._recurrence(conv[rows], b[rows], a[rows], span.state, span.saves)
+        o = self.ops.gated_delta(p, self.rule, [self._span(span) for span in spans])
         normed = self.ops.rms_norm(o.reshape(t * s.v_heads, s.v_dim), self.norm, self.eps)
-        gated = self._silu_mul(z.reshape(t * s.v_heads, s.v_dim), normed)
+        z = p[:, c : c + vd].reshape(t * s.v_heads, s.v_dim)
+        gated = self.ops.silu_mul(torch.cat([z, normed], dim=1).contiguous())
         return self.out(gated.reshape(t, vd))
 
-    def _silu_mul(self, x: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
-        """silu(x) * up (up None: ones, silu(x) exactly) on the backend's row-invariant op."""
-        if up is None:
-            if self.ones is None or self.ones.shape != x.shape:
-                self.ones = torch.ones_like(x)
-            up = self.ones
-        return self.ops.silu_mul(torch.cat([x, up], dim=1).contiguous())
-
-    def _conv(
-        self, mixed: torch.Tensor, state: RecurrentState, saves: tuple[int, ...]
-    ) -> torch.Tensor:
-        """The causal conv of a sequence's rows [n, C] after the K - 1 inputs its state keeps
-        (left there updated; past each row of `saves` saved too): sum over taps k of
-        w[:, k] * input[t - (K - 1) + k], in k order."""
-        n, k = mixed.shape[0], self.shape.kernel
-        held = state.conv[self.index]
-        cols = torch.cat([held, mixed.T], dim=1)  # [C, K - 1 + n]
-        acc = cols[:, 0:n] * self.conv[:, 0:1]
-        for tap in range(1, k):
-            acc = acc + cols[:, tap : tap + n] * self.conv[:, tap : tap + 1]
-        held.copy_(cols[:, n:])
-        if saves:
-            assert state.saved_conv is not None
-            for j, row in enumerate(saves):  # the inputs up to row `row`
-                state.saved_conv[j, self.index].copy_(cols[:, row + 1 : row + k])
-        return acc.T
-
-    def _recurrence(
-        self,
-        conv: torch.Tensor,
-        b: torch.Tensor,
-        a: torch.Tensor,
-        state: RecurrentState,
-        saves: tuple[int, ...],
-    ) -> torch.Tensor:
-        """The gated delta rule over a sequence's rows (conv's [q k v] after SiLU, b, a), token
-        by token from its state (left past the last; past each row of `saves` saved too):
-        o [n, nv * dv]."""
-        s = self.shape
-        kd = s.k_heads * s.k_dim
-        group = s.v_heads // s.k_heads
-        root = s.k_dim**0.5
-        big_s = state.delta[self.index]
-        out = conv.new_empty((conv.shape[0], s.v_heads * s.v_dim))
-        saved = {row: j for j, row in enumerate(saves)}
-        for i in range(conv.shape[0]):
-            q = conv[i, :kd].reshape(s.k_heads, s.k_dim)
-            k = conv[i, kd : 2 * kd].reshape(s.k_heads, s.k_dim)
-            v = conv[i, 2 * kd :].reshape(s.v_heads, s.v_dim)
-            q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
-            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
-            q = (q / root).repeat_interleave(group, 0)  # [nv, dk]
-            k = k.repeat_interleave(group, 0)
-            beta = torch.sigmoid(b[i])
-            g = self.rate * F.softplus(a[i] + self.dt_bias)
-            big_s.mul_(torch.exp(g)[:, None, None])
-            memory = (big_s * k[:, :, None]).sum(1)  # S^T k: [nv, dv]
-            delta = (v - memory) * beta[:, None]
-            big_s.add_(k[:, :, None] * delta[:, None, :])
-            out[i] = (big_s * q[:, :, None]).sum(1).reshape(-1)
-            if i in saved:
-                assert state.saved_delta is not None
-                state.saved_delta[saved[i], self.index].copy_(big_s)
-        return out
+    def _span(self, span: Span) -> DeltaSpan:
+        """A sequence's rows with this layer's state, and where the states past its saves go."""
+        state, i = span.state, self.index
+        saves: tuple[tuple[int, torch.Tensor, torch.Tensor], ...] = ()
+        if span.saves:
+            assert state.saved_conv is not None and state.saved_delta is not None
+            saves = tuple(
+                (row, state.saved_conv[j, i], state.saved_delta[j, i])
+                for j, row in enumerate(span.saves)
+            )
+        return DeltaSpan(span.start, span.end, state.conv[i], state.delta[i], saves)

@@ -205,7 +205,9 @@ class AccessLogMiddleware:
     stream: when its last byte is sent, or, as 499, when the client hung up before it). The
     request's id (its X-Request-Id, sanitised: probserve.logs, or a new one) is echoed in the
     response's X-Request-Id, kept in the request's state for its engine requests' ids, and set
-    for every log line of the request."""
+    for every log line of the request. When the response has ended (or the client has gone),
+    the request's `on_end` (the release of its lease on a model on demand: api/server/lookup.py)
+    runs."""
 
     def __init__(
         self, app: ASGIApp, on_response: Callable[[str, str, int, float], None] | None = None
@@ -259,6 +261,9 @@ class AccessLogMiddleware:
                 self._log(scope, CLIENT_CLOSED, started)
         finally:
             REQUEST_ID.reset(token)
+            on_end = scope["state"].pop("on_end", None)
+            if on_end is not None:
+                on_end()
 
     def _log(self, scope: Scope, status: int, started: float) -> None:
         route = getattr(scope.get("route"), "path", "unmatched")

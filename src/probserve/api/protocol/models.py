@@ -38,6 +38,10 @@ class ModelCard(BaseModel):
     # what a request that sets no budget generates at most (--max-tokens-default; null: the context)
     max_tokens_default: int | None = None
     status: str = "ok"  # the model's engine: ok, stuck, dead or restarting (see /health)
+    # where the model stands: loaded, or (served on demand) loading, unloaded, unloading, failed
+    state: str = "loaded"
+    pinned: bool = True  # given with --model: never unloaded (else served on demand)
+    reason: str | None = None  # why it failed to load, or why it was last unloaded
     replicas: int | None = None  # on Ray Serve: the model's replicas answering (see /health)
     # what runs how (see /health): absent before the engine has said
     architecture: str | None = None
@@ -58,6 +62,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ModelLoadRequest(RequestModel):
+    """POST /models/load and /models/unload (llama-server's router): the model, by its name."""
+
+    model: Text
+
+
+class ModelLoadResponse(BaseModel):
+    success: bool = True
+    model: str
+    state: str  # loaded, unloaded (see /v1/models)
+    pinned: bool = False
 
 
 class TokenizeRequest(RequestModel):

@@ -24,8 +24,9 @@ from probserve.api.protocol import (
 )
 from probserve.api.server.lookup import server_state, serving_of
 from probserve.api.server.metrics import CONTENT_TYPE
+from probserve.api.server.on_demand import OnDemandModel
 from probserve.api.server.served import ServedModel
-from probserve.api.server.state import Serving
+from probserve.api.server.state import ServerState, Serving
 from probserve.api.tools.ask import tool_ask
 from probserve.api.tools.prompt import tool_prompt, tools_chars
 from probserve.engine.info import EngineInfo
@@ -51,16 +52,42 @@ def model_health(model: ServedModel, max_tokens_default: int) -> dict[str, objec
     return body
 
 
+def on_demand_health(entry: OnDemandModel, max_tokens_default: int) -> dict[str, object]:
+    """A model on demand: its engine's figures while it is loaded, its state and last reason
+    (a failed load's, an unload's) always."""
+    if entry.served is not None and entry.state in ("loaded", "unloading"):
+        body = model_health(entry.served, max_tokens_default)
+    else:
+        body = {"status": entry.state}
+    body.update(state=entry.state, pinned=False, loads=entry.loads)
+    if entry.reason is not None:
+        body["reason"] = entry.reason
+    return body
+
+
+def every_model_health(st: ServerState) -> dict[str, dict[str, object]]:
+    """Each model's health by its name: the pinned ones, then those on demand."""
+    flag = st.config.limits.max_tokens_default
+    models = {m.name: {**model_health(m, flag), "state": "loaded", "pinned": True}
+              for m in st.pinned}  # fmt: skip
+    if st.on_demand is not None:
+        for name, entry in st.on_demand.entries.items():
+            models[name] = on_demand_health(entry, flag)
+    return models
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while every model serves ("ok") or some do ("degraded"); 503 when none does (its
-    engine has died, or one step has been running past --engine-stall-timeout): a load balancer
-    must stop sending traffic. The first model's figures are also at the top level."""
+    """200 while every loaded model serves ("ok") or some do ("degraded"); 503 when none does
+    (its engine has died, or one step has been running past --engine-stall-timeout): a load
+    balancer must stop sending traffic. The first model's figures are also at the top level.
+    A model on demand that is not loaded counts for neither (a server with no model loaded
+    yet is "ok": a request loads one)."""
     st = server_state(request)
-    flag = st.config.limits.max_tokens_default
-    models = {m.name: model_health(m, flag) for m in st.models}
-    statuses = [str(h["status"]) for h in models.values()]
-    first = models[st.default.name]
+    models = every_model_health(st)
+    loaded = [h for h in models.values() if h["state"] in ("loaded", "unloading")]
+    statuses = [str(h["status"]) for h in loaded]
+    first = models[st.default_name]
     if all(s == "ok" for s in statuses):
         status = "ok"
     elif "ok" in statuses:
@@ -68,7 +95,7 @@ async def health(request: Request) -> JSONResponse:
     else:
         status = str(first["status"])
     body = {**first, "status": status, "models": models}
-    return JSONResponse(body, 200 if "ok" in statuses else 503)
+    return JSONResponse(body, 200 if status in ("ok", "degraded") else 503)
 
 
 @router.get("/metrics", responses=ERRORS)
@@ -119,17 +146,35 @@ def _card(model: ServedModel, name: str, max_tokens_default: int) -> ModelCard:
     )
 
 
+def _on_demand_card(entry: OnDemandModel, max_tokens_default: int) -> ModelCard:
+    if entry.served is not None and entry.state in ("loaded", "unloading"):
+        card = _card(entry.served, entry.name, max_tokens_default)
+    else:
+        card = ModelCard(id=entry.name, root=entry.spec, status=entry.state)
+    return card.model_copy(update={"state": entry.state, "pinned": False, "reason": entry.reason})
+
+
+def every_card(st: ServerState) -> list[ModelCard]:
+    """Every name of every pinned model (an alias's `root` is its model's own name), then each
+    model on demand, loaded or not."""
+    flag = st.config.limits.max_tokens_default
+    cards = [_card(m, n, flag) for m in st.pinned for n in m.names]
+    if st.on_demand is not None:
+        cards += [_on_demand_card(e, flag) for e in st.on_demand.entries.values()]
+    return cards
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def list_models(request: Request) -> ModelList:
-    """Every name of every model (an alias's `root` is its model's own name)."""
-    st = server_state(request)
-    flag = st.config.limits.max_tokens_default
-    return ModelList(data=[_card(m, n, flag) for m in st.models for n in m.names])
+    return ModelList(data=every_card(server_state(request)))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=ERRORS)
 async def get_model(model_id: str, request: Request) -> ModelCard:
     st = server_state(request)
+    if st.on_demand is not None and model_id in st.on_demand.entries:
+        entry = st.on_demand.entries[model_id]
+        return _on_demand_card(entry, st.config.limits.max_tokens_default)
     return _card(*st.model(model_id), st.config.limits.max_tokens_default)
 
 

@@ -201,7 +201,9 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, models: Sequence[Served]) -> None:
+    def __init__(self, models: Sequence[Served], most_tokens: int | None = None) -> None:
+        """`most_tokens`: the token histograms' last bucket (default: the models' longest
+        context; models on demand load later, so their server gives its own)."""
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         ProcessCollector(registry=r)  # this (the API) process: process_resident_memory_bytes...
@@ -229,7 +231,7 @@ class Metrics:
         self.queue = histogram(
             "vllm:request_queue_time_seconds", "Time before first scheduled.", REQUEST_BUCKETS
         )
-        most = max((mod.context_length for mod in models), default=1)
+        most = most_tokens or max((mod.context_length for mod in models), default=1)
         tokens = token_buckets(max(1, most))
         self.request_prompt = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens of each request.", tokens

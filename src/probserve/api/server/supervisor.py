@@ -8,6 +8,10 @@ loads for seconds) and swaps it in; meanwhile the model's requests get 503 and /
 dead, and once every model is dead `on_gone` runs (the server exits non-zero, for its own
 supervisor to act).
 
+A model on demand (api/server/on_demand.py) is watched from its load (`adopt`) to its unload
+(`forget`): an engine stopped on purpose is no crash, and a restart that ends after the model's
+unload stops the engine it started.
+
 Once the server begins to shut down (`stop()`, from its signal handler), an engine's exit is no
 crash: nothing is restarted. The supervisor's thread lives until `close()`, at the very end: a
 worker process is killed by the kernel when the thread that started it ends (PR_SET_PDEATHSIG),
@@ -52,6 +56,20 @@ class Supervisor:
         self._thread = threading.Thread(target=self._run, name="supervisor", daemon=True)
         self._thread.start()
 
+    def adopt(self, model: ServedModel) -> None:
+        """Watch `model` (loaded on demand) from now on."""
+        with self._lock:
+            self._history.setdefault(model.name, deque())
+            if self._stopping:
+                model.engine.shutting_down = True
+        self._watch(model, model.engine)
+
+    def forget(self, model: ServedModel) -> None:
+        """Stop watching `model` (being unloaded): its engine's end is no crash."""
+        with self._lock:
+            self._history.pop(model.name, None)
+            model.engine.on_fatal = None
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             self._restart(*job)
@@ -63,7 +81,9 @@ class Supervisor:
         with self._lock:
             if self._stopping or model.engine is not engine or model.restarting:
                 return
-            history = self._history[model.name]
+            history = self._history.get(model.name)
+            if history is None:  # unloaded meanwhile
+                return
             now = time.monotonic()
             while history and now - history[0] > self.window:
                 history.popleft()
@@ -87,7 +107,7 @@ class Supervisor:
         except Exception as exc:  # EngineDead: the worker failed to load or warm up
             failed = str(exc)
         with self._lock:
-            if self._stopping:
+            if self._stopping or model.name not in self._history:  # or unloaded meanwhile
                 fresh.stop()
                 return
             model.engine = fresh
@@ -100,7 +120,10 @@ class Supervisor:
             log.warning("model %s: engine restarted", model.name)
 
     def _check_gone(self, reason: str) -> None:
-        """With the lock held: when no model can serve any more, the server must go."""
+        """With the lock held: when no model can serve any more, the server must go (never
+        while it serves models on demand: it can load another)."""
+        if self.state.on_demand is not None:
+            return
         alive = [m for m in self.state.models if m.restarting or m.engine.health()[0] != "dead"]
         if not alive and self.on_gone is not None:
             self.on_gone(reason)

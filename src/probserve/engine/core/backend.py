@@ -64,7 +64,9 @@ class Backend:
     linear: Literal["auto", "dense", "onednn"] = "auto"  # torch's products (the host's, without
     # --deterministic)
     block_sums: bool = False  # GGUF blocks' scales applied per sub-block sum (in effect)
-    products: Literal["float", "limbs"] = "float"  # limbs: some blocks held run in integer limbs
+    products: str = "float"  # the blocks' products: "float", "limbs" (every format that can), or
+    # per format where they split ("Q4_K=limbs,Q6_K=float": engine/core/products.py's describe)
+    limb_types: frozenset[int] = frozenset()  # the GGML types multiplied in integer limbs
     graphs: bool = False  # decode steps replayed from CUDA graphs
     weights: str = "float32"  # held as: float32, bfloat16 (the GPU path's bf16), or GGUF blocks
     # ("Q4_1+Q8_0")
@@ -95,7 +97,7 @@ class Backend:
         if self.deterministic:
             from probserve.kernels.invariant import InvariantKernels
 
-            kernels = InvariantKernels(self.block_sums, self.products == "limbs")
+            kernels = InvariantKernels(self.block_sums, self.limb_types)
             return kernels, InvariantRowMath(kernels)
         from probserve.models.linear import torch_ops
         from probserve.models.llama import sample_matrix
@@ -133,11 +135,11 @@ def resolve(loaded: LoadedModel, config: EngineConfig, paged: bool, blocker: str
     from probserve.kernels.build import isa_path, load
 
     share = loaded.weights_in_blocks
-    products = _products(loaded, config)
+    products, types = _products(loaded, config)
     return Backend(
         host, False, True, block_sums=config.block_sums and share > 0,
-        products=products, weights=loaded.weights_format, weights_in_blocks=round(share, 4),
-        kernel_isa=isa_path(load(), limbs=products == "limbs"),
+        products=products, limb_types=types, weights=loaded.weights_format,
+        weights_in_blocks=round(share, 4), kernel_isa=isa_path(load(), limbs=bool(types)),
     )  # fmt: skip
 
 
@@ -156,14 +158,20 @@ def _invariant(blocker: str | None) -> bool:
     return why is None
 
 
-def _products(loaded: LoadedModel, config: EngineConfig) -> Literal["float", "limbs"]:
-    """ "limbs" where some of the blocks held run in integer limbs (--products limbs, a format
-    and CPU limbs.cpp serves, not --block-sums), else "float"."""
-    if config.products != "limbs" or config.block_sums or loaded.weights_in_blocks <= 0:
-        return "float"
+def _products(loaded: LoadedModel, config: EngineConfig) -> tuple[str, frozenset[int]]:
+    """What the blocks held are multiplied with (products.py: `--products` float, limbs, or the
+    measured choice per format on this CPU's limb path for auto; float with --block-sums), as
+    /health says it, and the GGML types that run in integer limbs."""
+    if config.block_sums or loaded.weights_in_blocks <= 0:
+        return "float", frozenset()
+    from probserve.engine.core.products import chosen_limbs, describe, limb_isa
     from probserve.kernels.build import load
     from probserve.kernels.invariant import limb_types
     from probserve.kernels.qlayout import FORMATS
 
-    names = {FORMATS[t].name for t in limb_types(load())}
-    return "limbs" if names & set(loaded.weights_format.split("+")) else "float"
+    lib = load()
+    types = limb_types(lib)
+    capable = {FORMATS[t].name for t in types}
+    held = set(loaded.weights_format.split("+"))
+    limbs = chosen_limbs(config.products, limb_isa(lib), capable, held)
+    return describe(limbs, capable, held), frozenset(t for t in types if FORMATS[t].name in limbs)

@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from probserve.kernels.attention_plan import FlatKernels
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
 from probserve.kernels.experts import Expert
 from probserve.kernels.gpu import attention as attention_kernel
 from probserve.kernels.gpu import rows
@@ -104,6 +105,16 @@ class TritonKernels(FlatKernels):
 
     def softcap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
         return rows.softcap(self._on(x), cap)
+
+    def gated_delta(
+        self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
+    ) -> torch.Tensor:
+        """The rule in torch on the device (delta_rule.py), its SiLU the row kernel's."""
+
+        def silu(x: torch.Tensor) -> torch.Tensor:
+            return self.silu_mul(torch.cat([x, torch.ones_like(x)], dim=1))
+
+        return torch_gated_delta(silu, self._on(proj), layer, spans)
 
     def experts(self, experts: Iterable[Expert], count: int) -> GroupedExperts:
         """A layer's `count` experts, each as `pack` put it on the device, stacked one at a

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from probserve.engine.core.backend import Backend, resolve
 from probserve.engine.core.block_pool import BlockPool
 from probserve.engine.core.row_math import RowMath
-from probserve.engine.fingerprint import NumericsFingerprint
+from probserve.engine.fingerprint import NumericsFingerprint, numerics_code_digest
 from probserve.engine.info import EngineInfo
 
 log = logging.getLogger("probserve.engine.core.engine")  # the engine's lines, as before
@@ -213,6 +213,7 @@ class RunnerChoice:
             block_sums=bool(facts["block_sums"]), precision=str(facts["precision"]),
             weights=str(facts["weights"]), block_size=self.config.block_size,
             deterministic=deterministic, linear="" if deterministic else self.backend.linear,
+            code=numerics_code_digest(),
         )  # fmt: skip
 
     @property
