@@ -21,7 +21,7 @@ rounding, not bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,7 +141,7 @@ class GatedDeltaNet:
         index: int,
         shape: StateShape,
         proj: Linear | Joined,
-        out: Linear | Joined,
+        out: Callable[[torch.Tensor], torch.Tensor],
         conv: torch.Tensor,
         a_log: torch.Tensor,
         dt_bias: torch.Tensor,

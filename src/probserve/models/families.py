@@ -166,6 +166,21 @@ def _gpt_oss_gguf(config: Any, read: Read) -> Any:
     return config
 
 
+def _hybrid_gguf(arch: str) -> Callable[[Any, Read], Any]:
+    """A Qwen3.5 / Qwen3-Next file's layer kinds as the converter lists them
+    (`attention.recurrent_layers`, its multi-token-prediction layers after the trunk), where it
+    does: they need not follow `full_attention_interval`, which is all transformers reads."""
+
+    def complete(config: Any, read: Read) -> Any:
+        recurrent = read(f"{arch}.attention.recurrent_layers")
+        if recurrent:
+            trunk = recurrent[: config.num_hidden_layers]
+            config.layer_types = ["linear_attention" if r else "full_attention" for r in trunk]
+        return config
+
+    return complete
+
+
 def _fused_experts(gguf: Path) -> str | None:
     """Experts' gate and up in one tensor, which transformers leaves random."""
     from gguf import GGUFReader
@@ -206,10 +221,14 @@ TYPES: dict[str, ModelType] = {
         experts=_gpt_oss_experts, column_experts=True, gguf=_gpt_oss_gguf,
         unread=lambda _: "gpt_oss",
     ),
-    "qwen3_5_text": ModelType(qk_norm="head", hybrid=True),
-    "qwen3_5_moe_text": ModelType(qk_norm="head", hybrid=True, experts=_qwen3_5_moe_experts),
+    "qwen3_5_text": ModelType(qk_norm="head", hybrid=True, gguf=_hybrid_gguf("qwen35")),
+    "qwen3_5_moe_text": ModelType(
+        qk_norm="head", hybrid=True, experts=_qwen3_5_moe_experts, gguf=_hybrid_gguf("qwen35moe"),
+        passes_config=True,
+    ),
     "qwen3_next": ModelType(
-        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True
+        qk_norm="head", hybrid=True, experts=_qwen3_next_experts, packed_linear=True,
+        gguf=_hybrid_gguf("qwen3next"), unread=lambda _: "qwen3next",
     ),
 }  # fmt: skip
 # what the paged forward lacks for a type it does not run (the refusal's line)

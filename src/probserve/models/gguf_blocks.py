@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from probserve.kernels.qlayout import FORMATS
+from probserve.models import gguf_hybrid
 from probserve.models.gguf_once import release_pages
 from probserve.progress import Stage
 
@@ -253,14 +254,22 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         base, _, suffix = processor.preprocess_name(hf_name).rpartition(".")
         if suffix == "sinks":  # a parameter of its own (gpt-oss): the file's attn_sinks.weight
             base, suffix = hf_name, "weight"
+        if suffix in gguf_hybrid.NAMES:  # Qwen3.5's A_log (ssm_a), dt_bias (ssm_dt.bias)
+            stem, suffix = gguf_hybrid.NAMES[suffix]
+            base = f"{base}.{stem}"
+        if gguf_hybrid.unpacked(hf_name):  # Qwen3-Next: its packed projections' parts
+            names.update(gguf_hybrid.unpacked_names(name_map, hf_name.split(".linear_attn")[0]))
+            continue
         gguf_name = name_map.get_name(base)
         if gguf_name is not None:
-            names.setdefault(f"{gguf_name}.{suffix}", hf_name)
+            names.setdefault(f"{gguf_name}.{suffix}" if suffix else gguf_name, hf_name)
     out: dict[str, Weight] = {}
     for tensor in reader.tensors:
         stacked = _EXPERTS.fullmatch(tensor.name)
         if stacked is not None:  # [experts, rows, row bytes]: each expert a view
             layer, which, kind = int(stacked[1]), stacked[2], stacked[3]
+            if layer >= cfg.num_hidden_layers:  # a multi-token-prediction layer: not served
+                continue
             for e in range(tensor.data.shape[0]):
                 out[_expert_name(layer, e, which, kind)] = _expert_weight(tensor, tensor.data[e])
             continue
@@ -280,6 +289,7 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         else:  # the file's rows as they are (a native format, or one `served` dequantizes)
             rows = processor.process(weights=tensor.data, name=tensor.name).weights
             out[name] = QuantizedTensor(rows, int(kind), int(tensor.shape[0]))
+    gguf_hybrid.restore(out, cfg)
     return _with_ties(out, skeleton, Path(path).name)
 
 
@@ -324,6 +334,12 @@ def _held_per_expert(name: str, out: dict[str, Weight]) -> bool:
     return False
 
 
+def _held_unpacked(name: str, out: dict[str, Weight]) -> bool:
+    """A Qwen3-Next packed projection the weights hold as its parts (a GGUF file's)."""
+    parts = name.replace("in_proj_qkvz.", "in_proj_qkv.").replace("in_proj_ba.", "in_proj_b.")
+    return gguf_hybrid.unpacked(name) and parts in out
+
+
 def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, Weight]:
     """Tied parameters (one Parameter under several names) share one tensor; every parameter
     must have one."""
@@ -333,7 +349,11 @@ def _with_ties(out: dict[str, Weight], skeleton: Any, source: str) -> dict[str, 
             twin = next((o for o, p in params if o in out and p is param), None)
             if twin is not None:
                 out[name] = out[twin]
-    missing = sorted(n for n, _ in params if n not in out and not _held_per_expert(n, out))
+    missing = sorted(
+        n
+        for n, _ in params
+        if n not in out and not _held_per_expert(n, out) and not _held_unpacked(n, out)
+    )
     if missing:
         raise KeyError(f"{source} has no tensor for {', '.join(missing[:3])}")
     return out

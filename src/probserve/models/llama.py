@@ -25,7 +25,7 @@ against.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -43,6 +43,7 @@ from probserve.models.families import TYPES, column_expert_rows
 from probserve.models.family import STATIC_ROPE, Family, Unsupported, family, rope_type
 from probserve.models.gemma4_layer import Gemma4Layers
 from probserve.models.gguf_blocks import Weight, as_float, stack_rows
+from probserve.models.gguf_hybrid import TiledInput
 from probserve.models.linear import Joined, Linear, projection
 from probserve.models.moe import MoE
 from probserve.models.skeleton import Rotary
@@ -294,7 +295,7 @@ def _deltanet(config: Any, index: int, t: _Tensors) -> GatedDeltaNet:
     """Layer `index`'s Gated DeltaNet: its projections [q k v | z | b | a] held as one (Qwen3-
     Next's packed rows put in that order)."""
     fam, at = t.fam, "linear_attn."
-    if fam.packed_linear:
+    if fam.packed_linear and not t.has(at + "in_proj_qkv.weight"):  # (a GGUF file's: unpacked)
         qkvz, ba = _packed_rows(config)
         weights = [
             as_float(t[at + "in_proj_qkvz.weight"])[qkvz], as_float(t[at + "in_proj_ba.weight"])[ba]
@@ -302,9 +303,12 @@ def _deltanet(config: Any, index: int, t: _Tensors) -> GatedDeltaNet:
         proj = projection(weights, [None, None], t.ops)
     else:
         proj = t.linear(at + "in_proj_qkv", at + "in_proj_z", at + "in_proj_b", at + "in_proj_a")
+    out: Callable[[torch.Tensor], torch.Tensor] = t.linear(at + "out_proj")
+    if getattr(config, "gguf_value_heads", None) == "tiled":  # its input in the file's order
+        out = TiledInput(out, config)
     return GatedDeltaNet(
         sum(fam.linear[:index]), StateShape.of(config, fam.linear), proj,
-        t.linear(at + "out_proj"), as_float(t[at + "conv1d.weight"]), as_float(t[at + "A_log"]),
+        out, as_float(t[at + "conv1d.weight"]), as_float(t[at + "A_log"]),
         as_float(t[at + "dt_bias"]), as_float(t[at + "norm.weight"]), float(config.rms_norm_eps),
         t.ops,
     )  # fmt: skip

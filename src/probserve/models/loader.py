@@ -140,6 +140,7 @@ def _native(
     from probserve.models import llama
     from probserve.models.family import Unsupported
     from probserve.models.gguf_blocks import block_formats, load_weights
+    from probserve.models.gguf_hybrid import TILED
     from probserve.models.skeleton import Skeleton
 
     path = source.quantized_file
@@ -149,6 +150,8 @@ def _native(
         config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
     if kwargs.get("gguf_file"):  # the file itself (no metadata directory): complete it here
         config = _gguf_config(config, Path(path))
+    if config.model_type in TILED and config.linear_num_value_heads != config.linear_num_key_heads:
+        config.gguf_value_heads = "tiled"  # out_proj keeps the file's column order (gguf_hybrid)
     generation = None
     with contextlib.suppress(OSError):  # none saved: the config's own EOS ids stay
         generation = GenerationConfig.from_pretrained(source.name_or_path, **kwargs)
@@ -204,14 +207,19 @@ def write_metadata(source: ModelSource, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from probserve.models.gguf_hybrid import own_config
+
     kwargs = {"gguf_file": source.gguf_file}
+    gguf = Path(source.name_or_path) / str(source.gguf_file)
     try:
+        own = own_config(str(gguf))  # an architecture transformers does not read (Qwen3-Next)
         with without_fields(GGUF_UNREADABLE):
-            config = AutoConfig.from_pretrained(source.name_or_path, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs)
+            config = own or AutoConfig.from_pretrained(source.name_or_path, **kwargs)
+            kind = {"tokenizer_type": config.model_type} if own is not None else {}
+            tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **kwargs, **kind)
     except _LOAD_ERRORS as exc:
         raise _load_error(source, exc) from exc
-    config = _gguf_config(config, Path(source.name_or_path) / str(source.gguf_file))
+    config = _gguf_config(config, gguf)
     config.dtype = torch.float32
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)

@@ -5,8 +5,9 @@ native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
 every engine start paid them for a model whose weights come from elsewhere. The names follow
 transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3, Phi-3 and the mixtures of experts), and `Rotary` computes their rotary
-embedding with the same operations in the same order (tests check the two bit for bit).
+Qwen3, Gemma 2, Gemma 3, Phi-3, the mixtures of experts, Qwen3.5's Gated DeltaNet layers), and
+`Rotary` computes their rotary embedding with the same operations in the same order (tests check
+the two bit for bit).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class _Attention(nn.Module):
         if fam.fused:
             self.qkv_proj = _linear(hidden, (heads + 2 * kv) * d, qkv_bias)
         else:
-            self.q_proj = _linear(hidden, heads * d, qkv_bias)
+            q = heads * d * (2 if fam.attn_gate else 1)  # (Qwen3.5: [query | gate] per head)
+            self.q_proj = _linear(hidden, q, qkv_bias)
             self.k_proj = _linear(hidden, kv * d, qkv_bias)
             self.v_proj = _linear(hidden, kv * d, qkv_bias)
         self.o_proj = _linear(heads * d, hidden, o_bias)
@@ -140,10 +142,45 @@ class _Experts(nn.Module):
             self.down_proj = empty(experts, hidden, inner)
 
 
+class _LinearAttention(nn.Module):
+    """A Gated DeltaNet layer's parameters (Qwen3.5: models/deltanet.py): the q/k/v, z, b and a
+    projections (Qwen3-Next's packed per key head: in_proj_qkvz, in_proj_ba), the depthwise conv
+    [C, 1, K], A_log and dt_bias per value head, the gated norm [dv] and out_proj."""
+
+    def __init__(self, config: Any, fam: Family) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        nk, nv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        dk, dv = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        qkv = 2 * nk * dk + nv * dv
+        if fam.packed_linear:
+            self.in_proj_qkvz = _linear(hidden, qkv + nv * dv, False)
+            self.in_proj_ba = _linear(hidden, 2 * nv, False)
+        else:
+            self.in_proj_qkv = _linear(hidden, qkv, False)
+            self.in_proj_z = _linear(hidden, nv * dv, False)
+            self.in_proj_b = _linear(hidden, nv, False)
+            self.in_proj_a = _linear(hidden, nv, False)
+        kernel = int(config.linear_conv_kernel_dim)
+        self.conv1d = nn.Conv1d(qkv, qkv, kernel, groups=qkv, bias=False, device="meta")
+        self.A_log = nn.Parameter(torch.empty(nv, device="meta"))
+        self.dt_bias = nn.Parameter(torch.empty(nv, device="meta"))
+        self.norm = _Norm(dv, config.rms_norm_eps)
+        self.out_proj = _linear(nv * dv, hidden, False)
+
+
+class _SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, inner, False)
+        self.up_proj = _linear(hidden, inner, False)
+        self.down_proj = _linear(inner, hidden, False)
+
+
 class _MoE(nn.Module):
     """A mixture of experts' parameters under transformers' names: the router `gate` [E, H], the
     experts' stacked gate/up [E, 2I, H] and down [E, H, I]; gpt-oss's router (biased), and its
-    experts' [E, H, 2I] and [E, I, H] with their biases."""
+    experts' [E, H, 2I] and [E, I, H] with their biases; Qwen3.5's shared expert and its gate."""
 
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
@@ -153,12 +190,19 @@ class _MoE(nn.Module):
         else:
             self.gate = _linear(config.hidden_size, fam.experts, False)
         self.experts = _Experts(fam.experts, config.hidden_size, fam.expert_intermediate, gpt_oss)
+        if fam.shared_expert:
+            hidden = config.hidden_size
+            self.shared_expert = _SharedExpert(hidden, int(config.shared_expert_intermediate_size))
+            self.shared_expert_gate = _linear(hidden, 1, False)
 
 
 class _Layer(nn.Module):
     def __init__(self, config: Any, fam: Family, index: int) -> None:
         super().__init__()
-        self.self_attn = _Attention(config, fam)
+        if fam.linear and fam.linear[index]:
+            self.linear_attn = _LinearAttention(config, fam)
+        else:
+            self.self_attn = _Attention(config, fam)
         sparse = fam.experts and fam.sparse[index]
         self.mlp = _MoE(config, fam) if sparse else _MLP(config, fam)
         eps = config.rms_norm_eps
