@@ -16,6 +16,7 @@ class ToolParser(enum.StrEnum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    HARMONY = "harmony"  # gpt-oss: calls read from token ids (answers/harmony.py)
     GENERIC = "generic"
 
 
@@ -42,17 +43,21 @@ FORMATS = {
     ToolParser.LLAMA3_JSON: ToolFormat(ToolParser.LLAMA3_JSON, arguments="parameters"),
     ToolParser.MISTRAL: ToolFormat(ToolParser.MISTRAL, "[TOOL_CALLS]", special=True),
     ToolParser.GENERIC: ToolFormat(ToolParser.GENERIC),
+    # harmony's calls reach the parser as Hermes calls (answers/harmony.py writes them so)
+    ToolParser.HARMONY: ToolFormat(ToolParser.HARMONY, "<tool_call>", "</tool_call>"),
 }
 
 
 def detect_format(template: str | None, asked: ToolParser = ToolParser.AUTO) -> ToolFormat:
     """The format `asked` for, or (auto) the one the template writes: Hermes' `<tool_call>`
     (Qwen2.5, Qwen3, Hermes), Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON calls
-    (`<|python_tag|>` or `"parameters"` beside `tools`); generic when the template knows no
-    tools."""
+    (`<|python_tag|>` or `"parameters"` beside `tools`), harmony's (gpt-oss); generic when the
+    template knows no tools."""
     if asked is not ToolParser.AUTO:
         return FORMATS[asked]
     text = template or ""
+    if "<|channel|>" in text and "<|call|>" in text:  # gpt-oss's harmony
+        return FORMATS[ToolParser.HARMONY]
     if "<tool_call>" in text:
         return FORMATS[ToolParser.HERMES]
     if "[TOOL_CALLS]" in text:

@@ -63,7 +63,7 @@ def primed_grammar(ask: ToolAsk) -> str:
     and the object's close, with more calls where several may be, then the list's close."""
 
     def arguments(schema: Any) -> str:
-        return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **_object_schema(schema)})}"
+        return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **object_schema(schema)})}"
 
     if ask.choice == "named":
         ((_, schema),) = ask.offered_schemas
@@ -78,7 +78,7 @@ def primed_grammar(ask: ToolAsk) -> str:
     return "\n".join([f"start: call{more} {json.dumps(']}')}", f"call: {call}", *rules])
 
 
-def _object_schema(schema: Any) -> dict[str, Any]:
+def object_schema(schema: Any) -> dict[str, Any]:
     """A schema as a dict (a boolean schema: true is any value, false none)."""
     if isinstance(schema, dict):
         return schema

@@ -276,7 +276,7 @@ class ReplyParser:
         content or the next call; a Mistral or generic list goes on at "," and ends at "]";
         Llama 3 calls are separated by ";"."""
         parser = self.fmt.parser
-        if parser is ToolParser.HERMES:
+        if parser in (ToolParser.HERMES, ToolParser.HARMONY):
             closer = self.fmt.closer
             self._held = (self._held + c)[-len(closer) :]  # what is dropped need not be kept
             if self._held == closer:
