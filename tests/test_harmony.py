@@ -359,7 +359,7 @@ def test_cut_short_in_the_analysis(http: httpx.Client, tok: Any) -> None:
     resp = _post(http, "/v1/responses", {**_responses(tok), "max_output_tokens": 5})
     assert resp["status"] == "incomplete"
     assert resp["output"][0]["content"][0]["text"] == choice["message"]["reasoning"]
-    msg = _post(http, "/v1/messages", {**_messages(tok), "max_tokens": 5})
+    msg = _post(http, "/v1/messages", {**_messages(tok, 4), "max_tokens": 5})
     assert msg["stop_reason"] == "max_tokens"
     assert [b["type"] for b in msg["content"]] == ["thinking"]
 
@@ -369,9 +369,9 @@ def _responses(tok: Any) -> dict[str, Any]:
     return {**body, "input": ASK, "max_output_tokens": 48}
 
 
-def _messages(tok: Any) -> dict[str, Any]:
+def _messages(tok: Any, budget: int = 6) -> dict[str, Any]:
     body = {k: v for k, v in _chat(tok).items() if k != "thinking_budget"}
-    return {**body, "thinking": {"type": "enabled", "budget_tokens": 6}}
+    return {**body, "thinking": {"type": "enabled", "budget_tokens": budget}}
 
 
 def test_every_route_gives_the_same_reasoning_answer_and_logprobs(

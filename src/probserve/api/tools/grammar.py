@@ -105,7 +105,8 @@ def tool_grammar(
         return None
     schema = {"x-guidance": JSON_OPTIONS, **call_schema(ask, fmt.arguments)}
     call = f"%json {json.dumps(schema)}"
-    if fmt.parser is ToolParser.HERMES:
+    # harmony's replies reach it as Hermes calls where they are split (else they are not harmony's)
+    if fmt.parser in (ToolParser.HERMES, ToolParser.HARMONY):
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'
         if tags is not None:
             first = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
@@ -121,7 +122,7 @@ def tool_grammar(
         text = r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"
         free = "start: TEXT | calls"
     # the first call, then (where several may be) more after the format's separator
-    again = "call" if fmt.parser is not ToolParser.HERMES else first
+    again = first if fmt.parser in (ToolParser.HERMES, ToolParser.HARMONY) else "call"
     calls = first if ask.most_calls == 1 else f"{first} ({then} {again})*"
     if fmt.parser is ToolParser.MISTRAL:
         calls += ' "]"'
