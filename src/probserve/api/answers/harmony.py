@@ -11,7 +11,8 @@ with no recipient (a preamble the user sees), the answer; a commentary message t
 (`<tool_call>{"name": NAME, "arguments": ` ... `}</tool_call>`) to the reply's tool parser,
 which makes it a call like any other (`formats.ToolParser.HARMONY`). Channels are read from the
 tokens' ids, never from the text, so harmony markup in a message's text is only text. Every
-marker's piece keeps its logprobs in its message's channel and shows no text."""
+marker's piece keeps its logprobs in its message's channel and shows no text (the stop token
+that ends the reply is hidden, as any reply's is)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,9 @@ class HarmonySplit:
                 self.where = "header"
                 continue
             if tid == m.end or tid in m.stops:
-                if self.where == "call" and self.calls:  # the call's object closed
-                    out[side].append(dataclasses.replace(p, text="}" + CALL_CLOSER, hidden=False))
+                if self.where == "call" and self.calls:  # the call's object closed (the stop
+                    # token stays hidden, its logprobs unreported as any reply's stop token's)
+                    out[side].append(dataclasses.replace(p, text="}" + CALL_CLOSER))
                 else:
                     out[side].append(_silent(p))
                 self.where = "between" if tid == m.end else "done"
@@ -117,7 +119,7 @@ class HarmonySplit:
             if self.where == "between":  # not a harmony reply's order: as answer text
                 self.where = "answer"
                 side = "answer"
-            out[side].append(p)
+            out[side].append(_silent(p) if tid in m.ids else p)  # a stray marker: no text
         if final:
             self._flush(out, "reasoning" if self.last == "reasoning" else "answer")
         return out["reasoning"], out["answer"]
@@ -138,7 +140,7 @@ class HarmonySplit:
         self.last = side
         if self.where == "call" and self.calls and recipient is not None:
             opener = f'{CALL_OPENER}{{"name": {json.dumps(recipient.group(1))}, "arguments": '
-            last = dataclasses.replace(self.header[-1], text=opener, hidden=False)
+            last = dataclasses.replace(self.header[-1], text=opener)
             self.header[-1] = last
             out[side] += [_silent(p) for p in self.header[:-1]] + [last]
         else:
