@@ -22,6 +22,7 @@ from probserve.api.answers.harmony import HarmonyMarkers, HarmonySplit, reply_ma
 from probserve.api.answers.text_stream import Piece
 from probserve.api.answers.thinking import ReasoningParser, ThinkMarkers
 from probserve.api.answers.tokens import TokenTable
+from probserve.api.tools.formats import ToolParser, detect_format
 from probserve.models import LoadedModel
 
 pytestmark = pytest.mark.slow  # a server per module (make test-fast starts none)
@@ -251,6 +252,7 @@ def test_auto_picks_harmony_for_a_gpt_oss_template_and_tokenizer(tok: Any) -> No
     think = {"<think>": 5, "</think>": 6}
     assert reply_markers("</think>", think, ReasoningParser.AUTO) == ThinkMarkers(5, 6)
     assert reply_markers("</think>", think, ReasoningParser.HARMONY) is None
+    assert detect_format(TEMPLATE).parser is ToolParser.HARMONY
 
 
 def _table(tok: Any, tables: dict[int, TokenTable] = {}) -> TokenTable:  # noqa: B006

@@ -86,7 +86,7 @@ class HarmonySplit:
 
     @property
     def state(self) -> str:
-        """ "answer" once a message after the reasoning began (as `ThinkSplit.state`)."""
+        """As `ThinkSplit.state`: "answer" once a message after the reasoning began."""
         return "answer" if self.last == "answer" else "thinking"
 
     def split(self, pieces: list[Piece], final: bool = False) -> tuple[list[Piece], list[Piece]]:
