@@ -450,3 +450,14 @@ def test_a_harmony_tool_call_parses_whole_and_streamed(
     assert kinds == ["reasoning", "function_call"]
     assert resp["output"][1]["name"] == name
     assert json.loads(resp["output"][1]["arguments"]) == arguments
+    anthropic = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": anthropic,
+        "tool_choice": {"type": "any"}, "max_tokens": 64, "temperature": 1.0, "seed": seed,
+        "logit_bias": body["logit_bias"], "thinking": {"type": "enabled", "budget_tokens": 4},
+    }  # fmt: skip
+    msg = _post(http, "/v1/messages", body)
+    assert [b["type"] for b in msg["content"]] == ["thinking", "tool_use"]
+    assert msg["stop_reason"] == "tool_use" and msg["content"][1]["name"] == name
+    assert msg["content"][1]["input"] == arguments
