@@ -158,6 +158,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     "only assistant messages hold reasoning", f"messages[{i}].{field}"
                 )
             d["reasoning_content"] = reasoning
+            d["thinking"] = reasoning  # gpt-oss's template's name for it (its analysis)
         out.append(d)
     return out
 

@@ -25,11 +25,13 @@ THINK_END = "</think>"
 
 class ReasoningParser(enum.StrEnum):
     """`--reasoning-parser`'s choices: auto (the template and tokenizer say), none (no split:
-    the reply as written), think (`<think>...</think>` wherever the tokenizer has both)."""
+    the reply as written), think (`<think>...</think>` wherever the tokenizer has both),
+    harmony (gpt-oss's channels, answers/harmony.py, wherever the tokenizer has them)."""
 
     AUTO = "auto"
     NONE = "none"
     THINK = "think"
+    HARMONY = "harmony"
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def think_markers(
 ) -> ThinkMarkers | None:
     """The markers of a model whose tokenizer's added tokens are `added` and whose chat
     template is `template`, as `asked` (None: no split)."""
-    if asked is ReasoningParser.NONE:
+    if asked in (ReasoningParser.NONE, ReasoningParser.HARMONY):
         return None
     start, end = added.get(THINK_START), added.get(THINK_END)
     if start is None or end is None:
@@ -104,7 +106,7 @@ class ThinkSplit:
         self.state = "thinking" if markers.opened else "answer" if markers.closed else "start"
         self._said = {"thinking": False, "answer": False}  # a channel's text has begun
 
-    def split(self, pieces: list[Piece]) -> tuple[list[Piece], list[Piece]]:
+    def split(self, pieces: list[Piece], final: bool = False) -> tuple[list[Piece], list[Piece]]:
         reasoning: list[Piece] = []
         answer: list[Piece] = []
         m = self.markers

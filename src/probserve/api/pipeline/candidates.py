@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 from starlette.requests import Request
 
+from probserve.api.answers.harmony import HarmonySplit
 from probserve.api.answers.text_stream import Piece, TextStream
 from probserve.api.answers.thinking import ThinkSplit
 from probserve.api.edge.disconnect import unless_disconnected
@@ -70,7 +71,8 @@ class Candidate:
     stream: RequestStream
     text: TextStream
     pieces: list[Piece] = field(default_factory=list)  # the answer's
-    split: ThinkSplit | None = None  # a thinking model's reply: reasoning and answer apart
+    # a thinking model's reply: reasoning and answer apart
+    split: ThinkSplit | HarmonySplit | None = None
     thinking: list[Piece] = field(default_factory=list)  # the reasoning's (before `pieces`)
     prompt_scores: TokenLogprobs | None = None
     prompt_routed: RoutedExperts | None = None  # RoutingSpec.prompt: tokens 1..len-1
@@ -138,8 +140,8 @@ class Candidate:
                     finish = _FINISH[out.finish_reason or FinishReason.LENGTH]
                 pieces = self.text.release(final=finish is not None)
                 thinking: list[Piece] = []
-                if self.split is not None and pieces:
-                    thinking, answer = self.split.split(pieces)
+                if self.split is not None and (pieces or finish):
+                    thinking, answer = self.split.split(pieces, final=finish is not None)
                     self.thinking += thinking
                 else:
                     answer = pieces

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 
+from probserve.api.answers.harmony import reply_split
 from probserve.api.answers.text_stream import TextStream
-from probserve.api.answers.thinking import ThinkSplit
 from probserve.api.pipeline.candidates import (
     Candidate,
     Delta,
@@ -77,8 +77,9 @@ class Run:
                 requests.append(req)
                 texts.append(TextStream(table, base, plan.stops, plan.skip_special_tokens))
         streams = await submit_all(self.state.engine, requests)
+        calls = plan.tools is not None
         self.candidates = [
-            Candidate(r, s, t, split=ThinkSplit(plan.thinking) if plan.thinking else None)
+            Candidate(r, s, t, split=reply_split(m, table, calls) if (m := plan.thinking) else None)
             for r, s, t in zip(requests, streams, texts, strict=True)
         ]
         if plan.spec is not None and plan.spec.prompt and plan.per_prompt > 1:

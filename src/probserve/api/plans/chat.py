@@ -9,15 +9,17 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from probserve.api.answers.thinking import (
-    ThinkMarkers,
-    opened,
-    reasoning_positions,
-    think_markers,
+from probserve.api.answers.harmony import (
+    HarmonyMarkers,
+    Markers,
+    harmony_reasoning_positions,
+    reply_markers,
 )
+from probserve.api.answers.thinking import opened, reasoning_positions
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import after_thinking, compiled_grammar, grammar_ask
+from probserve.api.plans.harmony_grammar import harmony_grammar
 from probserve.api.plans.logprobs_ask import LogprobsAsk, capped, reply_alternatives
 from probserve.api.plans.plan import Plan
 from probserve.api.plans.routing import routing_spec
@@ -25,10 +27,12 @@ from probserve.api.plans.sampling import candidate_params, check_request
 from probserve.api.prompts import ChatPrompt, chat_prompt, check_messages
 from probserve.api.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from probserve.api.server.state import Serving
+from probserve.api.structured import GrammarAsk
 from probserve.api.tools.ask import ToolAsk, tool_ask
 from probserve.api.tools.formats import ToolFormat, detect_format
 from probserve.api.tools.grammar import tool_grammar
 from probserve.api.tools.prompt import tool_prompt, tools_chars
+from probserve.engine import SamplingParams
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +69,14 @@ async def chat_plan(
     )
     prompt, primed, tools = await rendered_chat(state, conversation)
     fmt = tool_format(state)
+    markers = None if echo else thinking_markers(state)
+    if isinstance(markers, HarmonyMarkers):
+        grammar, sampling = await _harmony_reply(state, markers, tools, asked, sampling, budget)
+        return Plan(
+            prompts=[prompt], sampling=sampling, spec=ask.spec(), stops=stops,
+            skip_special_tokens=body.skip_special_tokens, grammar=grammar, tools=tools,
+            speculative=body.speculative, thinking=markers,
+        )  # fmt: skip
     if tools is not None and not echo:
         called = tool_grammar(tools, _special_id(state, fmt), primed, _tags(state, fmt))
         if called is not None and asked is not None:
@@ -74,7 +86,6 @@ async def chat_plan(
         asked = asked or called
     grammar = await compiled_grammar(state, asked)
     skip_special = body.skip_special_tokens and not (tools is not None and fmt.special)
-    markers = None if echo else thinking_markers(state)
     if markers is not None:
         markers = opened(markers, prompt.ids, state.table)
         if not markers.closed and not primed and (grammar is not None or budget is not None):
@@ -84,6 +95,32 @@ async def chat_plan(
         skip_special_tokens=skip_special, grammar=grammar, tools=tools,
         speculative=body.speculative, thinking=markers,
     )  # fmt: skip
+
+
+async def _harmony_reply(
+    state: Serving,
+    m: HarmonyMarkers,
+    tools: ToolAsk | None,
+    asked: GrammarAsk | None,
+    sampling: list[SamplingParams],
+    budget: int | None,
+) -> tuple[str | None, list[SamplingParams]]:
+    """A gpt-oss reply's grammar and sampling: `<|return|>` and `<|call|>` stop it; a
+    response_format (the final channel's), the tools' calls or a thinking budget make
+    harmony's grammar (plans/harmony_grammar.py)."""
+    if tools is not None and asked is not None:
+        raise bad_request(
+            f"{asked.param} and tools both constrain the reply: ask for one", asked.param
+        )
+    answer = await compiled_grammar(state, asked)
+    grammar = None
+    if tools is not None or answer is not None or budget is not None:
+        grammar = harmony_grammar(m, tools, answer, budget)
+    stopped = [
+        dataclasses.replace(s, stop_token_ids=tuple(dict.fromkeys((*s.stop_token_ids, *m.stops))))
+        for s in sampling
+    ]
+    return grammar, stopped
 
 
 async def rendered_chat(
@@ -107,7 +144,10 @@ async def rendered_chat(
     markers = thinking_markers(state)
     if markers is not None:
         roles = [role for _, role in prompt.sources]
-        prompt.reasoning = reasoning_positions(markers, prompt.ids, roles)
+        if isinstance(markers, HarmonyMarkers):
+            prompt.reasoning = harmony_reasoning_positions(markers, prompt.ids, roles, state.table)
+        else:
+            prompt.reasoning = reasoning_positions(markers, prompt.ids, roles)
     return prompt, shown.primed, tools
 
 
@@ -119,11 +159,11 @@ def tool_format(state: Serving) -> ToolFormat:
     )
 
 
-def thinking_markers(state: Serving) -> ThinkMarkers | None:
+def thinking_markers(state: Serving) -> Markers | None:
     """This model's thinking markers (its template's and tokenizer's, or --reasoning-parser's;
     None: its replies are not split)."""
     template = getattr(state.record.tokenizer, "chat_template", None)
-    return think_markers(
+    return reply_markers(
         template if isinstance(template, str) else None,
         state.table.added_vocab,
         state.config.reasoning_parser,

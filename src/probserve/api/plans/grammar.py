@@ -186,11 +186,11 @@ def after_thinking(markers: ThinkMarkers, answer: str | None, budget: int | None
     )
     grammars: list[dict[str, object]] = [{"lark_grammar": lark}]
     if answer is not None:
-        grammars += _named_answer(answer)
+        grammars += named_answer(answer)
     return json.dumps({"grammars": grammars})
 
 
-def _named_answer(grammar: str) -> list[dict[str, object]]:
+def named_answer(grammar: str) -> list[dict[str, object]]:
     """A compiled grammar's parts (llguidance's JSON form, or a Lark text), the first named
     `answer` for the thinking's grammar to refer to."""
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from probserve.api.answers.thinking import ThinkMarkers
+from probserve.api.answers.harmony import Markers
 from probserve.api.prompts import Prompt
 from probserve.api.tools.ask import ToolAsk
 from probserve.engine import LogprobsSpec, RoutingSpec, SamplingParams
@@ -26,7 +26,7 @@ class Plan:
     routing: RoutingSpec | None = None  # each token's experts returned (plans/routing.py)
     speculative: bool | None = None  # speculative decoding asked on/off (None: the server's)
     embed: str | None = None  # the prompts' pooled final hidden states (/v1/embeddings)
-    thinking: ThinkMarkers | None = None  # replies split into reasoning and answer
+    thinking: Markers | None = None  # replies split into reasoning and answer
 
     def with_(self, **changes: object) -> Plan:
         """This plan with `changes` (its fields by name)."""

@@ -61,8 +61,10 @@ class ServerConfig:
         ReasoningParser.AUTO,
         "how a thinking model's reply is split into reasoning and answer: auto (where the chat "
         "template mentions </think> and the tokenizer has <think> and </think> as tokens: "
-        "Qwen3, Qwen3.5, DeepSeek-R1 and its distills, QwQ), think (wherever the tokenizer has "
-        "them), or none (the reply as written)",
+        "Qwen3, Qwen3.5, DeepSeek-R1 and its distills, QwQ; where the template writes "
+        "<|channel|> and the tokenizer has harmony's tokens: gpt-oss's channels), think "
+        "(<think> wherever the tokenizer has them), harmony (wherever the tokenizer has "
+        "harmony's tokens), or none (the reply as written)",
     )
     schema_extra_keys: Literal["forbid", "schema"] = setting(
         "forbid",

@@ -17,6 +17,7 @@ class ToolParser(enum.StrEnum):
     QWEN3_CODER = "qwen3_coder"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    HARMONY = "harmony"  # gpt-oss: calls read from token ids (answers/harmony.py)
     GENERIC = "generic"
 
 
@@ -39,8 +40,9 @@ class ToolFormat:
 
     @property
     def tagged(self) -> bool:
-        """Each call is wrapped in `opener` ... `closer` (Hermes', Qwen3-Coder's XML)."""
-        return self.parser in (ToolParser.HERMES, ToolParser.QWEN3_CODER)
+        """Each call is wrapped in `opener` ... `closer` (Hermes', Qwen3-Coder's XML; harmony's
+        calls reach the parser as Hermes calls)."""
+        return self.parser in (ToolParser.HERMES, ToolParser.QWEN3_CODER, ToolParser.HARMONY)
 
 
 FORMATS = {
@@ -49,18 +51,22 @@ FORMATS = {
     ToolParser.LLAMA3_JSON: ToolFormat(ToolParser.LLAMA3_JSON, arguments="parameters"),
     ToolParser.MISTRAL: ToolFormat(ToolParser.MISTRAL, "[TOOL_CALLS]", special=True),
     ToolParser.GENERIC: ToolFormat(ToolParser.GENERIC),
+    # harmony's calls reach the parser as Hermes calls (answers/harmony.py writes them so)
+    ToolParser.HARMONY: ToolFormat(ToolParser.HARMONY, "<tool_call>", "</tool_call>"),
 }
 
 
 def detect_format(template: str | None, asked: ToolParser = ToolParser.AUTO) -> ToolFormat:
-    """The format `asked` for, or (auto) the one the template writes: Qwen3-Coder's XML calls
-    (`<function=NAME>` and `<parameter=P>` inside `<tool_call>`: Qwen3-Coder, Qwen3.5, Qwen3.6),
-    Hermes' `<tool_call>` (Qwen2.5, Qwen3, Hermes), Mistral's `[TOOL_CALLS]`, Llama 3.x's JSON calls
-    (`<|python_tag|>` or `"parameters"` beside `tools`); generic when the template knows no
-    tools."""
+    """The format `asked` for, or (auto) the one the template writes: harmony's (gpt-oss),
+    Qwen3-Coder's XML calls (`<function=NAME>` and `<parameter=P>` inside `<tool_call>`:
+    Qwen3-Coder, Qwen3.5, Qwen3.6), Hermes' `<tool_call>` (Qwen2.5, Qwen3, Hermes), Mistral's
+    `[TOOL_CALLS]`, Llama 3.x's JSON calls (`<|python_tag|>` or `"parameters"` beside `tools`);
+    generic when the template knows no tools."""
     if asked is not ToolParser.AUTO:
         return FORMATS[asked]
     text = template or ""
+    if "<|channel|>" in text and "<|call|>" in text:  # gpt-oss's harmony
+        return FORMATS[ToolParser.HARMONY]
     if "<function=" in text and "<parameter=" in text:
         return FORMATS[ToolParser.QWEN3_CODER]
     if "<tool_call>" in text:

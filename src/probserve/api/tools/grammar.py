@@ -64,7 +64,7 @@ def primed_grammar(ask: ToolAsk) -> str:
     and the object's close, with more calls where several may be, then the list's close."""
 
     def arguments(schema: Any) -> str:
-        return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **_object_schema(schema)})}"
+        return f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **object_schema(schema)})}"
 
     if ask.choice == "named":
         ((_, schema),) = ask.offered_schemas
@@ -79,7 +79,7 @@ def primed_grammar(ask: ToolAsk) -> str:
     return "\n".join([f"start: call{more} {json.dumps(']}')}", f"call: {call}", *rules])
 
 
-def _object_schema(schema: Any) -> dict[str, Any]:
+def object_schema(schema: Any) -> dict[str, Any]:
     """A schema as a dict (a boolean schema: true is any value, false none)."""
     if isinstance(schema, dict):
         return schema
@@ -114,7 +114,8 @@ def tool_grammar(
             first = f'<[{tags[0]}]> "\\n" call <[{tags[1]}]>'
         text = r"TEXT: /(?s:.*)/ & ~/(?s:.*<tool_call>.*)/"
         free = "start: TEXT | TEXT? calls"
-    elif fmt.parser is ToolParser.HERMES:
+    elif fmt.parser in (ToolParser.HERMES, ToolParser.HARMONY):
+        # harmony's replies reach it as Hermes calls where they are split (else not harmony's)
         first, then = '"<tool_call>\\n" call "\\n</tool_call>"', '"\\n"'
         if tags is not None:
             first = f'<[{tags[0]}]> "\\n" call "\\n" <[{tags[1]}]>'
