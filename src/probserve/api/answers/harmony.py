@@ -191,7 +191,8 @@ def harmony_reasoning_positions(
         elif tid == m.message and header_from is not None:
             head = table.decode(list(ids[header_from:i]))
             channel = _CHANNEL.search(head)
-            if channel is not None and channel.group(1) == "analysis" and not _RECIPIENT.search(head):
+            analysis = channel is not None and channel.group(1) == "analysis"
+            if analysis and not _RECIPIENT.search(head):
                 inside = True
                 out[header_from:i] = [True] * (i - header_from)
             header_from = None
