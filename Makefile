@@ -26,6 +26,8 @@ $(SERVE_STAMP): pyproject.toml Makefile
 $(STAMP): $(SERVE_STAMP)
 	@echo "== the test and Ray dependencies"
 	$(BIN)/pip install --progress-bar off -e '.[dev,ray]'
+	@echo "== instructor (a thinking model's client check), without its jiter cap (pyproject: dev)"
+	$(BIN)/pip install -q --no-deps instructor==1.17.0
 	touch $(STAMP)
 
 install: $(STAMP)
