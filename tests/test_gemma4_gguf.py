@@ -45,14 +45,15 @@ def _hf(vocab: int, shape: str, **extra: Any) -> Any:
     scalars and embeddings away from their initial values."""
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    config = Gemma4TextConfig(
-        vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64,
-        intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, global_head_dim=64, sliding_window=6,
-        layer_types=TYPES, num_kv_shared_layers=2, hidden_size_per_layer_input=32,
-        final_logit_softcapping=5.0, max_position_embeddings=256, eos_token_id=2,
-        pad_token_id=0, **(SHAPES[shape] | extra),
-    )  # fmt: skip
+    common = {
+        "vocab_size": vocab, "vocab_size_per_layer_input": vocab, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "global_head_dim": 64, "sliding_window": 6,
+        "layer_types": TYPES, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 32,
+        "final_logit_softcapping": 5.0, "max_position_embeddings": 256, "eos_token_id": 2,
+        "pad_token_id": 0,
+    }  # fmt: skip
+    config = Gemma4TextConfig(**(common | SHAPES[shape] | extra))
     torch.manual_seed(13)
     hf = Gemma4ForCausalLM(config).eval().requires_grad_(False)
     for name, param in hf.named_parameters():

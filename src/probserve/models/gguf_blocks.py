@@ -266,7 +266,10 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(
         config={
             "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
+            # (a model whose layers differ, Gemma 4: its first layer's; its processor reads none)
+            "num_key_value_heads": (
+                cfg.per_layer_config[0] if hasattr(cfg, "per_layer_config") else cfg
+            ).num_key_value_heads,
         }
     )
     # transformers' mapping (get_gguf_hf_weights_map), for the top-level names alone
