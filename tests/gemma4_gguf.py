@@ -85,12 +85,16 @@ def write_gemma4_gguf(
             writer.add_key_value(f"gemma4.{key}", values[0], u32)
         else:
             writer.add_array(f"gemma4.{key}", values)
-    writer.add_array("gemma4.attention.sliding_window_pattern", [t != "full_attention" for t in types])
+    writer.add_array(
+        "gemma4.attention.sliding_window_pattern", [t != "full_attention" for t in types]
+    )
     writer.add_key_value("general.file_type", 0 if qtype == GGMLQuantizationType.F32 else 7, u32)
     # the full layers' proportional RoPE: 1.0 for each rotated pair, 1e30 for the rest
     half = int(full.head_dim) // 2
     rotated = int(int(full.head_dim) * float(rope["full_attention"]["partial_rotary_factor"]) / 2)
-    writer.add_tensor("rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (half - rotated), np.float32))
+    writer.add_tensor(
+        "rope_freqs.weight", np.array([1.0] * rotated + [1e30] * (half - rotated), np.float32)
+    )
     names = gguf_names(cfg)
     tensors = dict(hf.named_parameters())  # (a tied head: once, as the embedding)
     tensors |= {k: v for k, v in hf.named_buffers() if k.endswith("layer_scalar")}

@@ -140,7 +140,9 @@ def _qwen3_moe_gguf(config: Any, read: Read) -> Any:
 # metadata transformers' GGUF loader fails on (read here instead: _gpt_oss_gguf, and
 # gemma4.gguf_config: one value a layer where a Gemma 4's layers differ)
 GGUF_UNREADABLE = (
-    "gpt-oss.rope.scaling.", "gemma4.feed_forward_length", "gemma4.attention.head_count_kv",
+    "gpt-oss.rope.scaling.",
+    "gemma4.feed_forward_length",
+    "gemma4.attention.head_count_kv",
 )
 
 

@@ -171,7 +171,7 @@ def gguf_config(config: Any, read: Callable[[str], Any]) -> Any:
             top_k_experts=int(key("expert_used_count") or 0),
             moe_intermediate_size=int(key("expert_feed_forward_length") or 0),
         )  # fmt: skip
-    return Gemma4TextConfig(**fields, per_layer_config=per_layer)
+    return Gemma4TextConfig(**fields, per_layer_config=per_layer)  # type: ignore[call-arg]
 
 
 def _per_layer(value: Any, n: int) -> list[int]:

@@ -6,9 +6,9 @@ models/gemma4.py reads its configuration), on the forward's operations (kernels/
   writes both into its own cache layer (its values are its raw keys where attention_k_eq_v); a
   shared layer rotates its queries alone and reads its source layer's cache;
 - the per-layer inputs: each token's row of the per-layer embedding table (kept as the
-  checkpoint stores it, a GGUF file's blocks too, gathered per token, times sqrt(width)), plus the RMS-normed projection
-  of the scaled embedding (times hidden^-0.5), times 2^-0.5; after each layer's MLP,
-  h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar.
+  checkpoint stores it, a GGUF file's blocks too, gathered per token, times sqrt(width)),
+  plus the RMS-normed projection of the scaled embedding (times hidden^-0.5), times 2^-0.5;
+  after each layer's MLP, h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar.
 
 A layer's rows never mix: every step is a product, a norm or an elementwise operation of the
 backend's, or an exact gather, so the row-invariant kernels keep a token's bits whatever else

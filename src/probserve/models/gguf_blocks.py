@@ -233,8 +233,8 @@ def served(weights: dict[str, Weight]) -> dict[str, Weight]:
     done: dict[int, Weight] = {}
     cost: dict[str, int] = {}
     for name, value in weights.items():
-        gathered = name.endswith(GATHERED)
-        if isinstance(value, QuantizedTensor) and value.ggml_type not in NATIVE_TYPES and not gathered:
+        kept = name.endswith(GATHERED)
+        if isinstance(value, QuantizedTensor) and value.ggml_type not in NATIVE_TYPES and not kept:
             if id(value) not in done:
                 done[id(value)] = value.dequantize()
                 cost[value.type_name] = cost.get(value.type_name, 0) + value.n * value.k * 4

@@ -5,8 +5,9 @@ native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
 every engine start paid them for a model whose weights come from elsewhere. The names follow
 transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3, Gemma 4, Phi-3 and the mixtures of experts), and `Rotary` computes their rotary
-embedding with the same operations in the same order (tests check the two bit for bit).
+Qwen3, Gemma 2, Gemma 3, Gemma 4, Phi-3 and the mixtures of experts), and `Rotary` computes
+their rotary embedding with the same operations in the same order (tests check the two bit for
+bit).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 
 from probserve.models.families import TYPES
-from probserve.models.gemma4 import Gemma4Layout
 from probserve.models.family import (
     Family,
     family,
@@ -25,6 +25,7 @@ from probserve.models.family import (
     rope_params,
     rope_type,
 )
+from probserve.models.gemma4 import Gemma4Layout
 
 
 class Rotary(nn.Module):
