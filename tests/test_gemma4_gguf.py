@@ -115,10 +115,12 @@ def served(
     return Served(hf, qtype, path, loaded, _twin(loaded.model.config, path))
 
 
-def test_the_configuration_comes_from_the_files_metadata(served: Served):
+def test_the_configuration_comes_from_the_files_metadata(served: Served, smol: LoadedModel):
     """Each layer's type, head size and KV heads, the layers sharing KV, keys as values, the
     MLP widths, the per-layer input width, each layer type's RoPE and the soft-cap: the model
-    written's (transformers' own reading of the file has Gemma 4's defaults for them)."""
+    written's (transformers' own reading of the file has Gemma 4's defaults for them); the
+    end-of-sequence tokens, the tokenizer and the chat template: the file's."""
+    smol_ids = smol.tokenizer.encode
     want, got = served.hf.config, served.loaded.model.config
     assert got.model_type == "gemma4_text"
     n = want.num_hidden_layers
@@ -135,6 +137,11 @@ def test_the_configuration_comes_from_the_files_metadata(served: Served):
     ):  # fmt: skip
         assert getattr(got, key) == getattr(want, key), key
     assert served.loaded.eos_token_ids == frozenset({served.loaded.tokenizer.eos_token_id})
+    # the tokenizer and chat template: the file's
+    template = GGUFReader(str(served.path)).fields["tokenizer.chat_template"].contents()
+    assert served.loaded.chat_template == template
+    text = "Gemma 4, served from its blocks."
+    assert served.loaded.tokenizer.encode(text) == smol_ids(text)
 
 
 def test_every_tensor_is_the_one_gguf_py_reads_and_blocks_stay_blocks(served: Served):

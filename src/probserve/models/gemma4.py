@@ -42,7 +42,11 @@ class Gemma4Layout:
 def missing(config: Any) -> str | None:
     """What the paged forward lacks for this Gemma 4 configuration (None: nothing)."""
     if getattr(config, "enable_moe_block", False):
-        return "its mixture-of-experts block (router scales, experts beside the MLP) is not built"
+        return (
+            "its mixture-of-experts block is not built (a router over the RMS-normed residual "
+            "with a learned scale and per-expert output scales; GeGLU experts beside the dense "
+            "MLP, each branch with norms of its own)"
+        )
     if getattr(config, "use_bidirectional_attention", None):
         return "its bidirectional attention is not built"
     types = list(config.layer_types)
