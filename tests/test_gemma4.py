@@ -9,7 +9,8 @@ layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on bot
 float32 one, greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token
 step budget, from the prefix cache, with speculation (accepted and rejected proposals) and
 after preemption; a shared layer holds no cache of its own; a Gemma 4 the forward lacks a part
-of is refused in one line, and its GGUF blocks are not read as one shape."""
+of is refused in one line; the skeleton a GGUF file's blocks are read into has transformers'
+names and shapes."""
 
 from __future__ import annotations
 
@@ -208,14 +209,23 @@ def test_a_gemma4_the_forward_lacks_a_part_of_is_refused_in_one_line(
     assert "\n" not in line and "mixture-of-experts block" in line and "gemma4_text" in line
 
 
-def test_its_gguf_blocks_are_not_read_as_one_shape(smol: LoadedModel):
-    """The weightless skeleton a GGUF file's blocks are read into has one head size: a Gemma 4
-    configuration is refused there (the loader then loads the file's float32 weights)."""
-    from probserve.models.family import Unsupported
+@pytest.mark.parametrize("kind", ["shared", "k_eq_v"])
+def test_its_skeleton_names_and_shapes_every_tensor_as_transformers(smol: LoadedModel, kind: str):
+    """The weightless skeleton a GGUF file's blocks are read into (models/skeleton.py): each
+    layer of its own shape, a shared layer without k/v, keys as values without v, double-wide
+    shared MLPs, the per-layer input embedding's tensors, the layer scalars (a buffer in
+    transformers), tied head: transformers' names and shapes, none more, none less."""
+    from transformers import Gemma4ForCausalLM
+
     from probserve.models.skeleton import Skeleton
 
-    with pytest.raises(Unsupported, match="GGUF blocks are not read"):
-        Skeleton(_config("shared", smol.vocab_size))
+    config = _config(kind, smol.vocab_size)
+    ours = {n: tuple(p.shape) for n, p in Skeleton(config).named_parameters()}
+    with torch.device("meta"):
+        hf = Gemma4ForCausalLM(config)
+    theirs = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    theirs |= {n: tuple(b.shape) for n, b in hf.named_buffers() if n.endswith("layer_scalar")}
+    assert ours == theirs
 
 
 def test_transformers_runner_serves_it_too(model: LoadedModel):

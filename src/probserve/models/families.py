@@ -20,7 +20,9 @@ from probserve.models import gemma4
 if TYPE_CHECKING:
     import torch
 
-Read = Callable[[str], Any]  # a GGUF file's metadata field by key (None where it has none)
+# a GGUF file's metadata field by key, or its tensor (gguf's ReaderTensor) by name (None where
+# it has neither)
+Read = Callable[[str], Any]
 
 
 @dataclass(frozen=True)
@@ -135,8 +137,13 @@ def _qwen3_moe_gguf(config: Any, read: Read) -> Any:
     return config
 
 
-# metadata transformers' GGUF loader fails on (read here instead: _gpt_oss_gguf)
-GGUF_UNREADABLE = "gpt-oss.rope.scaling."
+# metadata transformers' GGUF loader fails on (read here instead: _gpt_oss_gguf, and
+# gemma4.gguf_config: one value a layer where a Gemma 4's layers differ)
+GGUF_UNREADABLE = (
+    "gpt-oss.rope.scaling.",
+    "gemma4.feed_forward_length",
+    "gemma4.attention.head_count_kv",
+)
 
 
 def _gpt_oss_gguf(config: Any, read: Read) -> Any:
@@ -209,7 +216,11 @@ TYPES: dict[str, ModelType] = {
     "qwen3": ModelType(qk_norm="head", window_asked=True),
     "gemma2": ModelType(gemma=True),
     "gemma3_text": ModelType(gemma=True, qk_norm="head"),
-    "gemma4_text": ModelType(own=gemma4.family_fields, missing=gemma4.missing, paged_only=True),
+    "gemma4_text": ModelType(
+        own=gemma4.family_fields, missing=gemma4.missing, paged_only=True,
+        gguf=gemma4.gguf_config, unread=lambda _: "gemma4",  # (transformers' GGUF loader
+        # sizes it from its defaults, and leaves its layer scalars at 1)
+    ),
     "phi3": ModelType(fused=True, attention_bias=(False, False)),
     "qwen3_moe": ModelType(
         qk_norm="head", experts=_qwen3_moe_experts, gguf=_qwen3_moe_gguf, unread=_fused_experts,

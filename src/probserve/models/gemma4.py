@@ -17,6 +17,7 @@ Imported by the API process through the family table: no torch here."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,11 @@ class Gemma4Layout:
 def missing(config: Any) -> str | None:
     """What the paged forward lacks for this Gemma 4 configuration (None: nothing)."""
     if getattr(config, "enable_moe_block", False):
-        return "its mixture-of-experts block (router scales, experts beside the MLP) is not built"
+        return (
+            "its mixture-of-experts block is not built (a router over the RMS-normed residual "
+            "with a learned scale and per-expert output scales; GeGLU experts beside the dense "
+            "MLP, each branch with norms of its own)"
+        )
     if getattr(config, "use_bidirectional_attention", None):
         return "its bidirectional attention is not built"
     types = list(config.layer_types)
@@ -102,3 +107,122 @@ def family_fields(config: Any) -> dict[str, Any]:
         "final_softcap": getattr(config, "final_logit_softcapping", None),
         "gemma4": shape,
     }
+
+
+# the pairs a full layer's proportional RoPE leaves unrotated: llama.cpp's rope_freqs marks them
+# with a frequency factor this large (1e30), the rotated ones with 1.0
+_UNROTATED = 1e29
+
+
+def gguf_config(config: Any, read: Callable[[str], Any]) -> Any:
+    """The configuration of a GGUF file of Gemma 4 (`read`: its metadata field by key, or its
+    tensor by name; None where it has neither), rebuilt from the file: each layer's type (the
+    sliding pattern), head size (key_length: the full layers', key_length_swa: the sliding
+    ones') and KV heads, the layers sharing KV, the per-layer input width and vocabulary, the
+    double-wide MLPs of the shared layers, keys as values (full layers without attn_v), each
+    layer type's RoPE (the full layers' rotated share from rope_freqs), the final soft-cap, a
+    mixture of experts (its block, which the forward refuses in one line) and the end-of-turn
+    tokens the vocabulary holds. transformers reads the file as Gemma 4 with its defaults."""
+    from transformers import Gemma4TextConfig
+
+    def key(name: str) -> Any:
+        return read(f"gemma4.{name}")
+
+    n = int(key("block_count"))
+    pattern = key("attention.sliding_window_pattern")
+    if isinstance(pattern, int):  # every pattern-th layer is a full one
+        sliding = [(i + 1) % pattern != 0 for i in range(n)]
+    else:
+        sliding = [bool(s) for s in pattern] if pattern is not None else [True] * n
+    types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    full_dim = int(key("attention.key_length"))
+    swa_dim = int(key("attention.key_length_swa") or full_dim)
+    kv = _per_layer(key("attention.head_count_kv"), n)
+    ffn = _per_layer(key("feed_forward_length"), n)
+    shared = int(key("attention.shared_kv_layers") or 0)
+    first_shared = n - shared
+    writers = [i for i in range(first_shared) if not sliding[i]]
+    k_eq_v = bool(writers) and all(read(f"blk.{i}.attn_v.weight") is None for i in writers)
+    per_layer = {
+        i: {"head_dim": full_dim if not sliding[i] else swa_dim, "num_key_value_heads": kv[i]}
+        for i in range(n)
+    }
+    width = int(key("embedding_length_per_layer_input") or 0)
+    table = read("per_layer_token_embd.weight")
+    embed = read("token_embd.weight")
+    fields = {
+        k: v for k, v in config.to_dict().items()
+        if k not in ("per_layer_config", "transformers_version", "architectures")
+    }  # fmt: skip
+    fields.update(
+        num_hidden_layers=n, layer_types=types, head_dim=swa_dim,
+        num_key_value_heads=kv[sliding.index(True)] if any(sliding) else kv[0],
+        intermediate_size=ffn[0], use_double_wide_mlp=any(f != ffn[0] for f in ffn),
+        num_kv_shared_layers=shared, attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=width,
+        vocab_size_per_layer_input=int(table.shape[1]) if table is not None else 0,
+        sliding_window=int(key("attention.sliding_window") or config.sliding_window),
+        final_logit_softcapping=_float(key("final_logit_softcapping")),
+        rope_parameters=_rope(read, full_dim, swa_dim),
+        eos_token_id=_end_tokens(read),
+    )  # fmt: skip
+    if embed is not None:
+        fields["vocab_size"] = int(embed.shape[1])
+    experts = key("expert_count")
+    if experts:
+        fields.update(
+            enable_moe_block=True, num_experts=int(experts),
+            top_k_experts=int(key("expert_used_count") or 0),
+            moe_intermediate_size=int(key("expert_feed_forward_length") or 0),
+        )  # fmt: skip
+    return Gemma4TextConfig(**fields, per_layer_config=per_layer)  # type: ignore[call-arg]
+
+
+def _per_layer(value: Any, n: int) -> list[int]:
+    """A metadata value given once for every layer or once a layer."""
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * n
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _rope(read: Callable[[str], Any], full_dim: int, swa_dim: int) -> dict[str, Any]:
+    """Each layer type's RoPE: the sliding layers' default one (rotating dimension_count_swa
+    of each head), the full layers' proportional one (rotating the pairs rope_freqs marks)."""
+    theta = float(read("gemma4.rope.freq_base") or 1e6)
+    swa_theta = float(read("gemma4.rope.freq_base_swa") or 1e4)
+    freqs = read("rope_freqs.weight")
+    if freqs is not None:
+        values = [float(v) for v in freqs.data.reshape(-1)]
+        rotated = sum(1 for v in values if v < _UNROTATED)
+        factor = 2 * rotated / full_dim
+    else:
+        factor = int(read("gemma4.rope.dimension_count") or full_dim) / full_dim
+    sliding: dict[str, Any] = {"rope_type": "default", "rope_theta": swa_theta}
+    swa_rotated = int(read("gemma4.rope.dimension_count_swa") or swa_dim)
+    if swa_rotated != swa_dim:
+        sliding["partial_rotary_factor"] = swa_rotated / swa_dim
+    return {
+        "sliding_attention": sliding,
+        "full_attention": {
+            "rope_type": "proportional", "partial_rotary_factor": factor, "rope_theta": theta,
+        },
+    }  # fmt: skip
+
+
+# the tokens that end a Gemma 4 turn besides the vocabulary's end of sequence (transformers'
+# generation configuration of Gemma 4 lists them with it)
+END_TOKENS = ("<eos>", "<turn|>", "<|tool_response>")
+
+
+def _end_tokens(read: Callable[[str], Any]) -> list[int]:
+    """The file's end-of-sequence token and those of END_TOKENS its vocabulary holds."""
+    ids = []
+    eos = read("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        ids.append(int(eos))
+    tokens = read("tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens) if t in END_TOKENS}
+    ids += [index[t] for t in END_TOKENS if t in index and index[t] not in ids]
+    return ids

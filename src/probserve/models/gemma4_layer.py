@@ -6,9 +6,9 @@ models/gemma4.py reads its configuration), on the forward's operations (kernels/
   writes both into its own cache layer (its values are its raw keys where attention_k_eq_v); a
   shared layer rotates its queries alone and reads its source layer's cache;
 - the per-layer inputs: each token's row of the per-layer embedding table (kept as the
-  checkpoint stores it, gathered per token, times sqrt(width)), plus the RMS-normed projection
-  of the scaled embedding (times hidden^-0.5), times 2^-0.5; after each layer's MLP,
-  h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar.
+  checkpoint stores it, a GGUF file's blocks too, gathered per token, times sqrt(width)),
+  plus the RMS-normed projection of the scaled embedding (times hidden^-0.5), times 2^-0.5;
+  after each layer's MLP, h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar.
 
 A layer's rows never mix: every step is a product, a norm or an elementwise operation of the
 backend's, or an exact gather, so the row-invariant kernels keep a token's bits whatever else
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from probserve.kernels.attention_plan import LayerKV, Rope
 from probserve.kernels.layer_ops import LayerOps
 from probserve.models.gemma4 import Gemma4Layout
-from probserve.models.gguf_blocks import Weight, as_float
+from probserve.models.gguf_blocks import QuantizedTensor, Weight, as_float
 from probserve.models.linear import Joined, Linear
 
 Layers = torch.Tensor | list[torch.Tensor]  # a KV cache's K or V, by cache layer
@@ -75,9 +75,12 @@ class Gemma4Layers:
         self.width = shape.per_layer_input
         if not self.width:
             return
-        # the table as the checkpoint stores it (a private copy: the source may be mapped)
+        # the table as the checkpoint stores it: a GGUF file's blocks (any format, rows
+        # dequantized per token), else a private copy (the source may be mapped)
         table = weights["model.embed_tokens_per_layer.weight"]
-        self.table = ops.place(as_float(table).detach().clone())
+        self.table: torch.Tensor | QuantizedTensor = (
+            table if isinstance(table, QuantizedTensor) else ops.place(table.detach().clone())
+        )
         self.table_scale = ops.place(torch.tensor(float(self.width) ** 0.5))
         self.projection = Linear(weights["model.per_layer_model_projection.weight"], None, ops)
         self.projection_norm = _vector(weights["model.per_layer_projection_norm.weight"])
@@ -122,7 +125,11 @@ class Gemma4Layers:
         if not self.width:
             return None
         t, w = h.shape[0], self.width
-        token = F.embedding(ids, self.table).float() * self.table_scale
+        if isinstance(self.table, QuantizedTensor):
+            rows = self.table.rows(ids.cpu().numpy()).to(h.device)
+        else:
+            rows = F.embedding(ids, self.table).float()
+        token = rows * self.table_scale
         proj = self.projection(h) * (float(self.hidden) ** -0.5)
         normed = self.ops.rms_norm(proj.reshape(-1, w).contiguous(), self.projection_norm, self.eps)
         return (normed.view(t, -1) + token) * (2.0**-0.5)

@@ -80,6 +80,22 @@ class QuantizedTensor:
 
         return GGMLQuantizationType(self.ggml_type).name
 
+    def rows(self, ids: np.ndarray) -> torch.Tensor:
+        """Rows `ids` [T] as float32 [T, K], dequantized alone (a table gathered per token:
+        the rest is neither read nor expanded); each row the bits `dequantize` gives it."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        data = self.data
+        table = (
+            np.memmap(data.path, dtype=data.dtype, mode="r", offset=data.offset, shape=data.shape)
+            if isinstance(data, FileRows)
+            else data
+        )
+        picked = np.ascontiguousarray(table[ids])
+        kind = GGMLQuantizationType(self.ggml_type)
+        values = dequantize(picked, kind).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(len(ids), self.k))
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight, as gguf (and so transformers) computes it."""
         from gguf import GGMLQuantizationType, dequantize
@@ -204,15 +220,22 @@ def _from_cache(cache: Path, skeleton: Any) -> dict[str, Weight]:
     return _with_ties(out, skeleton, cache.name)
 
 
+# tables the forward reads a row of per token (Gemma 4's per-layer input embedding: billions of
+# values): kept in the file's format, whatever it is, each token's row dequantized alone
+GATHERED = ("embed_tokens_per_layer.weight",)
+
+
 def served(weights: dict[str, Weight]) -> dict[str, Weight]:
-    """The weights as the forward holds them: blocks of the native formats stay blocks; any other
-    quantized or half-precision tensor becomes float32 (one warning per format, with the memory
-    that costs). Tied names keep sharing one tensor."""
+    """The weights as the forward holds them: blocks of the native formats stay blocks, and so
+    does a table of GATHERED in any format; any other quantized or half-precision tensor becomes
+    float32 (one warning per format, with the memory that costs). Tied names keep sharing one
+    tensor."""
     out: dict[str, Weight] = {}
     done: dict[int, Weight] = {}
     cost: dict[str, int] = {}
     for name, value in weights.items():
-        if isinstance(value, QuantizedTensor) and value.ggml_type not in NATIVE_TYPES:
+        kept = name.endswith(GATHERED)
+        if isinstance(value, QuantizedTensor) and value.ggml_type not in NATIVE_TYPES and not kept:
             if id(value) not in done:
                 done[id(value)] = value.dequantize()
                 cost[value.type_name] = cost.get(value.type_name, 0) + value.n * value.k * 4
@@ -244,7 +267,10 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     processor = TENSOR_PROCESSORS.get(arch_name, TensorProcessor)(
         config={
             "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
+            # (a model whose layers differ, Gemma 4: its first layer's; its processor reads none)
+            "num_key_value_heads": (
+                cfg.per_layer_config[0] if hasattr(cfg, "per_layer_config") else cfg
+            ).num_key_value_heads,
         }
     )
     # transformers' mapping (get_gguf_hf_weights_map), for the top-level names alone
@@ -252,7 +278,8 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
     names: dict[str, str] = {}
     for hf_name, _ in skeleton.named_parameters(remove_duplicate=False):
         base, _, suffix = processor.preprocess_name(hf_name).rpartition(".")
-        if suffix == "sinks":  # a parameter of its own (gpt-oss): the file's attn_sinks.weight
+        if suffix in ("sinks", "layer_scalar"):  # a parameter of its own (gpt-oss's sinks,
+            # Gemma 4's layer scalars): the file's attn_sinks.weight, layer_output_scale.weight
             base, suffix = hf_name, "weight"
         if suffix in gguf_hybrid.NAMES:  # Qwen3.5's A_log (ssm_a), dt_bias (ssm_dt.bias)
             stem, suffix = gguf_hybrid.NAMES[suffix]

@@ -66,9 +66,9 @@ def release_pages(path: str | Path) -> None:
 
 
 class _WithoutFields:
-    """A parsed reader less the metadata fields whose names begin with `prefix`."""
+    """A parsed reader less the metadata fields whose names begin with `prefix` (or one of)."""
 
-    def __init__(self, reader: Any, prefix: str) -> None:
+    def __init__(self, reader: Any, prefix: str | tuple[str, ...]) -> None:
         self._reader = reader
         self.fields = {k: v for k, v in reader.fields.items() if not k.startswith(prefix)}
 
@@ -77,11 +77,12 @@ class _WithoutFields:
 
 
 @contextmanager
-def without_fields(prefix: str) -> Iterator[None]:
+def without_fields(prefix: str | tuple[str, ...]) -> Iterator[None]:
     """Every `gguf.GGUFReader` opened within reads no metadata field whose name begins with
-    `prefix`: for transformers' GGUF loader, which fails on some fields (gpt-oss's
-    rope.scaling.*: it takes each field's first part, the key's length, for its value); the
-    caller reads those fields itself. Nests with parsed_once()."""
+    `prefix` (or one of them): for transformers' GGUF loader, which fails on some fields
+    (gpt-oss's rope.scaling.*: it takes each field's first part, the key's length, for its
+    value; Gemma 4's per-layer arrays); the caller reads those fields itself. Nests with
+    parsed_once()."""
     import gguf
 
     reader_class = gguf.GGUFReader

@@ -160,6 +160,9 @@ def _native(
         model = Skeleton(config, generation)  # transformers' modeling code is never imported
         why = llama.deterministic_blocker(model)
     except Unsupported as exc:
+        kind = TYPES.get(config.model_type)
+        if kind is not None and kind.paged_only:  # (no float32 runner serves it either)
+            raise ModelLoadError(f"{source.label} cannot be served: {exc}") from exc
         why = f"{config.model_type}: {exc}"
     if why is None:
         try:
@@ -171,7 +174,7 @@ def _native(
         return None
     weights = load_weights(path, model)
     formats = "+".join(block_formats(weights))
-    if not formats:
+    if not formats and _unread_by_transformers(config, Path(path)) is None:
         return None  # no blocks the kernels read: the float32 model is as small
     from probserve.models.gguf_blocks import blocks_share
 
@@ -179,7 +182,7 @@ def _native(
     log.info(
         "native weights from %s: %.0f%% of the parameters in blocks (%s)", path, 100 * share, how
     )
-    return model, weights, formats, share
+    return model, weights, formats or "float32", share
 
 
 def prepared_source(spec: str | None) -> ModelSource:
@@ -228,19 +231,20 @@ def write_metadata(source: ModelSource, out: Path) -> None:
 
 def _gguf_config(config: Any, gguf: Path) -> Any:
     """What transformers' configuration of a GGUF file leaves out, completed from the file's
-    metadata where its type's entry says how (models/families.py: a Qwen3-MoE file's experts'
-    width, a Mixtral file read as a dense Llama, gpt-oss's head, width, window and RoPE). Other
-    configurations come back as they are."""
+    metadata (and tensors) where its type's entry says how (models/families.py: a Qwen3-MoE
+    file's experts' width, a Mixtral file read as a dense Llama, gpt-oss's head, width, window
+    and RoPE, Gemma 4's layers). Other configurations come back as they are."""
     kind = TYPES.get(getattr(config, "model_type", None) or "")
     if kind is None or kind.gguf is None:
         return config
     from gguf import GGUFReader
 
-    fields = GGUFReader(str(gguf)).fields
+    reader = GGUFReader(str(gguf))
+    fields, tensors = reader.fields, {t.name: t for t in reader.tensors}
 
     def read(key: str) -> Any:
         field = fields.get(key)
-        return None if field is None else field.contents()
+        return tensors.get(key) if field is None else field.contents()
 
     return kind.gguf(config, read)
 

@@ -5,9 +5,9 @@ native forward (llama.py) and the GGUF block reader (gguf_blocks.py) take from a
 Importing transformers' modeling code takes seconds (it pulls in torch.distributed and dynamo), and
 every engine start paid them for a model whose weights come from elsewhere. The names follow
 transformers' modules of the families the forward runs (models/family.py: Llama, Mistral, Qwen2,
-Qwen3, Gemma 2, Gemma 3, Phi-3, the mixtures of experts, Qwen3.5's Gated DeltaNet layers), and
-`Rotary` computes their rotary embedding with the same operations in the same order (tests check
-the two bit for bit).
+Qwen3, Gemma 2, Gemma 3, Gemma 4, Phi-3, the mixtures of experts, Qwen3.5's Gated DeltaNet
+layers), and `Rotary` computes their rotary embedding with the same operations in the same order
+(tests check the two bit for bit).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from torch import nn
 from probserve.models.families import TYPES
 from probserve.models.family import (
     Family,
-    Unsupported,
     family,
     head_dim,
     rope_params,
     rope_type,
 )
+from probserve.models.gemma4 import Gemma4Layout
 
 
 class Rotary(nn.Module):
@@ -213,12 +213,76 @@ class _Layer(nn.Module):
             self.post_feedforward_layernorm = _Norm(config.hidden_size, eps)
 
 
+class _Gemma4Attention(nn.Module):
+    """Gemma 4's attention of one layer: its own head size and KV heads; a layer reading
+    another's cache has no k/v, one whose values are its keys no v (models/gemma4.py)."""
+
+    def __init__(self, config: Any, layout: Gemma4Layout, i: int) -> None:
+        super().__init__()
+        hidden, heads, eps = config.hidden_size, config.num_attention_heads, config.rms_norm_eps
+        d, kv = layout.head_dims[i], layout.kv_heads[i]
+        self.q_proj = _linear(hidden, heads * d, False)
+        self.q_norm = _Norm(d, eps)
+        if layout.writes[i]:
+            self.k_proj = _linear(hidden, kv * d, False)
+            self.k_norm = _Norm(d, eps)
+            if not layout.k_eq_v[i]:
+                self.v_proj = _linear(hidden, kv * d, False)
+        self.o_proj = _linear(heads * d, hidden, False)
+
+
+class _Gemma4Layer(nn.Module):
+    def __init__(self, config: Any, layout: Gemma4Layout, i: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = _Gemma4Attention(config, layout, i)
+        inner = int(config.intermediate_size)
+        if config.use_double_wide_mlp and not layout.writes[i]:
+            inner *= 2
+        mlp = nn.Module()
+        mlp.gate_proj, mlp.up_proj = _linear(hidden, inner, False), _linear(hidden, inner, False)
+        mlp.down_proj = _linear(inner, hidden, False)
+        self.mlp = mlp
+        for name in (
+            "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):  # fmt: skip
+            setattr(self, name, _Norm(hidden, eps))
+        self.layer_scalar = nn.Parameter(torch.empty(1, device="meta"))  # (a buffer there)
+        width = layout.per_layer_input
+        if width:
+            self.per_layer_input_gate = _linear(hidden, width, False)
+            self.per_layer_projection = _linear(width, hidden, False)
+            self.post_per_layer_input_norm = _Norm(hidden, eps)
+
+
+class _Gemma4Body(nn.Module):
+    """Gemma 4 (text)'s parameters under transformers' names, each layer of its own shape, and
+    the per-layer input embedding's table, projection and norm."""
+
+    def __init__(self, config: Any, fam: Family) -> None:
+        super().__init__()
+        layout = fam.gemma4
+        assert layout is not None
+        hidden, n = config.hidden_size, config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, device="meta")
+        width = layout.per_layer_input
+        if width:
+            self.embed_tokens_per_layer = nn.Embedding(
+                config.vocab_size_per_layer_input, n * width, device="meta"
+            )
+            self.per_layer_model_projection = _linear(hidden, n * width, False)
+            self.per_layer_projection_norm = _Norm(width, config.rms_norm_eps)
+        self.layers = nn.ModuleList(_Gemma4Layer(config, layout, i) for i in range(n))
+        self.norm = _Norm(hidden, config.rms_norm_eps)
+        key = fam.rope_keys[0]
+        self.rotary_emb = Rotary(config.per_layer_config[config.layer_types.index(key)], key)
+
+
 class _Body(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         fam = family(config)
-        if fam.gemma4 is not None:  # (the loader then has transformers load its float32 weights)
-            raise Unsupported("Gemma 4's layers differ in shape: its GGUF blocks are not read")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
         self.layers = nn.ModuleList(_Layer(config, fam, i) for i in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
@@ -233,7 +297,8 @@ class Skeleton(nn.Module):
         super().__init__()
         self.config = config
         self.generation_config = generation_config
-        self.model = _Body(config)
+        fam = family(config)
+        self.model = _Gemma4Body(config, fam) if fam.gemma4 is not None else _Body(config)
         self.lm_head = _linear(config.hidden_size, config.vocab_size, False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
