@@ -598,19 +598,31 @@ def test_chat_scoring_marks_the_prompts_reasoning_spans(
     marked = [i for i, s in enumerate(sources) if s["reasoning"]]
     assert not [i for i in marked if sources[i]["role"] == "user"]  # typed markers: text
     text = "".join(scores[i][str(ids[i])]["decoded_token"] for i in marked if i)
-    # echo scores the final message's content after the generation prompt: where that prompt
-    # prefills `<think>` (Qwen3.5's), the content lies inside the open thinking, and is marked so
-    echo = _post(c, "/v1/chat/completions", {
+    # echo scores the final message's content: where the generation prompt prefills `<think>`
+    # (Qwen3.5's), after the thinking block as the template closes it (the sent reasoning and
+    # `</think>`), so the answer is scored as an answer, outside the thinking
+    echoed = _post(c, "/v1/chat/completions", {
         "messages": [*ASK, {"role": "assistant", "content": said, "reasoning": thought}],
-        "echo": True, "max_tokens": 0, "logprobs": True,
-    })["choices"][0]["continuation"]  # fmt: skip
+        "echo": True, "max_tokens": 0, "logprobs": True, "prompt_logprobs": 0,
+        "return_token_ids": True,
+    })  # fmt: skip
+    echo = echoed["choices"][0]["continuation"]
     flags = echo["reasoning"]
     assert len(flags) == len(echo["content"]) > 0
     assert "".join(e["token"] for e in echo["content"]) == said
+    assert not any(flags)
     if server == "r1_http":  # the template drops the earlier thinking; no <think> prefilled
-        assert marked == [] and thought not in str(scores) and not any(flags)
+        assert marked == [] and thought not in str(scores)
         return
-    assert all(flags)
+    echo_ids = echoed["prompt_token_ids"]
+    echo_sources = echoed["choices"][0]["prompt_token_sources"]
+    head = echo_ids[: len(echo_ids) - len(flags)]
+    assert head[-1] != END and END in head[-4:]  # the block closed just before the answer
+    inside = [i for i, s in enumerate(echo_sources) if s["reasoning"]]
+    assert inside and inside[-1] == len(head) - 1 - head[::-1].index(END)
+    thought_at = [i for i in inside if echo_sources[i]["role"] == "assistant"]
+    echo_scores = echoed["choices"][0]["prompt_logprobs"]
+    assert thought in "".join(echo_scores[i][str(echo_ids[i])]["decoded_token"] for i in thought_at)
     # the earlier block, markers included, then the generation prompt's `<think>\n`
     first, end = ids.index(START), ids.index(END)
     assert marked[: end - first + 1] == list(range(first, end + 1))

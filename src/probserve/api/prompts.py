@@ -253,6 +253,29 @@ class ChatPrompt(Prompt):
 Span = tuple[int, int, int]  # (start, end, message index): a message's content in the text
 
 
+def echo_bridge(
+    loaded: ModelRecord,
+    dicts: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+    text: str,
+    think_end: str,
+) -> str:
+    """What the template writes between the generation prompt (`text`) and the final
+    message's content when it renders that message (continue_final_message): its thinking
+    block's rest, closed by `think_end` ("" where the template writes something else there:
+    no block, or one it drops, as DeepSeek-R1's does; the answer is then scored after the
+    generation prompt as it is)."""
+    answer = dicts[-1]["content"]
+    try:
+        whole = render_chat_text(loaded, dicts, False, template_kwargs, True)
+    except APIError:
+        return ""
+    if not whole.endswith(answer) or not whole.startswith(text):
+        return ""
+    bridge = whole[len(text) : len(whole) - len(answer)]
+    return bridge if think_end in bridge else ""
+
+
 def _content_spans(
     loaded: ModelRecord,
     dicts: list[dict[str, Any]],
@@ -385,20 +408,30 @@ def chat_prompt(
     template_kwargs: dict[str, Any],
     echo: bool = False,
     continue_final: bool = False,
+    think_end: str | None = None,
 ) -> ChatPrompt:
     """Render, tokenize and attribute: blocking, run it `off_loop`. With `echo`, the final
     (assistant) message is the continuation: the template up to the assistant's turn, then the
-    message's own tokens, to be scored."""
+    message's own tokens, to be scored. Where the generation prompt leaves a thinking block
+    open and the template closes it when it renders the final message (`think_end`: the
+    model's end marker; `echo_bridge`), the block as the template closes it (the message's
+    reasoning, if sent, and the marker) comes between: the answer is scored after its
+    thinking, as the model writes it."""
     tok = loaded.tokenizer
+    bridge = ""
     if echo:
         if dicts[-1]["role"] != "assistant" or not dicts[-1]["content"]:
             raise bad_request("echo scores a final assistant message: none was given", "messages")
         shown, gen, final = dicts[:-1], True, False  # the template renders all but the answer
         text = render_chat_text(loaded, shown, gen, template_kwargs)
         answer = dicts[-1]["content"]
+        if think_end is not None:
+            bridge = echo_bridge(loaded, dicts, template_kwargs, text, think_end)
         cont = list(tok(answer, add_special_tokens=False).input_ids)
         ids = list(tok(text, add_special_tokens=False).input_ids)
-        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final)) + cont
+        ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final))
+        ids += list(tok(bridge, add_special_tokens=False).input_ids) if bridge else []
+        ids += cont
     else:
         shown, gen, final = dicts, add_generation_prompt, continue_final
         text = render_chat_text(loaded, dicts, gen, template_kwargs, final)
@@ -406,11 +439,16 @@ def chat_prompt(
         ids = _typed_as_text(loaded, table, text, ids, (shown, gen, template_kwargs, final))
     built = with_pieces(table, ids)
     spans = None
-    if built.text == text + answer:  # the tokens decode to the rendered text: offsets agree
+    if built.text == text + bridge + answer:  # the tokens decode to the rendered text
         spans = _content_spans(loaded, shown, gen, template_kwargs, final, text)
     if spans is None:
         spans = _search_spans(built.text, dicts)
     elif echo:
-        spans.append((len(text), len(text) + len(answer), len(dicts) - 1))
+        last, at = len(dicts) - 1, len(text) + len(bridge)
+        thought = str(dicts[-1].get("reasoning_content") or "")
+        if thought and thought in bridge:  # the sent reasoning: the assistant's words
+            start = len(text) + bridge.index(thought)
+            spans.append((start, start + len(thought), last))
+        spans.append((at, at + len(answer), last))
     sources = _sources(built.pieces, spans, dicts)
     return ChatPrompt(ids, built.text, built.pieces, sources, len(cont))

@@ -15,7 +15,7 @@ from probserve.api.answers.harmony import (
     harmony_reasoning_positions,
     reply_markers,
 )
-from probserve.api.answers.thinking import opened, reasoning_positions
+from probserve.api.answers.thinking import ThinkMarkers, opened, reasoning_positions
 from probserve.api.errors import bad_request
 from probserve.api.off_loop import off_loop
 from probserve.api.plans.grammar import after_thinking, compiled_grammar, grammar_ask
@@ -136,12 +136,16 @@ async def rendered_chat(
         tools = dataclasses.replace(tools, prime=False)
     shown = tool_prompt(dicts, tools, fmt)
     kwargs = {**(c.template_kwargs or {}), **shown.template_kwargs}
+    markers = thinking_markers(state)
+    think_end = None  # echo scores an answer after its thinking block, closed as the template does
+    if echo and isinstance(markers, ThinkMarkers):
+        think_end = state.table.token_bytes(markers.end).decode("utf-8", "replace")
     prompt = await off_loop(
         chat_prompt, state.record, state.table, shown.messages,
         c.add_generation_prompt and not shown.primed, kwargs, echo, continue_final or shown.primed,
+        think_end,
     )  # fmt: skip
     prompt.sources = shown.request_sources(prompt.sources, dicts)
-    markers = thinking_markers(state)
     if markers is not None:
         roles = [role for _, role in prompt.sources]
         if isinstance(markers, HarmonyMarkers):
