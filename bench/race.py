@@ -204,8 +204,10 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
         # VMs whose CPUID lists AMX without granting it (gdb: tinygemm_kernel_amx); without
         # them it runs its AVX-512/AVX2 dot products, its usual CPU path
         gguf = args.model or f"{model_dir}/model.gguf"
+        # 32 slots share -c: each gets the sweep's longest request (a 4,000-token prompt too)
+        context = max(16384, 32 * (args.prompt_tokens + args.output_tokens + 64))
         cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "8013",
-               "-np", "32", "-c", "16384", "-t", "2", "--no-repack"]  # fmt: skip
+               "-np", "32", "-c", str(context), "-t", "2", "--no-repack"]  # fmt: skip
         # llama-server returns no prompt logprobs (no echo): it sits the scoring sweep out
         servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log", False))
     return servers
@@ -272,7 +274,9 @@ def table(results: dict[str, dict], args: argparse.Namespace) -> str:
                 [mean(results[n]["levels"][f"{conc}-{label}"]) for n in names])  # fmt: skip
     top = str(args.concurrency[-1])
     ttft = [results[n]["levels"][top]["ttft_p50"] for n in names]
-    ratios = "".join(f" | {ttft[0] / t:.2f}x (lower is better)" for t in ttft[1:])
+    ratios = "".join(
+        f" | {ttft[0] / t:.2f}x (lower is better)" if ttft[0] and t else " | -" for t in ttft[1:]
+    )
     lines.append(f"| TTFT p50 at {top} streams (s) | " + " | ".join(map(str, ttft)) + ratios + " |")
     if not args.no_scoring:
         row("scoring, unrelated prompts (prompt tok/s)",
