@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from types import ModuleType, SimpleNamespace
 
 import numpy as np
 from gguf import MODEL_ARCH, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
+from shape_quantize import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDER = ROOT.parent / "shared" / "models" / "make_tinyshape.py"
@@ -192,13 +192,7 @@ def main() -> int:
     if not f16.exists():
         write_f16(builder(), f16)
     target = out / FILE
-    env = {**os.environ, "LD_LIBRARY_PATH": args.llama_bin}
-    quantize = [str(Path(args.llama_bin) / "llama-quantize"), str(f16), str(target), "Q4_K_M"]
-    done = subprocess.run([*quantize, args.threads], env=env, check=False)
-    if done.returncode != 0:
-        return done.returncode
-    print(f"wrote {target} ({target.stat().st_size / 2**30:.2f} GiB)")
-    return 0
+    return quantize(f16, target, "Q4_K_M", args.llama_bin, args.threads)
 
 
 if __name__ == "__main__":

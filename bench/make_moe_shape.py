@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from types import ModuleType, SimpleNamespace
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from shape_quantize import quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDER = ROOT.parent / "shared" / "models" / "make_tinyshape.py"
@@ -199,13 +199,7 @@ def main() -> int:
     if not f16.exists():
         write_f16(builder(), shape, f16, layers)
     target = out / shape.file
-    env = {**os.environ, "LD_LIBRARY_PATH": args.llama_bin}
-    quantize = [str(Path(args.llama_bin) / "llama-quantize"), str(f16), str(target), shape.quant]
-    done = subprocess.run([*quantize, args.threads], env=env, check=False)
-    if done.returncode != 0:
-        return done.returncode
-    print(f"wrote {target} ({target.stat().st_size / 2**30:.2f} GiB)")
-    return 0
+    return quantize(f16, target, shape.quant, args.llama_bin, args.threads)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
+from shape_quantize import quantize
 
 SEED, STD = 1234, 0.02
 VOCAB = 248320  # Qwen3.5's embedding rows (its tokenizer's 248077 padded)
@@ -340,13 +340,7 @@ def main() -> int:
     if not f16.exists():
         print(f"tokenizer: {write_f16(shape, f16)}")
     target = out / shape.file
-    env = {**os.environ, "LD_LIBRARY_PATH": args.llama_bin}
-    quantize = [str(Path(args.llama_bin) / "llama-quantize"), str(f16), str(target), shape.quant]
-    done = subprocess.run([*quantize, args.threads], env=env, check=False)
-    if done.returncode != 0:
-        return done.returncode
-    print(f"wrote {target} ({target.stat().st_size / 2**30:.2f} GiB)")
-    return 0
+    return quantize(f16, target, shape.quant, args.llama_bin, args.threads)
 
 
 if __name__ == "__main__":
