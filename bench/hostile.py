@@ -12,6 +12,11 @@ bounded in count and time.
 
     .venv/bin/python bench/hostile.py --start
     .venv/bin/python bench/hostile.py --url http://127.0.0.1:8000
+
+`long_prompt_flood` (64 concurrent distinct long prompts, for a hybrid model's recurrent state:
+minutes of prefill) runs only where `--case` names it:
+
+    .venv/bin/python bench/hostile.py --url URL --case long_prompt_flood --kv-budget-gib 4
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import httpx
@@ -49,6 +54,7 @@ class Ctx:
     # long_prompt_flood: each prompt's length, and the engine's budget (--kv-cache-gib) in bytes
     flood_tokens: int = 2000
     kv_budget: float | None = None
+    figures: dict[str, object] = field(default_factory=dict)  # a case's own, on its line
 
 
 def expect(r: httpx.Response, status: int, param: str | None = None) -> str | None:
@@ -688,7 +694,7 @@ def long_prompt_flood(ctx: Ctx) -> str | None:
         t.join()
     stop.set()
     watcher.join()
-    print(json.dumps({"flood": {**peak, "rss_before": rss0, "statuses": sorted(set(statuses))}}))
+    ctx.figures.update({**peak, "rss_before": rss0, "statuses": sorted(set(statuses))})
     if statuses.count(200) != 64:
         return f"statuses {sorted(statuses)}"
     if ctx.kv_budget is not None:
@@ -735,6 +741,7 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("duplicate_call_ids", duplicate_call_ids),
     ("long_prompt_flood", long_prompt_flood),
 ]
+OPT_IN = {"long_prompt_flood"}  # run only where --case names them
 
 
 # ---- the harness -------------------------------------------------------------------------------
@@ -801,6 +808,7 @@ def run(
         for name, case in CASES:
             if name not in only:
                 continue
+            ctx.figures.clear()
             started = time.perf_counter()
             with HealthWatch(url) as watch:
                 try:
@@ -827,6 +835,7 @@ def run(
                         "health_worst_s": round(watch.worst, 3),
                         "health_after": health,
                         "seconds": round(time.perf_counter() - started, 1),
+                        **({"figures": dict(ctx.figures)} if ctx.figures else {}),
                     }
                 ),
                 flush=True,
@@ -855,7 +864,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.case + args.skip) - set(names))
     if unknown:
         raise SystemExit(f"no such case: {', '.join(unknown)} (cases: {', '.join(names)})")
+    # long_prompt_flood (minutes of prefill) runs where --case names it
     only = [n for n in (args.case or names) if n not in args.skip]
+    only = [n for n in only if args.case or n not in OPT_IN]
     proc = start_server(args.port, START_ARGS) if args.start else None
     url = f"http://127.0.0.1:{args.port}" if args.start else args.url
     if url is None:
