@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvicorn
 
@@ -129,3 +131,19 @@ def wait_until(predicate: Callable[[], object], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+def post_ok(c: Any, path: str, body: dict[str, Any], model: str) -> dict[str, Any]:
+    """POST `body` for `model` on an httpx client; asserts 200 and returns the JSON answer."""
+    r = c.post(path, json={"model": model, **body})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def stream_events(c: Any, path: str, body: dict[str, Any], model: str) -> list[dict[str, Any]]:
+    """The JSON events of a streamed answer (its `data:` lines but `[DONE]`); asserts 200."""
+    with c.stream("POST", path, json={"model": model, **body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    return [json.loads(ln) for ln in lines if ln != "[DONE]"]

@@ -63,15 +63,7 @@ def _saved(config: Any, where: Path, tokenizer: Any) -> Path:
 
     torch.manual_seed(11)
     hf = Gemma4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:  # Gemma 4's norms are w (not 1 + w)
-                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
-            else:
-                param.normal_(0.0, 0.08)
-        for name, buffer in hf.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.copy_(torch.rand_like(buffer) + 0.5)
+    off_init(hf)
     hf.save_pretrained(where)
     tokenizer.save_pretrained(where)
     return where
@@ -262,3 +254,16 @@ def test_its_prefix_blocks_come_back_from_disk_with_the_same_bits(
     assert _flat(run_core(second, [_request(ids, "r")])["r"]) == cold
     assert second.stats().prefix_cache_disk_hits == len(ids) // 16 > 0
     second.close()
+
+
+def off_init(hf: Any) -> None:
+    """Gemma 4's norms (w, not 1 + w), weights and layer scalars off their init."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
+            else:
+                param.normal_(0.0, 0.08)
+        for name, buffer in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.copy_(torch.rand_like(buffer) + 0.5)

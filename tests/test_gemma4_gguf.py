@@ -24,6 +24,7 @@ from conftest import run_core
 from gemma4_gguf import gguf_name, gguf_names, write_gemma4_gguf
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from test_families import _numbers, _prompt, _request, against_transformers
+from test_gemma4 import off_init
 
 from probserve.engine import EngineConfig, EngineCore
 from probserve.models import LoadedModel, ModelLoadError, load_model
@@ -56,14 +57,7 @@ def _hf(vocab: int, shape: str, **extra: Any) -> Any:
     config = Gemma4TextConfig(**(common | SHAPES[shape] | extra))
     torch.manual_seed(13)
     hf = Gemma4ForCausalLM(config).eval().requires_grad_(False)
-    for name, param in hf.named_parameters():
-        if "norm" in name:  # Gemma 4's norms are w (not 1 + w)
-            param.copy_(torch.randn_like(param) * 0.3 + 1.0)
-        else:
-            param.normal_(0.0, 0.08)
-    for name, buffer in hf.named_buffers():
-        if name.endswith("layer_scalar"):
-            buffer.copy_(torch.rand_like(buffer) + 0.5)
+    off_init(hf)
     return hf
 
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import torch
 from harmony_util import harmony_encoding, harmony_tokenizer
+from server_util import post_ok, stream_events
 
 from probserve.api.answers.harmony import HarmonyMarkers, HarmonySplit, reply_markers
 from probserve.api.answers.text_stream import Piece
@@ -93,17 +94,11 @@ def http(gpt: LoadedModel) -> Iterator[httpx.Client]:
 
 
 def _post(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = c.post(path, json={"model": "gpt-oss-tiny", **body})
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
+    return post_ok(c, path, body, "gpt-oss-tiny")
 
 
 def _events(c: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with c.stream("POST", path, json={"model": "gpt-oss-tiny", **body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    return [json.loads(ln) for ln in lines if ln != "[DONE]"]
+    return stream_events(c, path, body, "gpt-oss-tiny")
 
 
 def _steer(tok: Any) -> dict[str, Any]:

@@ -67,16 +67,7 @@ def tiny_hybrid(kind: str, smol: LoadedModel) -> LoadedModel:
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
-    with torch.no_grad():  # norms (1 + w; the gated norm's plain w) and weights off their init
-        for name, param in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
-            elif "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.3)
-            elif name.endswith(("A_log", "dt_bias")):
-                param.copy_(torch.randn_like(param) * 0.5)
-            else:
-                param.normal_(0.0, 0.1)
+    off_init(hf)
     return LoadedModel(
         model=hf,
         tokenizer=smol.tokenizer,
@@ -431,3 +422,17 @@ def test_a_qwen3_5_checkpoint_directory_is_served_on_the_paged_forward(
     ref = full_logprobs(loaded.model, ids)
     got = np.asarray(next(o.prompt_logprobs for o in outs if o.prompt_logprobs).logprobs)
     assert np.abs(got - np.array([float(ref[j, ids[j + 1]]) for j in range(11)])).max() < 1e-4
+
+
+def off_init(hf: Any) -> None:
+    """A hybrid model's norms (1 + w; the gated norm's plain w) and weights off their init."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
+            elif "norm" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                param.copy_(torch.randn_like(param) * 0.5)
+            else:
+                param.normal_(0.0, 0.1)

@@ -20,7 +20,7 @@ from conftest import run_core
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from gguf_hybrid_util import ARCHS, write_hybrid_gguf
 from test_families import _request, against_transformers
-from test_qwen35 import _config, _numbers, _prompt
+from test_qwen35 import _config, _numbers, _prompt, off_init
 
 from probserve.engine import EngineConfig, EngineCore
 from probserve.models import LoadedModel, ModelLoadError, load_model
@@ -39,16 +39,7 @@ def _tiny(kind: str, vocab: int) -> Any:
     config._attn_implementation = "eager"
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     hf.requires_grad_(False)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                param.copy_(torch.randn_like(param) * 0.3 + 1.0)
-            elif "norm" in name:
-                param.copy_(torch.randn_like(param) * 0.3)
-            elif name.endswith(("A_log", "dt_bias")):
-                param.copy_(torch.randn_like(param) * 0.5)
-            else:
-                param.normal_(0.0, 0.1)
+    off_init(hf)
     return hf
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from server_util import post_ok, stream_events
 
 from probserve.api.answers.text_stream import Piece
 from probserve.api.answers.thinking import (
@@ -153,17 +154,11 @@ def q_http(r1: LoadedModel) -> Iterator[httpx.Client]:
 
 
 def _post(c: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    r = c.post(path, json={"model": "r1-tiny", **body})
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
+    return post_ok(c, path, body, "r1-tiny")
 
 
 def _events(c: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with c.stream("POST", path, json={"model": "r1-tiny", **body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    return [json.loads(ln) for ln in lines if ln != "[DONE]"]
+    return stream_events(c, path, body, "r1-tiny")
 
 
 def _chat(server: str, **extra: Any) -> dict[str, Any]:
