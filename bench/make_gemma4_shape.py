@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 from gguf import MODEL_ARCH, GGUFReader, GGUFValueType, GGUFWriter, get_tensor_name_map
-from shape_quantize import quantize
+from shape_files import quantize, write_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDER = ROOT.parent / "shared" / "models" / "make_tinyshape.py"
@@ -163,21 +161,13 @@ def write_f16(maker: ModuleType, path: Path) -> None:
     for key, values in arrays().items():
         writer.add_array(key, values)
     tensors = plan()
-    for name, dims, kind in tensors:
-        dtype = np.dtype(np.float16) if kind == "matrix" else np.dtype(np.float32)
-        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    t0 = time.time()
-    for i, (name, dims, kind) in enumerate(tensors):
+
+    def write_one(i: int, dims: tuple[int, ...], kind: str) -> None:
         freqs = kind == "freqs"
         values = rope_freqs() if freqs else maker.tensor_values(i, dims, kind == "norm")
         writer.write_tensor_data(values.astype(np.float16) if kind == "matrix" else values)
-        del values
-        print(f"  {name} ({time.time() - t0:.0f}s)", flush=True)
-    writer.close()
-    os.replace(tmp, path)
+
+    write_tensors(writer, tensors, write_one, tmp, path)
 
 
 def main() -> int:

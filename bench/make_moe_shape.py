@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
-from shape_quantize import quantize
+from shape_files import quantize, write_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILDER = ROOT.parent / "shared" / "models" / "make_tinyshape.py"
@@ -167,20 +165,12 @@ def write_f16(maker: ModuleType, shape: Shape, path: Path, layers: int) -> None:
     source = SimpleNamespace(fields=kept)
     maker.copy_metadata(source, writer, 1)
     tensors = plan(shape, layers)
-    for name, dims, kind in tensors:
-        dtype = np.dtype(np.float16) if kind == "matrix" else np.dtype(np.float32)
-        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    t0 = time.time()
-    for i, (name, dims, kind) in enumerate(tensors):
+
+    def write_one(i: int, dims: tuple[int, ...], kind: str) -> None:
         values = maker.tensor_values(i, dims, kind == "norm")
         writer.write_tensor_data(values.astype(np.float16) if kind == "matrix" else values)
-        del values
-        print(f"  {name} ({time.time() - t0:.0f}s)", flush=True)
-    writer.close()
-    os.replace(tmp, path)
+
+    write_tensors(writer, tensors, write_one, tmp, path)
 
 
 def main() -> int:

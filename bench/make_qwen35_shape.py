@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter
-from shape_quantize import quantize
+from shape_files import quantize, write_tensors
 
 SEED, STD = 1234, 0.02
 VOCAB = 248320  # Qwen3.5's embedding rows (its tokenizer's 248077 padded)
@@ -311,18 +309,9 @@ def write_f16(shape: Shape, path: Path) -> str:
     recurrent = [bool((i + 1) % shape.interval) for i in range(shape.layers)]
     writer.add_array(f"{shape.arch}.attention.recurrent_layers", recurrent)
     tensors = plan(shape, len(fields["tokenizer.ggml.tokens"][0]))
-    for name, dims, kind in tensors:
-        dtype = np.dtype(np.float16) if kind == "matrix" else np.dtype(np.float32)
-        writer.add_tensor_info(name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    t0 = time.time()
-    for i, (name, dims, kind) in enumerate(tensors):
-        _write_values(writer, i, dims, kind)
-        print(f"  {name} ({time.time() - t0:.0f}s)", flush=True)
-    writer.close()
-    os.replace(tmp, path)
+    write_tensors(
+        writer, tensors, lambda i, dims, kind: _write_values(writer, i, dims, kind), tmp, path
+    )
     return vocab_name
 
 
