@@ -23,9 +23,11 @@ namespace {
 // Attention's inner loops with the sizes known at compile time (head_dim = FAST_NV vectors),
 // so the accumulators live in registers. The operations and their order are those of the
 // generic loops in ps_attention, so either path gives the same bits.
+// The P.V pass takes the columns FAST_NV vectors (64 floats) at a time and up to FAST_PG
+// (token, head) pairs a key, its accumulators in registers; the scores take a head of 64, 128 or
+// 256 floats whole (scores_fast<NV>, q in registers).
 constexpr int FAST_NV = 64 / W;
-constexpr int FAST_PG6 = 24 / FAST_NV;  // the P.V pass's pairs per group (R / FAST_NV)
-constexpr int FAST_PG3 = 3;             // one token of a 3-heads-per-KV-head model (decode)
+constexpr int FAST_PG = 24 / FAST_NV;  // the P.V pass's most pairs per group (R / FAST_NV)
 
 // scores of n <= W keys for one query head: lane i = q . k_i (W lanes in order, then the lane
 // network), times scale
@@ -35,7 +37,19 @@ inline vf scores_fast(const float* qh, const float* kc, const int64_t* offs, int
     for (int c = 0; c < NV; ++c) qv[c] = vload(qh + c * W);
     vf acc[W];
     for (int i = 0; i < W; ++i) acc[i] = vzero();
-    for (int64_t i = 0; i < n; ++i) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {  // four keys' chains side by side (each key's order unchanged)
+        const float *k0 = kc + offs[i], *k1 = kc + offs[i + 1], *k2 = kc + offs[i + 2], *k3 = kc + offs[i + 3];
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        for (int c = 0; c < NV; ++c) {
+            a0 = vfma(qv[c], vload(k0 + c * W), a0);
+            a1 = vfma(qv[c], vload(k1 + c * W), a1);
+            a2 = vfma(qv[c], vload(k2 + c * W), a2);
+            a3 = vfma(qv[c], vload(k3 + c * W), a3);
+        }
+        acc[i] = a0, acc[i + 1] = a1, acc[i + 2] = a2, acc[i + 3] = a3;
+    }
+    for (; i < n; ++i) {
         const float* kp = kc + offs[i];
         vf a = vzero();
         for (int c = 0; c < NV; ++c) a = vfma(qv[c], vload(kp + c * W), a);
@@ -60,6 +74,23 @@ inline void pv_fast(vf* acc, const float* vc, const int64_t* offs, int64_t j0, i
         }
     }
     for (int i = 0; i < PG * NV; ++i) acc[i] = a[i];
+}
+
+// pv_fast<FAST_NV, pg> for 1 <= pg <= FAST_PG pairs (a switch: the pair count is known only at
+// run time, the accumulators' count must be known at compile time)
+template <int PG = FAST_PG>
+inline void pv_fast_pairs(int64_t pg, vf* acc, const float* vc, const int64_t* offs, int64_t j0, int64_t j1,
+                          const float* const* probs) {
+    if (pg == PG) pv_fast<FAST_NV, PG>(acc, vc, offs, j0, j1, probs);
+    else if constexpr (PG > 1) pv_fast_pairs<PG - 1>(pg, acc, vc, offs, j0, j1, probs);
+}
+
+// scores_fast<NV> for a head of nv = NV vectors, NV in {FAST_NV, 2 FAST_NV, 4 FAST_NV}
+inline vf scores_fast_nv(int64_t nv, const float* qh, const float* kc, const int64_t* offs, int64_t n,
+                         float scale) {
+    if (nv == 4 * FAST_NV) return scores_fast<4 * FAST_NV>(qh, kc, offs, n, scale);
+    if (nv == 2 * FAST_NV) return scores_fast<2 * FAST_NV>(qh, kc, offs, n, scale);
+    return scores_fast<FAST_NV>(qh, kc, offs, n, scale);
 }
 
 // the k best so far (n of them, best first, ordered by value then id) meet entry `id` of value
@@ -425,7 +456,9 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
     constexpr int64_t TQ = 4;   // tokens per tile
     constexpr int64_t R = 24;   // accumulators of the P.V pass
     const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
-    const bool fast = nv == FAST_NV && tail == W;
+    // the register paths: scores for heads of 64, 128 or 256 floats, P.V for any multiple of 64
+    const bool fast_pv = nv % FAST_NV == 0 && tail == W;
+    const bool fast = fast_pv && (nv == FAST_NV || nv == 2 * FAST_NV || nv == 4 * FAST_NV);
     std::vector<int64_t> tiles;  // first token of each tile, then T
     int64_t longest = 0;
     for (int64_t t = 0; t < T; ++t) {
@@ -437,7 +470,9 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
     const int64_t ntiles = static_cast<int64_t>(tiles.size());
     tiles.push_back(T);
     const int64_t stride = longest + W, pairs_max = TQ * group;
-    const int64_t cn = std::min<int64_t>(nv, R), hg = std::max<int64_t>(1, R / cn);
+    // columns a P.V group (cn vectors) and pairs a group (hg); every accumulator sums its keys in
+    // key order whatever the grouping, so the grouping never changes a bit
+    const int64_t cn = fast_pv ? FAST_NV : std::min<int64_t>(nv, R), hg = std::max<int64_t>(1, R / cn);
     on_team(T * nkv > 1, [&] {
         std::vector<float> s(static_cast<size_t>(pairs_max * stride));
         std::vector<int64_t> offs(static_cast<size_t>(longest + W));  // key j: its K/V offset
@@ -483,7 +518,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     const int64_t skip = std::max<int64_t>(0, lo[p] - j0);
                     vf sc;
                     if (fast && skip == 0) {
-                        sc = scores_fast<FAST_NV>(qp[p], kc, offs.data() + j0, n, scale);
+                        sc = scores_fast_nv(nv, qp[p], kc, offs.data() + j0, n, scale);
                     } else {
                         for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
                         for (int64_t i = skip; i < n; ++i) {
@@ -554,11 +589,8 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     const int64_t mid = std::min(lo_max, first);
                     some(lo_min, mid);
                     int64_t j = mid;
-                    if (fast && pg == FAST_PG6 && lo_max < first) {
-                        pv_fast<FAST_NV, FAST_PG6>(acc, vc, offs.data(), lo_max, first, probs.data() + p0);
-                        j = first;
-                    } else if (fast && pg == FAST_PG3 && lo_max < first) {
-                        pv_fast<FAST_NV, FAST_PG3>(acc, vc, offs.data(), lo_max, first, probs.data() + p0);
+                    if (fast_pv && lo_max < first) {
+                        pv_fast_pairs(pg, acc, vc + c0 * W, offs.data(), lo_max, first, probs.data() + p0);
                         j = first;
                     }
                     some(j, last);
