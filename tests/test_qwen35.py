@@ -25,6 +25,7 @@ from probserve.engine import (
     EngineConfig,
     EngineCore,
 )
+from probserve.engine.core.runners import recurrent
 from probserve.models import LoadedModel
 from probserve.models.family import family
 
@@ -151,35 +152,67 @@ def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedM
     assert core.stats().recurrent_state_bytes == 0 and core.stats().held_caches == 0
 
 
-def test_a_cached_prefix_ends_at_a_block_with_a_snapshot(model: LoadedModel):
-    """Snapshots for two blocks only (the least recently used dropped): a prompt whose cached
-    blocks outnumber them reuses its prefix up to the last block whose snapshot is kept, and
-    its numbers are the cold run's."""
+def _cold(model: LoadedModel, ids: list[int], rid: str) -> list:
+    config = EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+    return run_core(EngineCore(model, config), [_request(ids, rid)])[rid]
+
+
+def test_a_cached_prefix_ends_at_a_block_with_a_snapshot(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+):
+    """Snapshots every SNAPSHOT_TOKENS tokens (here 8: every second block of 4) and at the
+    blocks a prompt's repeat and continuation end at, three kept at most (the least recently
+    used dropped): a prompt reuses its cached prefix up to the last block whose snapshot is
+    kept, and its numbers are the cold run's."""
+    monkeypatch.setattr(recurrent, "SNAPSHOT_TOKENS", 8)
     canary = _prompt(8, 21)
-    cold = run_core(
-        EngineCore(
-            model, EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
-        ),
-        [_request(canary, "c")],
-    )["c"]
     state = EngineCore(model, EngineConfig(kv_cache_gib=0.02)).choice.state_bytes
     config = EngineConfig(
-        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=2.5 * state / 2**30
+        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=3.5 * state / 2**30
     )
     core = EngineCore(model, config)
-    assert core.choice.snapshots == 2
-    run_core(core, [_request(canary, "first", 1)])  # 5 blocks: snapshots of 4 and 5 kept
-    assert len(core.runner.snapshots) == 2  # type: ignore[attr-defined]
-    # the first 4 blocks again (block 4's snapshot now the most recent), then a block of its
-    # own: its snapshot takes block 5's place
+    assert core.choice.snapshots == 3
+    first = run_core(core, [_request(canary, "first", 1)])["first"]
+    # 5 full blocks: the 2nd and 4th (every 8 tokens) and the 5th (where a repeat ends) kept
+    where = {tokens: b for b, _, tokens in core.pool.cached_blocks()}
+    kept = [where[_blocks(canary, 4)[i]] for i in (1, 3, 4)]
+    assert sorted(core.runner.snapshots) == sorted(kept)  # type: ignore[attr-defined]
+    # the whole canary again: 5 blocks, the 5th's snapshot kept (its 20 tokens reused)
     hits = core.scheduler.prefix_hit_tokens
-    run_core(core, [_request(canary[:16] + _prompt(9, 5), "other", 1)])
-    assert core.scheduler.prefix_hit_tokens - hits == 16
+    again = run_core(core, [_request(canary, "again", 1)])["again"]
+    assert core.scheduler.prefix_hit_tokens - hits == 20
+    assert _numbers(again) == _numbers(first)
+    # 3 blocks in common (12 tokens), the 3rd without a snapshot: the prefix ends at the 2nd
+    short = canary[:14] + _prompt(9, 5)
+    hits = core.scheduler.prefix_hit_tokens
+    got = run_core(core, [_request(short, "short")])["short"]
+    assert core.scheduler.prefix_hit_tokens - hits == 8
+    assert _numbers(got) == _numbers(_cold(model, short, "short"))
+
+
+def _blocks(ids: list[int], bs: int) -> list[tuple[int, ...]]:
+    return [tuple(ids[i : i + bs]) for i in range(0, len(ids) - bs + 1, bs)]
+
+
+def test_a_block_handed_out_again_loses_its_snapshot(model: LoadedModel):
+    """A block's snapshot is the state past that block's content: when the pool hands the block
+    out again (another content), the snapshot goes with the old content, so a later prefix
+    ending at that block never restores another sequence's state."""
+    canary = _prompt(8, 21)
+    core = EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4))
+    run_core(core, [_request(canary, "first", 1)])
+    kept = set(core.runner.snapshots)  # type: ignore[attr-defined]
+    assert kept
+    # every cached block evicted and handed out again (the pool's blocks, all at once)
+    taken = [core.pool.allocate() for _ in range(core.pool.num_available())]
+    assert kept <= set(taken)
+    assert not core.runner.snapshots  # type: ignore[attr-defined]
+    for block in taken:
+        core.pool.release(block)  # type: ignore[arg-type]
     hits = core.scheduler.prefix_hit_tokens
     again = run_core(core, [_request(canary, "again")])["again"]
-    # 5 blocks cached, the 5th without its snapshot: the prefix ends at block 4
-    assert core.scheduler.prefix_hit_tokens - hits == 16
-    assert _numbers(again) == _numbers(cold)
+    assert core.scheduler.prefix_hit_tokens == hits
+    assert _numbers(again) == _numbers(_cold(model, canary, "again"))
 
 
 def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):

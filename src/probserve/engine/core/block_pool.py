@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from probserve.engine.prefix_hash import BlockHash
@@ -60,6 +60,8 @@ class BlockPool:
         self._by_hash: dict[BlockHash, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.disk: BlockStore | None = None  # a second level below memory (disk_cache.py)
+        # told of each block handed out (a hybrid runner drops the block's state snapshot)
+        self.on_allocate: Callable[[int], None] | None = None
 
     def num_available(self) -> int:
         return len(self._free) + len(self._evictable)
@@ -86,6 +88,8 @@ class BlockPool:
         else:
             return None
         self._ref[block] = 1
+        if self.on_allocate is not None:
+            self.on_allocate(block)
         return block
 
     def _evict(self) -> int:

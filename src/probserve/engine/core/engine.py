@@ -76,6 +76,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, choice.num_seqs, config.max_num_batched_tokens)
         if choice.state_bytes:  # a cached prefix ends where a state snapshot is kept
             self.scheduler.restorable = self._restorable
+            self.pool.on_allocate = self._forget_snapshot
         # speculative decoding where the runner checks proposals (a request may ask, or not)
         self.speculator: Speculator | None = None
         if choice.cls.speculates:
@@ -153,6 +154,10 @@ class EngineCore:
 
     def _restorable(self, block: int) -> bool:  # a hybrid model's: its snapshot still kept
         return cast(RecurrentRunner, self.runner).restorable(block)
+
+    def _forget_snapshot(self, block: int) -> None:  # a block handed out: its snapshot goes
+        if self._runner is not None:  # (none taken before the runner is built)
+            cast(RecurrentRunner, self._runner).forget(block)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

@@ -10,11 +10,16 @@ finishes or is preempted, and a preempted sequence is recomputed like a new one.
 verify step keeps); the engine reserves their bytes out of the KV cache's budget before it
 counts blocks (runners/choice.py), and the snapshots' too.
 
-The prefix cache: the state past the last token of each block a sequence computes is kept as
-that block's snapshot (`snapshot_count` of them at most, the least recently used dropped first);
-the scheduler reuses a cached prefix only up to a block whose snapshot is kept (`restorable`),
-and the sequence's state starts from that snapshot: the bits a cold run reaches there, since
-the recurrence has one order whatever the chunking.
+The prefix cache: the state past the last token of some blocks a sequence computes is kept as
+that block's snapshot (`snapshot_count` of them at most, the least recently used dropped first):
+every SNAPSHOT_TOKENS tokens' block, and the blocks a prompt's repeat and its continuation end
+their cached prefix at (`snapshot_blocks`). Not every block: a snapshot is a whole state (MBs),
+so one for each block of a long prompt would flush every other prompt's from the least recently
+used set (a 4,000-token prompt is 250 blocks) and copy a gigabyte a prompt. The scheduler reuses
+a cached prefix only up to a block whose snapshot is kept (`restorable`), and the sequence's
+state starts from that snapshot: the bits a cold run reaches there, since the recurrence has one
+order whatever the chunking. A block handed out again loses its snapshot (`forget`: the pool
+calls it), so a snapshot never outlives the block content it was taken after.
 
 Speculation: a step that verifies a sequence's proposals keeps the state past its last real
 token and past each proposal; its next chunk's first position says how many were accepted, and
@@ -40,6 +45,18 @@ from probserve.models.llama import state_shape
 from probserve.models.loader import LoadedModel
 
 NO_SNAPSHOTS = "--prefix-cache-gib holds no recurrent state snapshot"
+# a snapshot every this many tokens (whole blocks): a shared prefix of any length is reused to
+# within this many tokens of its end
+SNAPSHOT_TOKENS = 256
+
+
+def snapshot_blocks(prompt_tokens: int, block_size: int) -> frozenset[int]:
+    """The blocks (indices in a sequence) besides every SNAPSHOT_TOKENS tokens' whose state a
+    sequence with a prompt of `prompt_tokens` keeps: the last block a repeat of the prompt
+    reuses (it leaves one token to compute) and the prompt's last full block (where the next
+    turn of a conversation, the prompt and more, ends its cached prefix)."""
+    ends = ((prompt_tokens - 1) // block_size - 1, prompt_tokens // block_size - 1)
+    return frozenset(b for b in ends if b >= 0)
 
 
 def snapshot_count(config: EngineConfig, state_bytes: int) -> int:
@@ -71,6 +88,18 @@ class RecurrentRunner(PagedRunner):
         # a block's snapshot: the state past its last token (conv, delta), least recent first
         self.snapshots: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
+    def keeps(self, seq: Any, block_index: int) -> bool:
+        """Whether the state past block `block_index` of `seq` becomes a snapshot."""
+        every = max(1, SNAPSHOT_TOKENS // self.block_size)
+        prompt = len(seq.request.prompt_token_ids)
+        return (block_index + 1) % every == 0 or block_index in snapshot_blocks(
+            prompt, self.block_size
+        )
+
+    def forget(self, block: int) -> None:
+        """Block `block` is handed out again: its snapshot (another content's) goes."""
+        self.snapshots.pop(block, None)
+
     def restorable(self, block: int) -> bool:
         """A cached prefix may end at `block`: its snapshot is kept (now the most recent)."""
         if block not in self.snapshots:
@@ -81,8 +110,8 @@ class RecurrentRunner(PagedRunner):
     def _spans(self, chunks: list[Chunk]) -> list[Span]:
         """Each chunk's rows and its sequence's state: at its first chunk a fresh one (zeros,
         or the snapshot of the cached prefix's last block), else the state past its last
-        accepted token; the rows whose state is saved: each block's last token (with snapshots
-        kept), and with proposals the last real token and each proposal."""
+        accepted token; the rows whose state is saved: the last token of each block kept as a
+        snapshot (`keeps`), and with proposals the last real token and each proposal."""
         spans, row, bs = [], 0, self.block_size
         for ch in chunks:
             state = ch.seq.runner_state
@@ -95,7 +124,11 @@ class RecurrentRunner(PagedRunner):
             if self.snapshot_limit:
                 # (a proposal's too: a block it completes is registered if it is accepted, and
                 # its snapshot must then be this one, never an earlier owner's of the block)
-                saves.update(p - ch.start for p in range(ch.start, ch.end) if (p + 1) % bs == 0)
+                saves.update(
+                    p - ch.start
+                    for p in range(ch.start, ch.end)
+                    if (p + 1) % bs == 0 and self.keeps(ch.seq, p // bs)
+                )
             if ch.proposed:
                 saves.update(range(ch.real_end - 1 - ch.start, ch.length))
             state.saving(len(saves))
@@ -124,7 +157,7 @@ class RecurrentRunner(PagedRunner):
                 conv, delta = state.saved_conv[j], state.saved_delta[j]
                 if ch.proposed and p >= ch.real_end - 1:
                     state.kept[p] = (conv.clone(), delta.clone())
-                if (p + 1) % bs == 0 and self.snapshot_limit:
+                if (p + 1) % bs == 0 and self.snapshot_limit and self.keeps(ch.seq, p // bs):
                     self._snapshot(ch.seq.block_table[p // bs], conv, delta)
             state.saving(0)
 
