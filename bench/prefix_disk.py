@@ -90,6 +90,7 @@ def llama_restore(gguf: str, prompt: tuple[int, ...], logs: Path) -> str:
         if saved.status_code != 200:
             return f"llama-server: slot save failed ({saved.status_code}: {saved.text[:300]})"
         size = sum(p.stat().st_size for p in Path(slots).iterdir()) / 2**20
+        server = Server("llama-server", cmd, port, "", logs / "llama-prefix-disk-2.log", False)
         server.start()
         try:
             llama_first_token(server.url, WARMUP)
