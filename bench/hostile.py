@@ -17,6 +17,17 @@ bounded in count and time.
 minutes of prefill) runs only where `--case` names it:
 
     .venv/bin/python bench/hostile.py --url URL --case long_prompt_flood --kv-budget-gib 4
+
+So do the prefix cache on disk's cases, against a server started with `--prefix-cache-dir DIR
+--prefix-cache-disk-gib G --prefix-cache-gib 0` (nothing kept in memory past the next request,
+so blocks go to disk at once), given the same directory and budget to check:
+`prefix_disk_churn` sends `--churn-prefixes` distinct prompts (`--churn-blocks` full blocks each,
+8 in flight, one token each) until the budget has evicted; `prefix_disk_garbage` spoils the
+block files of prompts it then sends again (truncated, a flipped byte, empty, garbage, another
+fingerprint's header): each skipped and counted, never served, the same answers.
+
+    .venv/bin/python bench/hostile.py --url URL --case prefix_disk_churn --case \\
+        prefix_disk_garbage --prefix-dir DIR --prefix-disk-gib G [--churn-prefixes 10000]
 """
 
 from __future__ import annotations
@@ -24,12 +35,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import secrets
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
@@ -54,6 +69,12 @@ class Ctx:
     # long_prompt_flood: each prompt's length, and the engine's budget (--kv-cache-gib) in bytes
     flood_tokens: int = 2000
     kv_budget: float | None = None
+    # the prefix cache on disk's cases: the server's --prefix-cache-dir and its budget in bytes
+    prefix_dir: str | None = None
+    prefix_budget: float | None = None
+    churn_prefixes: int = 10000
+    churn_blocks: int = 4
+    canary_bound: float = 3.0  # the canary's latency after the churn, at most this many times
     figures: dict[str, object] = field(default_factory=dict)  # a case's own, on its line
 
 
@@ -705,6 +726,241 @@ def long_prompt_flood(ctx: Ctx) -> str | None:
     return None
 
 
+# ---- the prefix cache on disk (--prefix-cache-dir): opt-in -------------------------------------
+
+
+def disk_block_bytes(root: Path) -> tuple[int, int]:
+    """What the block files (and writers' temporary files) under `root` take now, in bytes, and
+    the largest one; files deleted while the walk runs are not counted."""
+    from probserve.engine.core.disk_cache import SUFFIX
+
+    total = largest = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(SUFFIX) or name.startswith(".tmp-"):
+                with contextlib.suppress(OSError):
+                    size = os.stat(os.path.join(folder, name)).st_size
+                    total += size
+                    largest = max(largest, size)
+    return total, largest
+
+
+def disk_figures(client: httpx.Client) -> dict[str, object]:
+    """/health's prefix_cache_disk_* figures, its fingerprint and the KV block size."""
+    h = client.get("/health").json()
+    out = {k: v for k, v in h.items() if k.startswith("prefix_cache_disk_")}
+    out["system_fingerprint"] = h.get("system_fingerprint")
+    out["block_size"] = (h.get("numerics") or {}).get("block_size")
+    return out
+
+
+def settled_disk(client: httpx.Client, seconds: float = 120) -> dict[str, object]:
+    """/health's disk figures once the writer is done (writes and drops unchanged for 1 s)."""
+    deadline = time.monotonic() + seconds
+    last = disk_figures(client)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = disk_figures(client)
+        keys = ("prefix_cache_disk_writes", "prefix_cache_disk_dropped")
+        if all(now.get(k) == last.get(k) for k in keys):
+            return now
+        last = now
+    return last
+
+
+def distinct_prompt(i: int, salt: int, length: int) -> list[int]:
+    """Token ids of prompt `i`: its first block already differs from every other prompt's (its
+    first four ids spell `i` and this run's `salt`), so no two share a cached block."""
+    head = [i % 900, i // 900 % 900, salt % 900, salt // 900 % 900]
+    return [100 + (t if j < 4 else (i * 7919 + j * 104729) % 900) for j, t in
+            enumerate(head + [0] * (length - 4))][:length]  # fmt: skip
+
+
+def canary_seconds(client: httpx.Client, tries: int = 10) -> float:
+    """The canary's latency: the fastest of `tries` (one slow answer is the machine's noise)."""
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        client.post("/v1/completions", json=CANARY).raise_for_status()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def disk_setup(ctx: Ctx) -> tuple[Path, float, dict[str, object]] | str:
+    """The directory, its budget and /health's disk figures, or what is missing."""
+    if ctx.prefix_dir is None or ctx.prefix_budget is None:
+        return "give --prefix-dir and --prefix-disk-gib (the server's --prefix-cache-dir and -gib)"
+    first = disk_figures(ctx.client)
+    if first.get("prefix_cache_disk_writes") is None or not first.get("block_size"):
+        return f"the server reports no prefix cache on disk: {first}"
+    return Path(ctx.prefix_dir), ctx.prefix_budget, first
+
+
+def prefix_disk_churn(ctx: Ctx) -> str | None:
+    """`--churn-prefixes` distinct prompts (`--churn-blocks` full KV blocks and one token each,
+    one token out, 8 in flight) written to the disk cache until its budget has evicted: every
+    request answers, the directory's block files stay within the budget (sampled during the run:
+    plus 4 blocks, the file in flight and the walk racing the writer; after it: within it), the
+    server reports evictions and a size within the budget, and the canary's latency at the end
+    is within --canary-bound times its latency at the start (the slowest /health: the runner's)."""
+    setup = disk_setup(ctx)
+    if isinstance(setup, str):
+        return setup
+    root, budget, first = setup
+    length = ctx.churn_blocks * int(first["block_size"]) + 1  # type: ignore[call-overload]
+    salt = secrets.randbelow(900 * 900)  # a rerun on the same directory writes new blocks
+    canary_before = canary_seconds(ctx.client)
+    peak = {"bytes": 0, "block": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            total, largest = disk_block_bytes(root)
+            peak["bytes"], peak["block"] = max(peak["bytes"], total), max(peak["block"], largest)
+            stop.wait(0.2)
+
+    def one(i: int) -> int:
+        body = {"prompt": distinct_prompt(i, salt, length), "max_tokens": 1, "temperature": 0}
+        return ctx.client.post("/v1/completions", json=body, timeout=600).status_code
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    started = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(one, range(ctx.churn_prefixes)))
+    finally:
+        stop.set()
+        sampler.join()
+    seconds = time.perf_counter() - started
+    last = settled_disk(ctx.client)
+    final, largest = disk_block_bytes(root)
+    canary_after = canary_seconds(ctx.client)
+
+    def grew(key: str) -> int:
+        return int(last[key] or 0) - int(first[key] or 0)  # type: ignore[call-overload]
+
+    ctx.figures.update({
+        "requests": len(statuses), "prompt_tokens": length, "seconds": round(seconds, 1),
+        "requests_per_s": round(len(statuses) / seconds, 1),
+        "writes": grew("prefix_cache_disk_writes"),
+        "evictions": grew("prefix_cache_disk_evictions"),
+        "dropped": grew("prefix_cache_disk_dropped"), "budget_bytes": int(budget),
+        "max_dir_bytes": max(peak["bytes"], final), "final_dir_bytes": final,
+        "reported_bytes": last["prefix_cache_disk_bytes"], "block_file_bytes": peak["block"],
+        "canary_s_before": round(canary_before, 4), "canary_s_after": round(canary_after, 4),
+    })  # fmt: skip
+    slack = 4 * max(peak["block"], largest)
+    if statuses.count(200) != len(statuses):
+        return f"statuses {sorted(set(statuses))}: {len(statuses) - statuses.count(200)} not 200"
+    if grew("prefix_cache_disk_evictions") <= 0:
+        return "no block file evicted: raise --churn-prefixes or lower the budget"
+    if final > budget:
+        return f"the block files take {final} B after the run, over the budget {budget:.0f} B"
+    if peak["bytes"] > budget + slack:
+        return f"the block files took {peak['bytes']} B, over the budget {budget:.0f} B + {slack}"
+    if int(last["prefix_cache_disk_bytes"] or 0) > budget:  # type: ignore[call-overload]
+        return f"the server counts {last['prefix_cache_disk_bytes']} B, over the budget"
+    if canary_after > ctx.canary_bound * canary_before:
+        return f"the canary took {canary_after:.3f} s after the churn, {canary_before:.3f} s before"
+    return None
+
+
+def spoiled(data: bytes, how: str) -> bytes:
+    """A block file's bytes spoiled one way: cut short, a byte flipped, emptied, garbage, or
+    re-encoded whole (a right checksum) under another fingerprint."""
+    if how == "truncated":
+        return data[: len(data) // 2]
+    if how == "flipped":
+        half = len(data) // 2
+        return data[:half] + bytes([data[half] ^ 1]) + data[half + 1 :]
+    if how == "empty":
+        return b""
+    if how == "garbage":
+        return b"not a block " * (len(data) // 12)
+    import numpy as np
+
+    from probserve.engine.core.disk_cache import MAGIC, encode
+
+    n = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
+    at = len(MAGIC) + 4
+    header = json.loads(data[at : at + n])
+    at += n
+    arrays = {}
+    for name, dtype, shape in header["tensors"]:
+        count = int(np.prod(shape))
+        arrays[name] = np.frombuffer(data, dtype, count, at).reshape(shape)
+        at += count * np.dtype(dtype).itemsize
+    other = "fp_" + format(int(header["fingerprint"][3:], 16) ^ 1, "016x")
+    return encode(other, bytes.fromhex(header["hash"]), tuple(header["tokens"]), arrays)
+
+
+SPOILS = ["truncated", "flipped", "empty", "garbage", "another_fingerprint"]
+
+
+def prefix_disk_garbage(ctx: Ctx) -> str | None:
+    """Prompts answered (their numbers kept), pushed out of memory onto disk by others, their
+    block files then spoiled in place (one way a prompt: SPOILS) and the prompts sent again: each
+    answers 200 with the same bits, the server counts a skipped file for each (its first block's:
+    refused, deleted, the blocks computed) and reads back none of them."""
+    from probserve.engine.core.disk_cache import SUFFIX
+    from probserve.engine.prefix_hash import block_hash
+
+    setup = disk_setup(ctx)
+    if isinstance(setup, str):
+        return setup
+    root, _, first = setup
+    size = int(first["block_size"])  # type: ignore[call-overload]
+    folder = root / str(first["system_fingerprint"])
+    salt = secrets.randbelow(900 * 900)
+    targets = [distinct_prompt(i, salt, 2 * size + 1) for i in range(len(SPOILS))]
+
+    def files(prompt: list[int]) -> list[Path]:
+        out, parent = [], None
+        for b in range(len(prompt) // size):
+            parent = block_hash(parent, prompt[b * size : (b + 1) * size])
+            out.append(folder / parent.hex()[:2] / (parent.hex() + SUFFIX))
+        return out
+
+    def ask(prompt: list[int]) -> tuple[int, object]:
+        body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True}
+        r = ctx.client.post("/v1/completions", json=body)
+        return r.status_code, r.json().get("choices")
+
+    before = [ask(p) for p in targets]
+    if any(status != 200 for status, _ in before):
+        return f"statuses before: {[status for status, _ in before]}"
+    wanted = [f for p in targets for f in files(p)]
+    fillers = 0
+    deadline = time.monotonic() + 300
+    while not all(f.is_file() for f in wanted):  # other prompts evict them from memory
+        if fillers >= 2000 or time.monotonic() > deadline:
+            on_disk = sum(f.is_file() for f in wanted)
+            return (f"{on_disk} of {len(wanted)} target blocks on disk after {fillers} other "
+                    "prompts: start the server with --prefix-cache-gib 0")  # fmt: skip
+        filler = distinct_prompt(len(SPOILS) + fillers, salt, 2 * size + 1)
+        ctx.client.post("/v1/completions", json={"prompt": filler, "max_tokens": 1})
+        fillers += 1
+    settled = settled_disk(ctx.client)
+    for prompt, how in zip(targets, SPOILS, strict=True):
+        for path in files(prompt):
+            tmp = path.with_name(f".spoil-{path.name}")
+            tmp.write_bytes(spoiled(path.read_bytes(), how))
+            os.replace(tmp, path)
+    after = [ask(p) for p in targets]
+    last = disk_figures(ctx.client)
+    skipped = int(last["prefix_cache_disk_skipped"]) - int(settled["prefix_cache_disk_skipped"])  # type: ignore[call-overload]
+    hits = int(last["prefix_cache_disk_hits"]) - int(settled["prefix_cache_disk_hits"])  # type: ignore[call-overload]
+    ctx.figures.update({"spoiled_files": len(wanted), "fillers": fillers, "skipped": skipped,
+                        "hits": hits, "spoils": SPOILS})  # fmt: skip
+    for how, (status, choices), (_, cold) in zip(SPOILS, after, before, strict=True):
+        if status != 200 or choices != cold:
+            return f"{how}: status {status}, the same numbers: {choices == cold}"
+    if skipped < len(SPOILS):
+        return f"{skipped} files skipped, {len(SPOILS)} spoiled prompts asked"
+    return f"{hits} blocks read back from spoiled files" if hits else None
+
+
 CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("huge_seeds", huge_seeds),
     ("long_id_prompts", long_id_prompts),
@@ -740,8 +996,11 @@ CASES: list[tuple[str, Callable[[Ctx], str | None]]] = [
     ("two_spellings_disagree", two_spellings_disagree),
     ("duplicate_call_ids", duplicate_call_ids),
     ("long_prompt_flood", long_prompt_flood),
+    ("prefix_disk_churn", prefix_disk_churn),
+    ("prefix_disk_garbage", prefix_disk_garbage),
 ]
-OPT_IN = {"long_prompt_flood"}  # run only where --case names them
+# run only where --case names them
+OPT_IN = {"long_prompt_flood", "prefix_disk_churn", "prefix_disk_garbage"}
 
 
 # ---- the harness -------------------------------------------------------------------------------
@@ -800,11 +1059,14 @@ def run(
     only: list[str],
     flood_tokens: int = 2000,
     kv_budget: float | None = None,
+    **disk: object,
 ) -> int:
+    """`disk`: the prefix cache on disk's cases' settings (Ctx's prefix_dir, prefix_budget,
+    churn_prefixes, churn_blocks, canary_bound)."""
     failed = 0
     with httpx.Client(base_url=url, timeout=300) as client:
         before = canary(client)
-        ctx = Ctx(url, client, header_timeout, flood_tokens, kv_budget)
+        ctx = Ctx(url, client, header_timeout, flood_tokens, kv_budget, **disk)  # type: ignore[arg-type]
         for name, case in CASES:
             if name not in only:
                 continue
@@ -859,12 +1121,19 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the server's --kv-cache-gib (0.5 with --start): long_prompt_flood holds it to it",
     )
+    ap.add_argument("--prefix-dir", default=None, help="the server's --prefix-cache-dir")
+    ap.add_argument("--prefix-disk-gib", type=float, default=None,
+                    help="the server's --prefix-cache-disk-gib")  # fmt: skip
+    ap.add_argument("--churn-prefixes", type=int, default=10000, help="prefix_disk_churn's count")
+    ap.add_argument("--churn-blocks", type=int, default=4, help="full KV blocks a churn prompt")
+    ap.add_argument("--canary-bound", type=float, default=3.0,
+                    help="prefix_disk_churn: most canary latency after / before")  # fmt: skip
     args = ap.parse_args(argv)
     names = [name for name, _ in CASES]
     unknown = sorted(set(args.case + args.skip) - set(names))
     if unknown:
         raise SystemExit(f"no such case: {', '.join(unknown)} (cases: {', '.join(names)})")
-    # long_prompt_flood (minutes of prefill) runs where --case names it
+    # the OPT_IN cases (minutes of prefill, a disk cache) run where --case names them
     only = [n for n in (args.case or names) if n not in args.skip]
     only = [n for n in only if args.case or n not in OPT_IN]
     proc = start_server(args.port, START_ARGS) if args.start else None
@@ -882,6 +1151,11 @@ def main(argv: list[str] | None = None) -> int:
             only,
             args.flood_tokens,
             None if budget is None else budget * 2**30,
+            prefix_dir=args.prefix_dir,
+            prefix_budget=None if args.prefix_disk_gib is None else args.prefix_disk_gib * 2**30,
+            churn_prefixes=args.churn_prefixes,
+            churn_blocks=args.churn_blocks,
+            canary_bound=args.canary_bound,
         )
     finally:
         if proc is not None:

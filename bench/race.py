@@ -173,6 +173,22 @@ def model_flags(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--served-model-name", "bench"] if args.model else []
 
 
+def llama_command(model: str | None, port: int, slots: int, context: int) -> list[str]:
+    """llama.cpp's server (../shared/peers/llama_server.sh builds it once) on a GGUF file
+    (`model`; the embedded model's file where None), two threads, as the races run it."""
+    binary = subprocess.run(["bash", str(PEERS / "llama_server.sh")], capture_output=True,
+                            text=True, check=True).stdout.strip()  # fmt: skip
+    if model is None:
+        model_dir = subprocess.run(["bash", str(PEERS / "model.sh")], capture_output=True,
+                                   text=True, check=True).stdout.strip()  # fmt: skip
+        model = f"{model_dir}/model.gguf"
+    # --no-repack: its AMX kernels (reached through weight repacking) die with SIGILL on VMs
+    # whose CPUID lists AMX without granting it (gdb: tinygemm_kernel_amx); without them it
+    # runs its AVX-512/AVX2 dot products, its usual CPU path
+    return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(context), "-t", "2", "--no-repack"]  # fmt: skip
+
+
 def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Server]:
     variants = [v.split("=", 1) for v in args.variant] or [["now" if args.tree else "", ""]]
     here = [str(Path(sys.executable).parent / "probserve")]
@@ -196,18 +212,9 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
         cmd = ["bash", str(PEERS / "vllm_cpu.sh"), hf_dir, "8012"]
         servers.append(Server("vllm-cpu", cmd, 8012, "smollm2", logs / "vllm.log"))
     if "llama" in args.peers:
-        binary = subprocess.run(["bash", str(PEERS / "llama_server.sh")], capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-        model_dir = subprocess.run(["bash", str(PEERS / "model.sh")], capture_output=True,
-                                   text=True, check=True).stdout.strip()  # fmt: skip
-        # --no-repack: its AMX kernels (reached through weight repacking) die with SIGILL on
-        # VMs whose CPUID lists AMX without granting it (gdb: tinygemm_kernel_amx); without
-        # them it runs its AVX-512/AVX2 dot products, its usual CPU path
-        gguf = args.model or f"{model_dir}/model.gguf"
         # 32 slots share -c: each gets the sweep's longest request (a 4,000-token prompt too)
         context = max(16384, 32 * (args.prompt_tokens + args.output_tokens + 64))
-        cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", "8013",
-               "-np", "32", "-c", str(context), "-t", "2", "--no-repack"]  # fmt: skip
+        cmd = llama_command(args.model, 8013, 32, context)
         # llama-server returns no prompt logprobs (no echo): it sits the scoring sweep out
         servers.append(Server("llama-server", cmd, 8013, "smollm2", logs / "llama.log", False))
     return servers

@@ -284,3 +284,36 @@ def test_a_server_restart_restores_the_prefix_bit_for_bit(smol: LoadedModel, tmp
     hits = [ln for ln in metrics.splitlines() if ln.startswith("probserve:prefix_cache_disk_hits")]
     assert hits and float(hits[0].split()[-1]) == cached[1] // 16
     assert _block_files(tmp_path)
+
+
+@pytest.mark.slow
+def test_hostile_disk_cases_on_the_embedded_model(smol: LoadedModel, tmp_path: Path, capsys):
+    """bench/hostile.py's prefix_disk_churn (200 distinct prompts of 2 blocks through a 16 MiB
+    budget: about 22 of the embedded model's blocks) and prefix_disk_garbage pass against a
+    server with that budget; told a budget a quarter of the server's, the churn case fails.
+    The canary's latency is not held to a bound here (--canary-bound 1e9): on a shared machine
+    other work moves it more than the churn does."""
+    import json
+
+    import hostile
+    from server_util import running_server
+
+    budget = str(16 / 1024)  # GiB
+    check = ["--prefix-dir", str(tmp_path), "--churn-blocks", "2", "--canary-bound", "1e9"]
+    flags = ("--prefix-cache-dir", str(tmp_path), "--prefix-cache-gib", "0")
+    with running_server(smol, *flags, "--prefix-cache-disk-gib", budget) as url:
+        cases = ["--case", "prefix_disk_churn", "--case", "prefix_disk_garbage"]
+        args = ["--url", url, *cases, *check, "--churn-prefixes", "200"]
+        assert hostile.main([*args, "--prefix-disk-gib", budget]) == 0
+        good = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        args = ["--url", url, "--case", "prefix_disk_churn", *check, "--churn-prefixes", "40"]
+        assert hostile.main([*args, "--prefix-disk-gib", str(4 / 1024)]) == 1
+        bad = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    churn, garbage, summary = good
+    assert summary == {"cases": 2, "failed": 0}
+    assert churn["ok"] and garbage["ok"], good
+    figures = churn["figures"]
+    assert figures["requests"] == 200 and figures["evictions"] > 0
+    assert 0 < figures["final_dir_bytes"] <= figures["budget_bytes"] == 16 * 2**20
+    assert garbage["figures"]["skipped"] >= 5 and garbage["figures"]["hits"] == 0
+    assert not bad[0]["ok"] and "over the budget" in bad[0]["problem"], bad
