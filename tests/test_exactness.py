@@ -111,10 +111,18 @@ def test_logprobs_are_as_close_to_float64_as_float32_is(isa: str, products: str)
 
 
 # Qwen3.5 dense's second prompt: one token (its 8th) 6.5e-6 from float64 where the reference is
-# 2.9e-6 at worst (2.2e-6 there): 2.24x. Not the recurrence: a float64 delta rule in its place
-# gives 5.6e-6 at that token; the torch path (no --deterministic) 2.5e-6, so one of the other
-# row-invariant kernels on this tiny model. Marked until found (strict: a pass fails it).
-OUTLIER = "qwen3_5: one token 2.24x the reference's float64 error (test_exactness.py)"
+# 2.9e-6 at worst (2.2e-6 there): 2.24x. The float32 reference is lucky there, no kernel is off
+# (2026-12-06, the test's three prompts): each deterministic operation, on the inputs it met,
+# against float64 and against torch's float32 form of it (root-mean-square error): RMSNorm
+# 5.90e-8 vs 6.16e-8, SiLU-mul the same bits, products 1.150e-7 vs 1.151e-7 (99.6% the same
+# bits), attention 3.56e-8 vs 4.03e-8, the delta rule 8.3e-10 vs 1.0e-9 (delta_rule.py's in
+# float32). Over 63 prompts (these three, and 60 of 40 tokens: seeds 10-69): probserve's pooled
+# error 1.39e-6, the torch path's 1.60e-6, the reference's 1.64e-6; a prompt past 2x the
+# reference's worst token: 4 of 63 for probserve, 3 for the torch path (its own worst 2.64x).
+# In float64 one at a time: the body's products (what dominates; the head's alone changes
+# nothing) 0 of 63 and 9.4e-7; the norms, the attention, the delta rule or the scoring 1 to 4
+# of 63, each moving which prompt is unlucky. Marked, the rule kept (strict: a pass fails it).
+OUTLIER = "qwen3_5: one token 2.24x the float32 reference's float64 error, the reference lucky"
 NEW_FAMILIES = [
     pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=OUTLIER)) if k == "qwen3_5" else k
     for k in [*KINDS, "gemma4"]
