@@ -182,6 +182,31 @@ def test_a_cached_prefix_ends_at_a_block_with_a_snapshot(model: LoadedModel):
     assert _numbers(again) == _numbers(cold)
 
 
+def test_a_snapshot_is_the_saved_state_itself(model: LoadedModel):
+    """The states a step saves past its blocks' last tokens are kept as the snapshots
+    themselves, each its own tensors: no copy made beside them (a prompt of 6 blocks of
+    Qwen3.5-4B's shape saved 6 states of 6.5 MB and held their copies as well)."""
+    core = EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4))
+    runner: Any = core.runner
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    computed = runner._computed
+
+    def spy(chunks: list, spans: list) -> None:
+        for span in spans:
+            conv, delta = span.state.saved_conv, span.state.saved_delta
+            if conv is not None and delta is not None:
+                saved.extend(zip(list(conv), list(delta), strict=True))
+        computed(chunks, spans)
+
+    runner._computed = spy
+    run_core(core, [_request(_prompt(5, 13), "s", 1)])
+    kept = list(runner.snapshots.values())
+    assert len(kept) == 3 and len(saved) == 3
+    for conv, delta in kept:
+        assert any(conv is c and delta is d for c, d in saved)
+        assert conv._base is None and delta._base is None  # its own storage, no larger one's
+
+
 def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
     """A KV pool too small for everyone: sequences are preempted (their states dropped with
     their blocks) and recomputed, and the canary's numbers are its numbers alone."""

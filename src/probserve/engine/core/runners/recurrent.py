@@ -123,13 +123,15 @@ class RecurrentRunner(PagedRunner):
                 p = ch.start + row
                 conv, delta = state.saved_conv[j], state.saved_delta[j]
                 if ch.proposed and p >= ch.real_end - 1:
-                    state.kept[p] = (conv.clone(), delta.clone())
+                    state.kept[p] = (conv, delta)  # (the saved tensors themselves: read only)
                 if (p + 1) % bs == 0 and self.snapshot_limit:
                     self._snapshot(ch.seq.block_table[p // bs], conv, delta)
             state.saving(0)
 
     def _snapshot(self, block: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        """Keep a saved state (its own tensors, never written again: no copy) as `block`'s
+        snapshot."""
         self.snapshots.pop(block, None)
-        self.snapshots[block] = (conv.clone(), delta.clone())
+        self.snapshots[block] = (conv, delta)
         while len(self.snapshots) > self.snapshot_limit:
             self.snapshots.popitem(last=False)
