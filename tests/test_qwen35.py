@@ -207,6 +207,46 @@ def test_a_snapshot_is_the_saved_state_itself(model: LoadedModel):
         assert conv._base is None and delta._base is None  # its own storage, no larger one's
 
 
+def test_a_step_holds_no_more_snapshots_than_the_limit(model: LoadedModel):
+    """A step that completes more blocks than the snapshots kept saves the states of the last
+    `snapshot_limit` alone, and makes room for them before its forward: the snapshots and the
+    step's saved states together never exceed the limit (a step of 32 completed blocks of
+    Qwen3.5-4B's shape held 40 snapshots and 32 saved states, 470 MB, for 40 kept); the
+    snapshots kept are the same, and so are the bits served from them."""
+    canary = _prompt(8, 21)
+    cold = run_core(
+        EngineCore(
+            model, EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+        ),
+        [_request(canary, "c")],
+    )["c"]
+    state = EngineCore(model, EngineConfig(kv_cache_gib=0.02)).choice.state_bytes
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=2.5 * state / 2**30
+    )
+    core = EngineCore(model, config)
+    runner: Any = core.runner
+    held: list[int] = []
+    forward = runner.forward.forward
+
+    def spy(*args: Any) -> torch.Tensor:
+        spans = args[4]
+        saved = sum(len(span.state.saved_conv or ()) for span in spans)
+        held.append(len(runner.snapshots) + saved)
+        return forward(*args)
+
+    runner.forward.forward = spy
+    run_core(core, [_request(canary, "first", 1)])  # 5 blocks in one step, 2 snapshots kept
+    assert held[0] == 2 and max(held) <= 2
+    blocks = core.scheduler.prefix_hit_tokens
+    run_core(core, [_request(canary[:16] + _prompt(9, 5), "other", 1)])
+    assert core.scheduler.prefix_hit_tokens - blocks == 16 and max(held) <= 2
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]
+    assert core.scheduler.prefix_hit_tokens - hits == 16 and max(held) <= 2
+    assert _numbers(again) == _numbers(cold)
+
+
 def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
     """A KV pool too small for everyone: sequences are preempted (their states dropped with
     their blocks) and recomputed, and the canary's numbers are its numbers alone."""
