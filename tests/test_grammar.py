@@ -224,3 +224,27 @@ def test_a_grammar_that_meets_a_bound_partway_ends_cleanly(smol: LoadedModel, co
     assert outs[-1].finish_reason == FinishReason.GRAMMAR_LIMIT and outs[-1].error is None
     assert 0 < len(_tokens(outs)) < 300
     assert not core.has_work() and core.stats().held_caches == 0
+
+
+def test_a_started_engine_holds_no_tokenizer_and_builds_the_same_grammars(
+    smol: LoadedModel, core: EngineCore
+):
+    """A started engine (the worker's, a Ray replica's) drops the model's tokenizer (the API's
+    process holds its own; Qwen3.5's 248k-token one takes 211 MB) and keeps what llguidance's
+    tokenizer is built from: a grammar's first request there gives the tokens and bits an
+    engine holding the tokenizer gives."""
+    from probserve.engine.core.host import start_engine
+
+    started = start_engine(None, EngineConfig(kv_cache_gib=0.25, weights="float32"))
+    assert started.core.loaded.tokenizer is None and started.core.grammars._hf is None
+    assert started.tokenizer_class  # (named before it went: the API loads the same class)
+    grammar = _grammar("json_schema", SCHEMA)
+    prompt = "Write a JSON object describing a person called Ada, aged 36:"
+    there = run_core(started.core, [_request(smol, "j", prompt, grammar, 48)])["j"]
+    here = run_core(core, [_request(smol, "j", prompt, grammar, 48)])["j"]
+    assert _tokens(there) == _tokens(here)
+    for a, b in zip(there, here, strict=True):
+        assert a.logprobs is not None and b.logprobs is not None
+        assert np.array_equal(a.logprobs.logprobs, b.logprobs.logprobs)
+        assert a.logprobs.processed is not None and b.logprobs.processed is not None
+        assert np.array_equal(a.logprobs.processed.logprobs, b.logprobs.processed.logprobs)

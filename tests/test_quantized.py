@@ -335,6 +335,37 @@ def test_packing_in_chunks_gives_the_same_panels(monkeypatch, qtype: Q):
         assert a.shape == b.shape and np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_matrix_in_a_file_is_packed_a_chunk_at_a_time(monkeypatch, tmp_path, qtype: Q):
+    """A matrix held as rows in a file (the blocks cache's FileRows) is read PACK_ROWS rows at
+    a time as it is packed, never whole (a tied Q6_K head of 248k rows is 521 MB: read whole
+    beside its panels, it doubled the load's peak): the same panels as packed from memory."""
+    from probserve.kernels import qlayout
+    from probserve.models.gguf_blocks import FileRows
+
+    qk = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, 150, 2 * qk, np.random.default_rng(11))
+    raw = raw.reshape(150, -1)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"\0" * 24 + raw.tobytes())
+    held = QuantizedTensor(FileRows(str(path), 24, raw.shape, "uint8"), qtype.value, 2 * qk)
+    monkeypatch.setattr(qlayout, "PACK_ROWS", 64)
+    reads: list[int] = []
+    fromfile = np.fromfile
+
+    def counted(*args, **kwargs):
+        out = fromfile(*args, **kwargs)
+        reads.append(out.size // raw.shape[1])
+        return out
+
+    monkeypatch.setattr(np, "fromfile", counted)
+    for ops in (InvariantKernels(), InvariantKernels(limbs=True)):
+        reads.clear()
+        packed = ops.pack(held)
+        assert reads and max(reads) <= 64 and sum(reads) == 150
+        assert torch.equal(packed.data, ops.qpack(raw, qtype.value).data)
+
+
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_quantized_weights_are_held_at_their_size(kernels, qtype: Q):
     rng = np.random.default_rng(5)

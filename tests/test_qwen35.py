@@ -215,6 +215,77 @@ def test_a_block_handed_out_again_loses_its_snapshot(model: LoadedModel):
     assert _numbers(again) == _numbers(_cold(model, canary, "again"))
 
 
+def test_a_snapshot_is_the_saved_state_itself(model: LoadedModel, monkeypatch: pytest.MonkeyPatch):
+    """The states a step saves past its blocks' last tokens are kept as the snapshots
+    themselves, each its own tensors: no copy made beside them (a prompt of 6 blocks of
+    Qwen3.5-4B's shape saved 6 states of 6.5 MB and held their copies as well). Every block
+    a snapshot's here (SNAPSHOT_TOKENS one block): the mechanism, whatever the choice."""
+    monkeypatch.setattr(recurrent, "SNAPSHOT_TOKENS", 4)
+    core = EngineCore(model, EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4))
+    runner: Any = core.runner
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    computed = runner._computed
+
+    def spy(chunks: list, spans: list) -> None:
+        for span in spans:
+            conv, delta = span.state.saved_conv, span.state.saved_delta
+            if conv is not None and delta is not None:
+                saved.extend(zip(list(conv), list(delta), strict=True))
+        computed(chunks, spans)
+
+    runner._computed = spy
+    run_core(core, [_request(_prompt(5, 13), "s", 1)])
+    kept = list(runner.snapshots.values())
+    assert len(kept) == 3 and len(saved) == 3
+    for conv, delta in kept:
+        assert any(conv is c and delta is d for c, d in saved)
+        assert conv._base is None and delta._base is None  # its own storage, no larger one's
+
+
+def test_a_step_holds_no_more_snapshots_than_the_limit(
+    model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+):
+    """A step that completes more blocks than the snapshots kept saves the states of the last
+    `snapshot_limit` alone, and makes room for them before its forward: the snapshots and the
+    step's saved states together never exceed the limit (a step of 32 completed blocks of
+    Qwen3.5-4B's shape held 40 snapshots and 32 saved states, 470 MB, for 40 kept); the
+    snapshots kept are the same, and so are the bits served from them. Every block a
+    snapshot's here (SNAPSHOT_TOKENS one block)."""
+    monkeypatch.setattr(recurrent, "SNAPSHOT_TOKENS", 4)
+    canary = _prompt(8, 21)
+    cold = run_core(
+        EngineCore(
+            model, EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+        ),
+        [_request(canary, "c")],
+    )["c"]
+    state = EngineCore(model, EngineConfig(kv_cache_gib=0.02)).choice.state_bytes
+    config = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, block_size=4, prefix_cache_gib=2.5 * state / 2**30
+    )
+    core = EngineCore(model, config)
+    runner: Any = core.runner
+    held: list[int] = []
+    forward = runner.forward.forward
+
+    def spy(*args: Any) -> torch.Tensor:
+        spans = args[4]
+        saved = sum(len(span.state.saved_conv or ()) for span in spans)
+        held.append(len(runner.snapshots) + saved)
+        return forward(*args)
+
+    runner.forward.forward = spy
+    run_core(core, [_request(canary, "first", 1)])  # 5 blocks in one step, 2 snapshots kept
+    assert held[0] == 2 and max(held) <= 2
+    blocks = core.scheduler.prefix_hit_tokens
+    run_core(core, [_request(canary[:16] + _prompt(9, 5), "other", 1)])
+    assert core.scheduler.prefix_hit_tokens - blocks == 16 and max(held) <= 2
+    hits = core.scheduler.prefix_hit_tokens
+    again = run_core(core, [_request(canary, "again")])["again"]
+    assert core.scheduler.prefix_hit_tokens - hits == 16 and max(held) <= 2
+    assert _numbers(again) == _numbers(cold)
+
+
 def test_a_preempted_request_recomputes_its_state_from_zeros(model: LoadedModel):
     """A KV pool too small for everyone: sequences are preempted (their states dropped with
     their blocks) and recomputed, and the canary's numbers are its numbers alone."""

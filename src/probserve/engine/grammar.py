@@ -13,16 +13,39 @@ from probserve.engine.types import RequestError
 def llguidance_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> Any:
     """llguidance's view of a fast (Rust) tokenizer over the model's whole vocabulary: built
     once per model (a fraction of a second)."""
-    import llguidance
+    return GrammarVocabulary.of(tokenizer, eos_ids).build(vocab_size)
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise RequestError("this model's tokenizer cannot drive a grammar (not a fast one)", None)
-    backend = copy.copy(backend)  # a copy without padding and truncation, as llguidance.hf does
-    backend.no_padding()
-    backend.no_truncation()
-    eos: int | list[int] = eos_ids if eos_ids else tokenizer.eos_token_id
-    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+
+class GrammarVocabulary:
+    """What llguidance's tokenizer is built from, without the tokenizer: its serialized form
+    (a copy without padding and truncation, as llguidance.hf makes) and its stop ids, or why
+    it cannot drive a grammar. A process that builds llguidance's tokenizer only on its first
+    grammar (the engine) keeps this in place of the tokenizer (tens of MB where the tokenizer
+    takes hundreds: Qwen3.5's 248k-token one 211 MB, its form here 9)."""
+
+    def __init__(self, serialized: bytes | None, eos: int | list[int]) -> None:
+        self.serialized, self.eos = serialized, eos  # (UTF-8: 9 MB for Qwen3.5's, 15 as a str)
+
+    @staticmethod
+    def of(tokenizer: Any, eos_ids: list[int]) -> GrammarVocabulary:
+        eos: int | list[int] = eos_ids if eos_ids else tokenizer.eos_token_id
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return GrammarVocabulary(None, eos)
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        return GrammarVocabulary(backend.to_str().encode(), eos)
+
+    def build(self, vocab_size: int) -> Any:
+        import llguidance
+
+        if self.serialized is None:
+            raise RequestError(
+                "this model's tokenizer cannot drive a grammar (not a fast one)", None
+            )
+        text = self.serialized.decode()
+        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=self.eos)
 
 
 # llguidance's bounds on a grammar's parser, tighter than its defaults (50,000 items a step,

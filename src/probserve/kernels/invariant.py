@@ -18,7 +18,14 @@ from probserve.kernels.build import header_constant, load
 from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
 from probserve.kernels.experts import EachExpert, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
-from probserve.kernels.qlayout import FORMATS, LIMB_PANEL, LIMB_TYPES, pack_blocks, pack_limbs
+from probserve.kernels.qlayout import (
+    FORMATS,
+    LIMB_PANEL,
+    LIMB_TYPES,
+    BlockRows,
+    pack_blocks,
+    pack_limbs,
+)
 from probserve.kernels.weights import Packed, PackedWeight, QuantizedWeight, Source, row_ids
 
 PS_LIMBS = header_constant("PS_LIMBS")  # probserve.h's: added to a format id in limbs.cpp's layout
@@ -68,7 +75,7 @@ class InvariantKernels(FlatKernels):
         """A float32 weight packed into panels, or a file's blocks into quantized.cpp's
         (`qpack`)."""
         if not isinstance(weight, torch.Tensor):
-            return self.qpack(weight.blocks, weight.ggml_type, bias)
+            return self.qpack(weight.block_rows, weight.ggml_type, bias)
         n, k = weight.shape
         p = self.panel
         padded = -(-n // p) * p
@@ -86,7 +93,7 @@ class InvariantKernels(FlatKernels):
         return padded
 
     def qpack(
-        self, blocks: np.ndarray, ggml_type: int, bias: torch.Tensor | None = None
+        self, blocks: np.ndarray | BlockRows, ggml_type: int, bias: torch.Tensor | None = None
     ) -> QuantizedWeight:
         """Rows of GGUF blocks, uint8 [N, K / block length * block bytes] as the file holds them,
         packed into quantized.cpp's panels (the values are untouched: only their places change)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -95,16 +96,27 @@ def quants(raw: np.ndarray, ggml_type: int) -> np.ndarray:
 PACK_ROWS = 1024  # rows packed at a time: the unpacked quants of a chunk, not of a whole matrix
 
 
+class BlockRows(Protocol):
+    """Rows of blocks, uint8 [N, row bytes], taken a slice of rows at a time: an array, or rows
+    where they lie in a file (models/gguf_blocks.FileRows), read slice by slice."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __getitem__(self, rows: slice, /) -> np.ndarray: ...
+
+
 def _in_chunks(
-    blocks: np.ndarray, panel: int, pack: Callable[[np.ndarray], np.ndarray]
+    blocks: np.ndarray | BlockRows, panel: int, pack: Callable[[np.ndarray], np.ndarray]
 ) -> np.ndarray:
     """`pack` (rows of blocks -> their panels [ceil(rows / panel), nb, bytes]) over PACK_ROWS
     rows at a time, into one array: the same panels, with transients of a chunk's size (an 8B
-    model's largest matrix would otherwise hold a gigabyte of them at load)."""
+    model's largest matrix would otherwise hold a gigabyte of them at load; rows in a file are
+    read a chunk at a time, so its copy is never whole in memory beside the panels)."""
     n = blocks.shape[0]
     step = max(panel, PACK_ROWS // panel * panel)
     if n <= step:
-        return pack(blocks)
+        return pack(blocks[0:n])
     first = pack(blocks[:step])
     out = np.empty((-(-n // panel), *first.shape[1:]), dtype=np.uint8)
     out[: step // panel] = first
@@ -113,7 +125,7 @@ def _in_chunks(
     return out
 
 
-def pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
+def pack_blocks(blocks: np.ndarray | BlockRows, ggml_type: int, panel: int) -> np.ndarray:
     """Rows of GGUF blocks, uint8 [N, K / qk * size] as the file holds them, packed into
     quantized.cpp's panels: uint8 [ceil(N / panel), K / qk, panel * size]."""
     return _in_chunks(blocks, panel, lambda rows: _pack_blocks(rows, ggml_type, panel))
@@ -178,7 +190,7 @@ def limb_block_bytes(ggml_type: int) -> int:
     return 32 * (f.size + (4 if ggml_type in (12, 13) else 0))
 
 
-def pack_limbs(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
+def pack_limbs(blocks: np.ndarray | BlockRows, ggml_type: int, panel: int) -> np.ndarray:
     """Rows of GGUF blocks packed into limbs.cpp's panels (`panel` = 32 columns, two halves of
     16): uint8 [ceil(N / 32), K / qk, limb_block_bytes]. Per block: the float16 fields of the 32
     columns (d; then m or dmin), then per sub-block of 32 k's the K-quants' scale bytes (two rows of

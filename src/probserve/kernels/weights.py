@@ -12,6 +12,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from probserve.kernels.qlayout import BlockRows
+
 
 @dataclass(frozen=True)
 class PackedWeight:
@@ -48,6 +50,12 @@ class Blocks(Protocol):
 
     @property
     def blocks(self) -> np.ndarray: ...
+
+    @property
+    def block_rows(self) -> np.ndarray | BlockRows:
+        """The same rows, read a slice at a time where they lie in a file (packing reads them
+        so, never the whole matrix at once)."""
+        ...
 
     @property
     def ggml_type(self) -> int: ...

@@ -68,17 +68,19 @@ class RecurrentState:
     first token.
 
     A step may save the state past some of its rows (`saving`, then the forward fills saved_conv
-    [n, layers, K - 1, C] and saved_delta [n, layers, nv, dk, dv] in the order of its span's
-    `saves`): the runner keeps those past a block's last token as the prefix cache's snapshots,
-    and those past a verify step's last real token and each proposal (`kept`, by position); the
-    next chunk's first position says how many proposals were accepted, and `settle` puts back
-    the state past the last of them (a rejected proposal's update undone, the same bits as
-    never having run it)."""
+    (n tensors [layers, K - 1, C]) and saved_delta (n [layers, nv, dk, dv]) in the order of its
+    span's `saves`): the runner keeps those past a block's last token as the prefix cache's
+    snapshots, and those past a verify step's last real token and each proposal (`kept`, by
+    position): each saved state a tensor of its own, so what is kept is that tensor itself (no
+    copy beside it), and what is not is freed with the step. The next chunk's first position
+    says how many proposals were accepted, and `settle` puts back the state past the last of
+    them (a rejected proposal's update undone, the same bits as never having run it). Saved and
+    kept states are only read after the step that wrote them (`restore` copies from them)."""
 
     conv: torch.Tensor
     delta: torch.Tensor
-    saved_conv: torch.Tensor | None = None
-    saved_delta: torch.Tensor | None = None
+    saved_conv: list[torch.Tensor] | None = None
+    saved_delta: list[torch.Tensor] | None = None
     kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @staticmethod
@@ -90,13 +92,13 @@ class RecurrentState:
     @property
     def nbytes(self) -> int:
         """What it holds now (the states it saved and kept included)."""
-        held = [self.conv, self.delta, self.saved_conv, self.saved_delta]
-        return sum(t.numel() * t.element_size() for t in held if t is not None)
+        held = [self.conv, self.delta, *(self.saved_conv or ()), *(self.saved_delta or ())]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def saving(self, rows: int) -> None:
         """Room for the state past `rows` of the step's rows (none: nothing saved)."""
-        self.saved_conv = self.conv.new_empty((rows, *self.conv.shape)) if rows else None
-        self.saved_delta = self.delta.new_empty((rows, *self.delta.shape)) if rows else None
+        self.saved_conv = [self.conv.new_empty(self.conv.shape) for _ in range(rows)] or None
+        self.saved_delta = [self.delta.new_empty(self.delta.shape) for _ in range(rows)] or None
 
     def restore(self, conv: torch.Tensor, delta: torch.Tensor) -> None:
         self.conv.copy_(conv)
@@ -182,7 +184,7 @@ class GatedDeltaNet:
         if span.saves:
             assert state.saved_conv is not None and state.saved_delta is not None
             saves = tuple(
-                (row, state.saved_conv[j, i], state.saved_delta[j, i])
+                (row, state.saved_conv[j][i], state.saved_delta[j][i])
                 for j, row in enumerate(span.saves)
             )
         return DeltaSpan(span.start, span.end, state.conv[i], state.delta[i], saves)

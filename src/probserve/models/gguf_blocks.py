@@ -49,11 +49,20 @@ class FileRows:
     dtype: str  # numpy's name
 
     def read(self) -> np.ndarray:
-        count = self.shape[0] * self.shape[1]
-        values = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
-        if values.size != count:
+        return self[0 : self.shape[0]]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        """Rows [start, stop) alone, read from the file (packing reads a matrix so, a chunk
+        at a time: kernels/qlayout.py)."""
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("rows of a file are read as one range")
+        n, width = max(0, stop - start), self.shape[1]
+        at = self.offset + start * width * np.dtype(self.dtype).itemsize
+        values = np.fromfile(self.path, dtype=self.dtype, count=n * width, offset=at)
+        if values.size != n * width:
             raise OSError(f"{self.path} ends inside a tensor: the file is truncated")
-        return values.reshape(self.shape)
+        return values.reshape(n, width)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,11 @@ class QuantizedTensor:
     @property
     def blocks(self) -> np.ndarray:
         return self.data.read() if isinstance(self.data, FileRows) else self.data
+
+    @property
+    def block_rows(self) -> np.ndarray | FileRows:
+        """The rows as they are held: an array, or rows in a file, read a slice at a time."""
+        return self.data
 
     @property
     def n(self) -> int:
@@ -393,7 +407,7 @@ def blocks_share(weights: dict[str, Weight]) -> tuple[float, str]:
     float_bytes = 0
     for value in {id(v): v for v in weights.values()}.values():
         if isinstance(value, QuantizedTensor):
-            name, n = value.type_name, value.blocks.shape[0] * value.k
+            name, n = value.type_name, value.n * value.k  # (its shape: no rows read)
         else:
             name, n = "float32", value.numel()
             float_bytes += n * 4

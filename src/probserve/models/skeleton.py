@@ -81,6 +81,13 @@ def _linear(n_in: int, n_out: int, bias: bool) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=bias, device="meta")
 
 
+def _embedding(rows: int, width: int) -> nn.Embedding:
+    """A table on the meta device, given its (empty) weight: torch's own initialization of a
+    meta embedding (`normal_`) goes through torch._refs, which imports torch._dynamo and with
+    it Triton (~100 MB of the engine's resident memory on a host that never runs either)."""
+    return nn.Embedding(rows, width, _weight=torch.empty(rows, width, device="meta"))
+
+
 class _Attention(nn.Module):
     def __init__(self, config: Any, fam: Family) -> None:
         super().__init__()
@@ -265,12 +272,10 @@ class _Gemma4Body(nn.Module):
         layout = fam.gemma4
         assert layout is not None
         hidden, n = config.hidden_size, config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, device="meta")
+        self.embed_tokens = _embedding(config.vocab_size, hidden)
         width = layout.per_layer_input
         if width:
-            self.embed_tokens_per_layer = nn.Embedding(
-                config.vocab_size_per_layer_input, n * width, device="meta"
-            )
+            self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * width)
             self.per_layer_model_projection = _linear(hidden, n * width, False)
             self.per_layer_projection_norm = _Norm(width, config.rms_norm_eps)
         self.layers = nn.ModuleList(_Gemma4Layer(config, layout, i) for i in range(n))
@@ -283,7 +288,7 @@ class _Body(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         fam = family(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(_Layer(config, fam, i) for i in range(config.num_hidden_layers))
         self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Rotary(config, fam.rope_keys[0])

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from probserve.engine.grammar import first_line, llguidance_tokenizer, parser_limits
+from probserve.engine.grammar import GrammarVocabulary, first_line, parser_limits
 from probserve.engine.types import RequestError
 
 TEMPLATES = 32  # grammars whose pristine matcher is kept
@@ -27,7 +27,8 @@ class Grammars:
     """The model's llguidance tokenizer (built once, on first use: ~0.3 s) and the matchers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int]) -> None:
-        self._hf = tokenizer
+        self._hf = tokenizer  # (None once `release_tokenizer` keeps its vocabulary alone)
+        self._vocabulary: GrammarVocabulary | None = None
         self.vocab_size = vocab_size
         self._eos = sorted(eos_ids)
         self._lltok: Any = None
@@ -79,8 +80,20 @@ class Grammars:
 
     def tokenizer(self) -> Any:
         if self._lltok is None:
-            self._lltok = llguidance_tokenizer(self._hf, self.vocab_size, self._eos)
+            self._lltok = self._vocabulary_of().build(self.vocab_size)
         return self._lltok
+
+    def _vocabulary_of(self) -> GrammarVocabulary:
+        if self._vocabulary is None:
+            self._vocabulary = GrammarVocabulary.of(self._hf, self._eos)
+        return self._vocabulary
+
+    def release_tokenizer(self) -> None:
+        """Keep what llguidance's tokenizer is built from, not the model's tokenizer: the
+        engine's process needs nothing else of it once started (the API's process holds its
+        own), and the same grammars are built from it."""
+        self._vocabulary_of()
+        self._hf = None
 
     def ready(self, grammar: str) -> bool:
         """Whether `grammar`'s matcher is built (a new sequence of it costs a copy)."""

@@ -1,7 +1,8 @@
 """Starting an engine in a process of its own (the worker process, a Ray replica): the torch
 threads fixed, the model loaded as the configuration asks, its `EngineCore` built and warmed up
 on the thread that steps it, and the source weights released once the runner holds its own
-copy. One place, so both hosts start an engine the same way (an engine inside the server's
+copy (and the tokenizer, which only the API's process uses: the engine keeps what a grammar is
+built from). One place, so both hosts start an engine the same way (an engine inside the server's
 process, over a model its caller holds: `AsyncEngine.over`), and `engine_over`, the one place an
 engine is built over a loaded model, with its draft model's engine where one is asked (the
 draft model is its caller's to load, beside the served one)."""
@@ -75,8 +76,23 @@ def start_engine(
         warm(core)
     core.runner.release_source_weights()
     tokenizer = tokenizer_class(loaded.tokenizer)
-    loaded.model = loaded.weights = None
+    # the tokenizer is the API process's to use: the engine keeps what a grammar needs of it
+    core.grammars.release_tokenizer()
+    loaded.model = loaded.weights = loaded.tokenizer = None
+    release_freed_memory()
     return StartedEngine(core, source, tokenizer, threads, time.monotonic() - started)
+
+
+def release_freed_memory() -> None:
+    """Hand the pages of what the start freed (the tokenizer's many small allocations, the
+    load's buffers) back to the OS: glibc keeps freed memory inside its heaps until trimmed."""
+    import contextlib
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: it returns memory its way
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def engine_over(

@@ -18,7 +18,10 @@ so one for each block of a long prompt would flush every other prompt's from the
 used set (a 4,000-token prompt is 250 blocks) and copy a gigabyte a prompt. The scheduler reuses
 a cached prefix only up to a block whose snapshot is kept (`restorable`), and the sequence's
 state starts from that snapshot: the bits a cold run reaches there, since the recurrence has one
-order whatever the chunking. A block handed out again loses its snapshot (`forget`: the pool
+order whatever the chunking. Room for a step's snapshots is made before its forward, and of the
+blocks it completes only the last `snapshot_count` kept ones are saved, so the step never holds
+more than that many with its saved states; each saved state is kept as the snapshot itself, no
+copy. A block handed out again loses its snapshot (`forget`: the pool
 calls it), so a snapshot never outlives the block content it was taken after.
 
 Speculation: a step that verifies a sequence's proposals keeps the state past its last real
@@ -87,6 +90,7 @@ class RecurrentRunner(PagedRunner):
         self.snapshot_limit = snapshot_count(config, shape.bytes)
         # a block's snapshot: the state past its last token (conv, delta), least recent first
         self.snapshots: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._snapshot_rows: set[tuple[int, int]] = set()  # the step's to keep: (chunk, row)
 
     def keeps(self, seq: Any, block_index: int) -> bool:
         """Whether the state past block `block_index` of `seq` becomes a snapshot."""
@@ -110,9 +114,12 @@ class RecurrentRunner(PagedRunner):
     def _spans(self, chunks: list[Chunk]) -> list[Span]:
         """Each chunk's rows and its sequence's state: at its first chunk a fresh one (zeros,
         or the snapshot of the cached prefix's last block), else the state past its last
-        accepted token; the rows whose state is saved: the last token of each block kept as a
-        snapshot (`keeps`), and with proposals the last real token and each proposal."""
-        spans, row, bs = [], 0, self.block_size
+        accepted token; the rows whose state is saved: each block's last token whose snapshot
+        will be kept (`keeps`, `_make_room`), and with proposals the last real token and each
+        proposal."""
+        bs = self.block_size
+        states: list[RecurrentState] = []
+        ends: list[list[int]] = []  # each chunk's rows that end a block
         for ch in chunks:
             state = ch.seq.runner_state
             if ch.start == 0 or not isinstance(state, RecurrentState):
@@ -120,21 +127,39 @@ class RecurrentRunner(PagedRunner):
                 if ch.start:
                     self._restore(ch, state)
             state.settle(ch.start)
-            saves: set[int] = set()
-            if self.snapshot_limit:
-                # (a proposal's too: a block it completes is registered if it is accepted, and
-                # its snapshot must then be this one, never an earlier owner's of the block)
-                saves.update(
-                    p - ch.start
-                    for p in range(ch.start, ch.end)
-                    if (p + 1) % bs == 0 and self.keeps(ch.seq, p // bs)
-                )
+            states.append(state)
+            # (a proposal's too: a block it completes is registered if it is accepted, and its
+            # snapshot must then be this one, never an earlier owner's of the block)
+            ends.append([p - ch.start for p in range(ch.start, ch.end) if (p + 1) % bs == 0])
+        self._make_room(chunks, ends)
+        spans, row = [], 0
+        for i, (ch, state) in enumerate(zip(chunks, states, strict=True)):
+            saves = {r for r in ends[i] if (i, r) in self._snapshot_rows}
             if ch.proposed:
                 saves.update(range(ch.real_end - 1 - ch.start, ch.length))
             state.saving(len(saves))
             spans.append(Span(row, row + ch.length, state, tuple(sorted(saves))))
             row += ch.length
         return spans
+
+    def _make_room(self, chunks: list[Chunk], ends: list[list[int]]) -> None:
+        """The snapshots this step will keep (`_snapshot_rows`: (chunk, row)), and room for
+        them now, before the step's states are saved: the blocks it completes lose an earlier
+        owner's snapshot, and the least recently used others go as the new ones would push
+        them out after the step. Of the step's blocks `keeps` chooses, only the last
+        `snapshot_limit`, in order, are saved at all (the earlier ones would be pushed out by
+        the later ones at once). So the snapshots kept after the step are those kept had every
+        chosen block's been saved and inserted in order, and the step never holds more than
+        the limit's worth of them with its saved states."""
+        bs, limit = self.block_size, self.snapshot_limit
+        rows = [(i, r) for i, found in enumerate(ends) for r in found]
+        wanted = [(i, r) for i, r in rows if self.keeps(chunks[i].seq, (chunks[i].start + r) // bs)]
+        kept = wanted[len(wanted) - limit :] if limit else []
+        self._snapshot_rows = set(kept)
+        for i, r in rows:
+            self.snapshots.pop(chunks[i].seq.block_table[(chunks[i].start + r) // bs], None)
+        while self.snapshots and len(self.snapshots) + len(kept) > limit:
+            self.snapshots.popitem(last=False)
 
     def _restore(self, ch: Chunk, state: RecurrentState) -> None:
         """A cached prefix's state: its last block's snapshot (the scheduler reused no more)."""
@@ -147,7 +172,7 @@ class RecurrentRunner(PagedRunner):
     def _computed(self, chunks: list[Chunk], spans: list[Span]) -> None:
         """The saved states: snapshots of the blocks completed, the verify rows' kept."""
         bs = self.block_size
-        for ch, span in zip(chunks, spans, strict=True):
+        for i, (ch, span) in enumerate(zip(chunks, spans, strict=True)):
             state = span.state
             if not span.saves:
                 continue
@@ -156,13 +181,16 @@ class RecurrentRunner(PagedRunner):
                 p = ch.start + row
                 conv, delta = state.saved_conv[j], state.saved_delta[j]
                 if ch.proposed and p >= ch.real_end - 1:
-                    state.kept[p] = (conv.clone(), delta.clone())
-                if (p + 1) % bs == 0 and self.snapshot_limit and self.keeps(ch.seq, p // bs):
+                    state.kept[p] = (conv, delta)  # (the saved tensors themselves: read only)
+                if (i, row) in self._snapshot_rows:
                     self._snapshot(ch.seq.block_table[p // bs], conv, delta)
             state.saving(0)
+        self._snapshot_rows = set()
 
     def _snapshot(self, block: int, conv: torch.Tensor, delta: torch.Tensor) -> None:
+        """Keep a saved state (its own tensors, never written again: no copy) as `block`'s
+        snapshot."""
         self.snapshots.pop(block, None)
-        self.snapshots[block] = (conv.clone(), delta.clone())
+        self.snapshots[block] = (conv, delta)
         while len(self.snapshots) > self.snapshot_limit:
             self.snapshots.popitem(last=False)
