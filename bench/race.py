@@ -223,7 +223,7 @@ def build_servers(args: argparse.Namespace, hf_dir: str, logs: Path) -> list[Ser
 def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
     """The whole sweep against one running server."""
     out: dict = {"start_seconds": round(server.start_seconds, 1), "levels": {}}
-    warm = pools["stream"][:2]
+    warm = pools["warm"]  # prompts no level measures: no prefix cache serves a measured one
     asyncio.run(run_level(server.url, server.model, warm, 2, 8, None, args.timeout))
     for conc in args.concurrency:
         prompts = pools["stream"][: conc * args.requests_per_stream]
@@ -335,6 +335,7 @@ def main() -> None:
     pools = {
         "stream": make_prompts_local(tokenizer, n, args.prompt_tokens, seed=0),
         "unrelated": make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=1),
+        "warm": make_prompts_local(tokenizer, 2, args.prompt_tokens, seed=3),
         "mc": mc_prompts(make_prompts_local(tokenizer, 16, args.prompt_tokens, seed=2), 4, 5, 1),
         "rounds": [
             make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=100 + r)
