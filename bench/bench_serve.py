@@ -19,6 +19,8 @@ import random
 import subprocess
 import sys
 import time
+import zlib
+from array import array
 from dataclasses import dataclass
 
 import httpx
@@ -125,6 +127,7 @@ async def one_stream(
     out_tokens: int,
     logprobs: int | None,
     timeout: float,
+    temperature: float = 0.0,
 ) -> Result:
     body: dict = {
         "model": model,
@@ -132,12 +135,17 @@ async def one_stream(
         "max_tokens": out_tokens,
         "stream": True,
         "ignore_eos": True,
-        "temperature": 0.0,
+        "temperature": temperature,
+        # the count of tokens from the server's own usage: a chunk may carry several (speculation)
+        "stream_options": {"include_usage": True},
     }
+    if temperature > 0:  # sampled: a seed of the prompt's own, the same text on every server run
+        body["seed"] = zlib.crc32(array("q", prompt).tobytes())
     if logprobs is not None:
         body["logprobs"] = logprobs
     start = time.perf_counter()
     tokens = 0
+    reported: int | None = None  # the final chunk's usage, where the server sends it
     ttft = None
     try:
         async with client.stream("POST", "/v1/completions", json=body, timeout=timeout) as r:
@@ -145,6 +153,9 @@ async def one_stream(
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                usage = chunk.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    reported = int(usage["completion_tokens"])
                 for choice in chunk.get("choices", []):
                     lp = choice.get("logprobs")
                     # OpenAI's completions shape {"tokens": [...]}; llama-server sends chat's
@@ -153,6 +164,7 @@ async def one_stream(
                     tokens += len(counted) if lp else (1 if choice.get("text") else 0)
                 if tokens and ttft is None:
                     ttft = time.perf_counter() - start
+        tokens = reported if reported is not None else tokens
         return Result(tokens, time.perf_counter() - start, r.status_code == 200, ttft)
     except (TimeoutError, httpx.HTTPError):
         return Result(tokens, time.perf_counter() - start, False, ttft)
@@ -166,6 +178,7 @@ async def run_level(
     out_tokens: int,
     logprobs: int | None,
     timeout: float,
+    temperature: float = 0.0,
 ) -> dict:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -173,7 +186,9 @@ async def run_level(
 
         async def guarded(p: list[int]) -> Result:
             async with sem:
-                return await one_stream(client, model, p, out_tokens, logprobs, timeout)
+                return await one_stream(
+                    client, model, p, out_tokens, logprobs, timeout, temperature
+                )
 
         start = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts))

@@ -228,8 +228,8 @@ def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
     for conc in args.concurrency:
         prompts = pools["stream"][: conc * args.requests_per_stream]
         before = tree_cpu_seconds(server.proc.pid)  # type: ignore[union-attr]
-        row = asyncio.run(run_level(server.url, server.model, prompts, conc,
-                                    args.output_tokens, None, args.timeout))  # fmt: skip
+        row = asyncio.run(run_level(server.url, server.model, prompts, conc, args.output_tokens,
+                                    None, args.timeout, args.temperature))  # fmt: skip
         after = tree_cpu_seconds(server.proc.pid)  # type: ignore[union-attr]
         # where the time goes: each server process's CPU use during this level, in cores
         row["cores_by_process"] = {
@@ -242,8 +242,8 @@ def measure(server: Server, args: argparse.Namespace, pools: dict) -> dict:
     for conc in args.concurrency[-2:]:  # logprobs off / on, alternated
         prompts = pools["stream"][: conc * args.requests_per_stream]
         for label, lp in (("off", None), ("top20", 20), ("off", None), ("top20", 20)):
-            row = asyncio.run(run_level(server.url, server.model, prompts, conc,
-                                        args.output_tokens, lp, args.timeout))  # fmt: skip
+            row = asyncio.run(run_level(server.url, server.model, prompts, conc, args.output_tokens,
+                                        lp, args.timeout, args.temperature))  # fmt: skip
             out["levels"].setdefault(f"{conc}-{label}", []).append(row["tok_per_s"])
             print(server.name, f"{conc} streams, logprobs {label}:", row["tok_per_s"], flush=True)
     if not args.no_scoring and server.scores:
@@ -309,11 +309,16 @@ def main() -> None:
                     help="run probserve once per variant with these extra flags")  # fmt: skip
     ap.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
                     help="also run the probserve of another checkout")  # fmt: skip
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample the measured completions (a seed each, of its prompt) instead "
+                         "of greedy: text that does not repeat (speculation's cost)")  # fmt: skip
     ap.add_argument("--no-scoring", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--logs", default="/tmp/probserve-race")
     ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
                     help="then one-stream rounds, servers alternated")  # fmt: skip
+    ap.add_argument("--alternate-streams", type=int, default=1, metavar="N",
+                    help="the streams of --alternate's rounds (default 1)")  # fmt: skip
     ap.add_argument("--alternate-scoring", type=int, default=0, metavar="ROUNDS",
                     help="then scoring rounds (new prompts each), servers alternated")  # fmt: skip
     ap.add_argument(
@@ -331,7 +336,7 @@ def main() -> None:
     # the model as a float32 HF directory: vLLM's input (written only where vLLM races)
     hf_dir = float32_directory(args.model) if "vllm" in args.peers else ""
     tokenizer = load_tokenizer(source)
-    n = max(args.concurrency) * args.requests_per_stream
+    n = max(*args.concurrency, args.alternate_streams) * args.requests_per_stream
     pools = {
         "stream": make_prompts_local(tokenizer, n, args.prompt_tokens, seed=0),
         "unrelated": make_prompts_local(tokenizer, 64, args.prompt_tokens, seed=1),
@@ -375,15 +380,16 @@ def alternate(args: argparse.Namespace, pools: dict, logs: Path, hf_dir: str, sc
     """Rounds of one workload, server after server (the order reversed every other round,
     after one unmeasured request each), with every server up at once (idle while another is
     measured): a ratio that the machine's drift over the sweep (minutes apart) cannot move.
-    One stream (`--alternate`): vLLM sits out (it takes minutes to start, and the sweep has its
-    one-stream figure). Scoring (`--alternate-scoring`): llama-server sits out (no prompt
-    logprobs); each round's 64 prompts are new to every server, so no prefix cache helps, and
-    every server scores the same ones."""
+    One stream (`--alternate`; `--alternate-streams N`: N streams): vLLM sits out (it takes
+    minutes to start, and the sweep has its figure). Scoring (`--alternate-scoring`):
+    llama-server sits out (no prompt logprobs); each round's 64 prompts are new to every
+    server, so no prefix cache helps, and every server scores the same ones."""
     rounds = args.alternate_scoring if scoring else args.alternate
     skip = "llama-server" if scoring else "vllm-cpu"
     servers = [s for s in build_servers(args, hf_dir, logs) if s.name != skip]
     figures: dict[str, list[float]] = {s.name: [] for s in servers}
-    label = "scoring (prompt tok/s)" if scoring else "1 stream"
+    streams = args.alternate_streams
+    label = "scoring (prompt tok/s)" if scoring else f"{streams} stream" + "s" * (streams > 1)
     try:
         for server in servers:
             server.start()
@@ -400,10 +406,10 @@ def alternate(args: argparse.Namespace, pools: dict, logs: Path, hf_dir: str, sc
                                                   args.timeout))  # fmt: skip
                     figure = row["prompt_tok_per_s"]
                 else:
-                    one = pools["stream"][: args.requests_per_stream]
+                    some = pools["stream"][: streams * args.requests_per_stream]
                     n = args.output_tokens
-                    row = asyncio.run(run_level(server.url, server.model, one, 1, n, None,
-                                                args.timeout))  # fmt: skip
+                    row = asyncio.run(run_level(server.url, server.model, some, streams, n, None,
+                                                args.timeout, args.temperature))  # fmt: skip
                     figure = row["tok_per_s"]
                 idle = {s.name: round((sum(tree_cpu_seconds(s.proc.pid).values())  # type: ignore[union-attr]
                                        - before[s.name]) / row["seconds"], 2)
