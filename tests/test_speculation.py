@@ -24,7 +24,7 @@ from probserve.engine import (
     SamplingParams,
 )
 from probserve.engine.core.host import engine_over
-from probserve.engine.core.speculation import NgramProposer
+from probserve.engine.core.speculation import REST_MOST, NgramProposer, Speculation
 from probserve.models import LoadedModel, load_model
 
 SPEC = LogprobsSpec(top_k=4, mode=LogprobsMode.BOTH, target_ids=(5, 900), entropy=True)
@@ -104,9 +104,30 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     assert ngram.propose([1, 2, 3, 9, 1, 2, 3], 3) == (9, 1, 2)
     assert ngram.propose([1, 2, 3, 9, 1, 2, 3], 1) == (9,)
     assert ngram.propose([5, 6, 7, 8], 4) == ()  # nothing recurs
-    assert ngram.propose([7, 1, 7, 2, 7], 2) == (2, 7)  # the latest occurrence
-    assert ngram.propose([4, 4], 3) == (4,)
+    assert ngram.propose([7, 1, 9, 7, 1, 2, 7, 1], 2) == (2, 7)  # the latest occurrence
+    assert ngram.propose([7, 1, 7, 2, 7], 2) == ()  # one token recurring is not a match
+    assert NgramProposer(min_n=1).propose([7, 1, 7, 2, 7], 2) == (2, 7)
+    assert ngram.propose([4, 4, 4], 3) == (4,)
     assert ngram.propose([1, 2], 0) == ()
+
+
+def test_guesses_that_keep_missing_rest_the_sequence():
+    """Misses in a row rest it 1, 3, 7, 15, 31, then REST_MOST steps; a kept token ends the
+    rests (text that does not repeat costs an extra row about once in REST_MOST + 1 steps)."""
+    spec = Speculation(4)
+    rests = []
+    for _ in range(8):
+        spec.proposed = (1, 2)
+        spec.settle(0, 4)
+        skipped = 0
+        while spec.resting():
+            skipped += 1
+        rests.append(skipped)
+    assert rests == [1, 3, 7, 15, 31, REST_MOST, REST_MOST, REST_MOST]
+    assert spec.limit == 1 and spec.drafted == 16
+    spec.proposed = (5,)
+    spec.settle(1, 4)
+    assert not spec.resting() and spec.limit == 2 and spec.misses == 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "oracle", "random"])
@@ -118,7 +139,9 @@ def test_speculation_changes_no_bit(tiny: LoadedModel, plain: dict, proposer: st
         tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
         for r in _requests()
     }
-    chosen = {"ngram": None, "oracle": _Fixed(table), "random": _Fixed(None, 5)}[proposer]
+    # (prompt lookup on single tokens: the tiny random model's text repeats no pair of them)
+    ngram = NgramProposer(min_n=1)
+    chosen = {"ngram": ngram, "oracle": _Fixed(table), "random": _Fixed(None, 5)}[proposer]
     spec = _run(tiny, _requests(), chosen, speculative="ngram")
     core = spec.pop("_core")
     for rid in ("greedy", "sampled", "penalised"):

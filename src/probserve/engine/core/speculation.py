@@ -8,8 +8,9 @@ therefore what plain decoding gives, bit for bit where the kernels are row-invar
 `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the
 sequence's last n tokens (n from `max_n` down to `min_n`), in the prompt or the text so far; no
 second model. How many it proposes adapts per sequence (`Speculation`): one more than were
-accepted last time, up to the server's most, so a sequence whose guesses miss costs one extra
-row a step at most. `DraftProposer`: a smaller model with the same tokenizer guesses greedily,
+accepted last time, up to the server's most; a check that keeps none rests the sequence for
+1, 3, 7, 15, 31, then REST_MOST steps in a row of misses (one kept token ends the rests), so
+text that does not repeat costs an extra row about once in REST_MOST + 1 steps, not every step. `DraftProposer`: a smaller model with the same tokenizer guesses greedily,
 run by an engine of its own (its own KV cache; prefix caching finds each sequence's earlier
 tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one
 batch). A request with a grammar proposes the tokens its grammar forces instead (core/grammar.py:
@@ -42,15 +43,21 @@ class Proposer(Protocol):
         ...
 
 
+REST_MOST = 32  # the most steps a sequence whose guesses keep missing goes without proposing
+
+
 @dataclass
 class Speculation:
     """A sequence's speculative state: the tokens proposed for its next step, how many it may
-    propose next, and its totals (proposed, accepted)."""
+    propose next, its checks in a row that kept none and the steps it rests for them, and its
+    totals (proposed, accepted)."""
 
     limit: int
     proposed: tuple[int, ...] = ()
     drafted: int = 0
     accepted: int = 0
+    misses: int = 0
+    rest: int = 0
 
     def settle(self, accepted: int, most: int) -> None:
         """After a check of `self.proposed`: `accepted` of them were kept."""
@@ -58,13 +65,22 @@ class Speculation:
             self.drafted += len(self.proposed)
             self.accepted += accepted
             self.limit = max(1, min(most, accepted + 1))
+            self.misses = 0 if accepted else self.misses + 1
+            self.rest = min(REST_MOST, (1 << min(self.misses, 6)) - 1)
         self.proposed = ()
+
+    def resting(self) -> bool:
+        """Whether it skips proposing this step (a step of its rest passes)."""
+        if self.rest:
+            self.rest -= 1
+            return True
+        return False
 
 
 class NgramProposer:
     """Prompt lookup: the continuation of the latest earlier match of the last n tokens."""
 
-    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
         self.min_n, self.max_n = min_n, max_n
 
     @property

@@ -74,6 +74,8 @@ class Speculator:
             spec.proposed = Grammars.forced(seq.matcher, min(FORCED_MOST, room))
             if spec.proposed:
                 return None
+        if spec.resting():  # its latest guesses kept nothing
+            return None
         # (a grammar's masks ahead stop the check at a proposal it refuses)
         return seq.request_id, seq.token_ids, min(spec.limit, room)
 
