@@ -4,7 +4,10 @@ head size as key_length, the sliding ones' as key_length_swa, the sliding patter
 layer, the shared-KV layer count, the per-layer input width, each layer type's RoPE base, the
 final soft-cap; KV heads and MLP widths as one value a layer where they differ), a rope_freqs
 tensor marking the pairs the full layers' proportional RoPE leaves unrotated (1e30), the
-tensors under gguf's names for transformers' (layer_scalar as layer_output_scale.weight), norms
+tensors under gguf's names for transformers' (layer_scalar as layer_output_scale.weight; a
+mixture of experts' stacked gate/up [E, 2I, H] as ffn_gate_up_exps, down as ffn_down_exps, the
+router's proj as ffn_gate_inp, its scale as ffn_gate_inp.scale and its per-expert scale as
+ffn_down_exps.scale, the branches' norms as pre_ffw_norm_2, post_ffw_norm_1 and _2), norms
 as they are (Gemma 4's are w, not Gemma 3's 1 + w, so nothing is added), vectors float32 and
 every matrix in `qtype` (float16 where its rows are not whole blocks)."""
 
@@ -30,10 +33,22 @@ def gguf_names(config: Any) -> Any:
     return get_tensor_name_map(MODEL_ARCH.GEMMA4, int(config.num_hidden_layers))
 
 
+# a layer's router vectors, which llama.cpp's converter names after the tensors they scale
+_SCALES = {
+    "router.scale": "router.proj.scale",
+    "router.per_expert_scale": "experts.down_proj.scale",
+}
+
+
 def gguf_name(names: Any, hf_name: str) -> str | None:
     """The file's name of transformers' tensor `hf_name` (None: the converter drops it)."""
     if hf_name.endswith("layer_scalar"):  # the converter's filter_tensors
         hf_name += ".weight"
+    if hf_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):  # stacked [E, ., .]
+        hf_name += ".weight"
+    head, _, tail = hf_name.partition(".router.")
+    if tail and f"router.{tail}" in _SCALES:
+        hf_name = f"{head}.{_SCALES[f'router.{tail}']}"
     base, _, suffix = hf_name.rpartition(".")
     mapped = names.get_name(base)
     return None if mapped is None else f"{mapped}.{suffix}"
@@ -43,7 +58,7 @@ def write_gemma4_gguf(
     hf: Any, path: Path, qtype: GGMLQuantizationType, extra: Sequence[tuple[str, int]] = ()
 ) -> Path:
     """`hf` (a Gemma4ForCausalLM) as llama.cpp writes it, with the embedded model's tokenizer
-    (`extra`: more gemma4.* unsigned metadata, e.g. an expert count)."""
+    (`extra`: more gemma4.* unsigned metadata); a mixture of experts' counts and width."""
     cfg = hf.config
     writer, _vocab = _writer(path, "gemma4")
     types = list(cfg.layer_types)
@@ -76,6 +91,12 @@ def write_gemma4_gguf(
         ("rope.dimension_count", int(full.head_dim), u32),
         ("rope.dimension_count_swa", int(sliding.head_dim), u32),
     ]
+    if cfg.enable_moe_block:
+        keys += [
+            ("expert_count", int(cfg.num_experts), u32),
+            ("expert_used_count", int(cfg.top_k_experts), u32),
+            ("expert_feed_forward_length", int(cfg.moe_intermediate_size), u32),
+        ]
     keys += [(key, value, u32) for key, value in extra]
     for key, value, vtype in keys:
         writer.add_key_value(f"gemma4.{key}", value, vtype)

@@ -4,9 +4,11 @@ and served from it as a user's would be, with sliding and full layers of differe
 (the full ones' proportional RoPE), the last layers reading an earlier layer's KV cache,
 per-layer input embeddings, layer scalars, v norms and a final soft-cap; one also with keys as
 values and fewer KV heads on its full layers (attention_k_eq_v), double-wide MLPs in its shared
-layers and no per-layer inputs. Prompt and generated logprobs within 1e-4 on both paths
-(deterministic kernels and torch), no further from a float64 forward than twice transformers'
-float32 one, greedy tokens equal, bitwise the same alone, among others in chunks of a 7-token
+layers and no per-layer inputs; one a mixture of experts as 26B-A4B is (keys as values, no
+per-layer inputs, 4 experts of which 2 a token beside each layer's dense MLP). Prompt and
+generated logprobs within 1e-4 on both paths (deterministic kernels and torch), no further from
+a float64 forward than twice transformers' float32 one, greedy tokens equal, the experts and
+weights transformers' router picks, bitwise the same alone, among others in chunks of a 7-token
 step budget, from the prefix cache, with speculation (accepted and rejected proposals) and
 after preemption; a shared layer holds no cache of its own; a Gemma 4 the forward lacks a part
 of is refused in one line; the skeleton a GGUF file's blocks are read into has transformers'
@@ -14,7 +16,6 @@ names and shapes."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_core
-from reference import full_logprobs
-from test_families import _numbers, _prompt, _request, against_transformers
+from float64_truth import truth_everywhere
+from test_families import _numbers, _prompt, _request, _routed, against_transformers
 from test_speculation import _numbers as _flat
 
 from probserve.engine import EngineConfig, EngineCore
@@ -34,6 +35,7 @@ from probserve.models.loader import load_model
 
 WINDOW = 6  # shorter than the prompts: the sliding layers drop keys
 TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32}
 
 
 def _config(kind: str, vocab: int, **extra: Any) -> Any:
@@ -53,6 +55,12 @@ def _config(kind: str, vocab: int, **extra: Any) -> Any:
             "attention_k_eq_v": True, "num_global_key_value_heads": 1,
             "use_double_wide_mlp": True, "hidden_size_per_layer_input": 0,
         }  # fmt: skip
+    if kind == "moe":  # 26B-A4B's: keys as values on the full layers, no per-layer inputs, a
+        # mixture of experts beside every layer's MLP
+        common |= {
+            "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+            "hidden_size_per_layer_input": 0, **MOE,
+        }  # fmt: skip
     return Gemma4TextConfig(**(common | extra))
 
 
@@ -69,7 +77,7 @@ def _saved(config: Any, where: Path, tokenizer: Any) -> Path:
     return where
 
 
-@pytest.fixture(scope="module", params=["shared", "k_eq_v"])
+@pytest.fixture(scope="module", params=["shared", "k_eq_v", "moe"])
 def model(
     request: pytest.FixtureRequest, smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory
 ) -> LoadedModel:
@@ -77,6 +85,7 @@ def model(
     where = _saved(config, tmp_path_factory.mktemp(f"gemma4-{request.param}"), smol.tokenizer)
     loaded = load_model(str(where))
     loaded.model.config._attn_implementation = "eager"  # the reference's plain attention
+    loaded.model.config._experts_implementation = "eager"  # (and its experts one by one)
     return loaded
 
 
@@ -108,19 +117,46 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
     )
     assert core.info.runner == "PagedRunner" and core.info.deterministic == deterministic
     ids = _prompt(1, 23)
-    outs = run_core(core, [_request(ids, "r")])["r"]
+    outs = run_core(core, [_request(ids, "r", routing=_routed(model))])["r"]
     gen = [t for o in outs for t in o.new_token_ids]
     assert len(gen) == 8
     ref, got, lps = against_transformers(model, outs, ids, gen)
     # no further from a float64 forward than twice transformers' float32 one is (RMS over every
-    # prompt and generated token: tests/test_exactness.py's rule)
+    # prompt and generated token: tests/test_exactness.py's rule; float64 everywhere, its norms'
+    # and router's float32 casts included)
     tokens = ids + gen
-    truth = full_logprobs(copy.deepcopy(model.model).double(), tokens)
+    f64 = truth_everywhere(model.model, tokens)
     ours = np.concatenate([got, lps])
-    at = [(j, tokens[j + 1]) for j in range(len(tokens) - 1)]
-    f64 = np.array([float(truth[j, t]) for j, t in at])
-    f32 = np.array([float(ref[j, t]) for j, t in at])
+    f32 = np.array([float(ref[j, tokens[j + 1]]) for j in range(len(tokens) - 1)])
     assert _rms(ours - f64) <= 2 * _rms(f32 - f64)
+    if _routed(model):
+        _check_routing(model, outs, tokens)
+
+
+def _check_routing(model: LoadedModel, outs: list, tokens: list[int]) -> None:
+    """The experts each position was routed to in every layer are those transformers' router
+    picks (in its order), their weights (renormalised, times each expert's scale) within 1e-5."""
+    prompt = next(o.prompt_routed for o in outs if o.prompt_routed is not None)
+    parts = [prompt, *(o.routed for o in outs if o.new_token_ids)]
+    experts = np.concatenate([p.experts for p in parts])
+    weights = np.concatenate([p.weights for p in parts])
+    layers = model.model.model.layers
+    assert experts.shape == (len(tokens) - 1, len(layers), MOE["top_k_experts"])
+    picked: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [
+        layer.router.register_forward_hook(lambda _m, _i, out: picked.append(out[1:]))
+        for layer in layers
+    ]
+    try:
+        with torch.no_grad():
+            model.model(input_ids=torch.tensor([tokens]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(picked) == len(layers)
+    for li, (want_w, want_ids) in enumerate(picked):
+        assert np.array_equal(experts[:, li], want_ids[:-1].numpy()), f"layer {li}"
+        assert np.abs(weights[:, li] - want_w[:-1].numpy()).max() < 1e-5
 
 
 def _rms(errors: np.ndarray) -> float:
@@ -128,16 +164,18 @@ def _rms(errors: np.ndarray) -> float:
 
 
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
+    """Its numbers (a mixture of experts' routing too)."""
     canary = _prompt(2, 19)
+    routed = _routed(model)
     fresh = EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
-    alone = run_core(EngineCore(model, fresh), [_request(canary, "c")])["c"]
+    alone = run_core(EngineCore(model, fresh), [_request(canary, "c", routing=routed)])["c"]
     core = EngineCore(
         model,
         EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_batched_tokens=7),
     )
     others = [_request(_prompt(10 + i, 5 + 4 * i), f"o{i}", 3 + i) for i in range(5)]
-    mixed = run_core(core, [*others[:2], _request(canary, "c"), *others[2:]])["c"]
-    again = run_core(core, [_request(canary, "again")])["again"]  # its prefix cached
+    mixed = run_core(core, [*others[:2], _request(canary, "c", routing=routed), *others[2:]])["c"]
+    again = run_core(core, [_request(canary, "again", routing=routed)])["again"]  # cached prefix
     assert core.stats().prefix_cache_hits > 0
     assert _numbers(mixed) == _numbers(alone) == _numbers(again)
 
@@ -188,25 +226,23 @@ def test_speculation_and_preemption_change_no_bit(model: LoadedModel):
 def test_a_gemma4_the_forward_lacks_a_part_of_is_refused_in_one_line(
     smol: LoadedModel, tmp_path: Path
 ):
-    """Its mixture-of-experts block is not built: the engine refuses it, saying so in one
-    line, rather than serving it some other way."""
-    config = _config(
-        "shared", smol.vocab_size, enable_moe_block=True, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=16,
-    )  # fmt: skip
+    """Its bidirectional attention (an embedding model's) is not built: the engine refuses
+    it, saying so in one line, rather than serving it some other way."""
+    config = _config("shared", smol.vocab_size, use_bidirectional_attention="all")
     loaded = load_model(str(_saved(config, tmp_path, smol.tokenizer)))
     with pytest.raises(ModelLoadError) as refused:
         EngineCore(loaded, EngineConfig(kv_cache_gib=0.02))
     line = str(refused.value)
-    assert "\n" not in line and "mixture-of-experts block" in line and "gemma4_text" in line
+    assert "\n" not in line and "bidirectional attention" in line and "gemma4_text" in line
 
 
-@pytest.mark.parametrize("kind", ["shared", "k_eq_v"])
+@pytest.mark.parametrize("kind", ["shared", "k_eq_v", "moe"])
 def test_its_skeleton_names_and_shapes_every_tensor_as_transformers(smol: LoadedModel, kind: str):
     """The weightless skeleton a GGUF file's blocks are read into (models/skeleton.py): each
     layer of its own shape, a shared layer without k/v, keys as values without v, double-wide
     shared MLPs, the per-layer input embedding's tensors, the layer scalars (a buffer in
-    transformers), tied head: transformers' names and shapes, none more, none less."""
+    transformers), a mixture of experts' router, stacked experts and branch norms, tied head:
+    transformers' names and shapes, none more, none less."""
     from transformers import Gemma4ForCausalLM
 
     from probserve.models.skeleton import Skeleton
@@ -257,10 +293,11 @@ def test_its_prefix_blocks_come_back_from_disk_with_the_same_bits(
 
 
 def off_init(hf: Any) -> None:
-    """Gemma 4's norms (w, not 1 + w), weights and layer scalars off their init."""
+    """Gemma 4's norms (w, not 1 + w), weights and layer scalars off their init (a router's
+    scales about 1, as a norm's)."""
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(("router.scale", "per_expert_scale")):
                 param.copy_(torch.randn_like(param) * 0.3 + 1.0)
             else:
                 param.normal_(0.0, 0.08)

@@ -1,15 +1,17 @@
 """Gemma 4 (text) GGUF files (arch `gemma4`, written as llama.cpp's converter writes them:
 tests/gemma4_gguf.py) served from their blocks (`--weights native`): tiny random
 `Gemma4ForCausalLM` models of two shapes (sliding and full layers of different head sizes, the
-last layers reading an earlier layer's KV cache, per-layer input embeddings; and keys as values
+last layers reading an earlier layer's KV cache, per-layer input embeddings; keys as values
 with fewer KV heads on the full layers, double-wide MLPs in the shared layers, no per-layer
-inputs), in float32 and in Q8_0 blocks. The configuration comes from the file's metadata
+inputs; and a mixture of experts beside every layer's MLP, as 26B-A4B), in float32 and in Q8_0
+blocks. The configuration comes from the file's metadata
 (transformers' reading of it has Gemma 4's defaults), every tensor is the one gguf-py reads from
 the file, the matrices and the per-layer embedding table stay in their blocks, prompt and
 generated logprobs are within 1e-4 of transformers' float32 forward of the dequantized weights
 with the same greedy tokens, and a request's numbers are bitwise the same alone, among others in
-chunks of a 7-token step budget and from the prefix cache. A Gemma 4 file with experts, and the
-float32 path of any Gemma 4 file, are refused in one line."""
+chunks of a 7-token step budget and from the prefix cache. A Gemma 4 file whose experts cannot be
+routed (more a token than it has), and the float32 path of any Gemma 4 file, are refused in one
+line."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from conftest import run_core
 from gemma4_gguf import gguf_name, gguf_names, write_gemma4_gguf
 from gguf import GGMLQuantizationType, GGUFReader, dequantize
 from test_families import _numbers, _prompt, _request, against_transformers
-from test_gemma4 import off_init
+from test_gemma4 import MOE, off_init
 
 from probserve.engine import EngineConfig, EngineCore
 from probserve.models import LoadedModel, ModelLoadError, load_model
@@ -36,6 +38,10 @@ SHAPES = {
     "k_eq_v": {
         "attention_k_eq_v": True, "num_global_key_value_heads": 1, "use_double_wide_mlp": True,
         "hidden_size_per_layer_input": 0,
+    },
+    "moe": {
+        "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+        "hidden_size_per_layer_input": 0, **MOE,
     },
 }  # fmt: skip
 Q8_0, F32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
@@ -79,6 +85,7 @@ def _twin(config: Any, path: Path) -> Any:
     tensors = {t.name: t for t in reader.tensors}
     twin = Gemma4ForCausalLM(config).eval().requires_grad_(False)
     twin.config._attn_implementation = "eager"
+    twin.config._experts_implementation = "eager"
     names = gguf_names(config)
     own = dict(twin.named_parameters())
     own |= {k: v for k, v in twin.named_buffers() if k.endswith("layer_scalar")}
@@ -89,7 +96,9 @@ def _twin(config: Any, path: Path) -> Any:
     return twin
 
 
-@pytest.fixture(scope="module", params=[("shared", F32), ("shared", Q8_0), ("k_eq_v", Q8_0)])
+@pytest.fixture(
+    scope="module", params=[("shared", F32), ("shared", Q8_0), ("k_eq_v", Q8_0), ("moe", Q8_0)]
+)
 def served(
     request: pytest.FixtureRequest, smol: LoadedModel, tmp_path_factory: pytest.TempPathFactory
 ) -> Served:
@@ -127,7 +136,8 @@ def test_the_configuration_comes_from_the_files_metadata(served: Served, smol: L
     for key in (
         "attention_k_eq_v", "use_double_wide_mlp", "intermediate_size",
         "hidden_size_per_layer_input", "final_logit_softcapping", "sliding_window",
-        "rope_parameters", "tie_word_embeddings", "vocab_size",
+        "rope_parameters", "tie_word_embeddings", "vocab_size", "enable_moe_block",
+        "num_experts", "top_k_experts", "moe_intermediate_size",
     ):  # fmt: skip
         assert getattr(got, key) == getattr(want, key), key
     assert served.loaded.eos_token_ids == frozenset({served.loaded.tokenizer.eos_token_id})
@@ -140,8 +150,9 @@ def test_the_configuration_comes_from_the_files_metadata(served: Served, smol: L
 
 def test_every_tensor_is_the_one_gguf_py_reads_and_blocks_stay_blocks(served: Served):
     """Each weight probserve holds dequantizes to the bits gguf-py reads from the file under
-    the converter's name for it; in a Q8_0 file every matrix (the per-layer embedding table
-    too) is held as the file's blocks."""
+    the converter's name for it (a stacked expert tensor: each expert's, held apart); in a Q8_0
+    file every matrix (each expert's, the per-layer embedding table too) is held as the file's
+    blocks."""
     weights = served.loaded.weights
     assert weights is not None
     q8 = served.qtype == Q8_0
@@ -149,10 +160,15 @@ def test_every_tensor_is_the_one_gguf_py_reads_and_blocks_stay_blocks(served: Se
     for name, param in served.twin.named_parameters():
         if name == "lm_head.weight":  # tied: the embedding
             continue
-        held = weights[name]
-        assert torch.equal(as_float(held).reshape(param.shape), param), name
-        if q8 and param.ndim == 2:
-            assert isinstance(held, QuantizedTensor) and held.type_name == "Q8_0", name
+        if param.ndim == 3:  # experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]
+            at, _, which = name.rpartition(".")
+            parts = [(weights[f"{at}.{e}.{which}.weight"], param[e]) for e in range(len(param))]
+        else:
+            parts = [(weights[name], param)]
+        for held, value in parts:
+            assert torch.equal(as_float(held).reshape(value.shape), value), name
+            if q8 and value.ndim == 2:
+                assert isinstance(held, QuantizedTensor) and held.type_name == "Q8_0", name
     if q8 and served.hf.config.hidden_size_per_layer_input:
         table = weights["model.embed_tokens_per_layer.weight"]
         assert isinstance(table, QuantizedTensor)
@@ -199,15 +215,15 @@ def test_its_float32_path_is_refused_in_one_line(served: Served):
     assert "\n" not in str(refused.value)
 
 
-def test_a_gemma4_file_with_experts_is_refused_in_one_line(
+def test_a_gemma4_file_whose_experts_cannot_be_routed_is_refused_in_one_line(
     smol: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """A file whose metadata declares experts (Gemma 4's 26B-A4B): its mixture-of-experts
-    block is not built, and the load says so in one line naming it."""
+    """A file whose metadata routes each token to more experts than it has: the load says so
+    in one line naming its mixture-of-experts block."""
     monkeypatch.setenv("PROBSERVE_CACHE_DIR", str(tmp_path / "cache"))
     path = write_gemma4_gguf(
         _hf(smol.vocab_size, "shared"), tmp_path / "moe.gguf", F32,
-        extra=[("expert_count", 8), ("expert_used_count", 2), ("expert_feed_forward_length", 32)],
+        extra=[("expert_count", 2), ("expert_used_count", 3), ("expert_feed_forward_length", 32)],
     )  # fmt: skip
     with pytest.raises(ModelLoadError) as refused:
         load_model(str(path), "native")

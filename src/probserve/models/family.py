@@ -20,8 +20,8 @@ configuration once, here, through each type's entry of models/families.py:
   7)), attention with biases and a learned sink logit per head, alternating 128-token windows
   and YaRN RoPE;
 - Gemma 4 (text): layers of their own shapes, some reading another layer's KV cache, per-layer
-  input embeddings (models/gemma4.py reads its configuration, models/gemma4_layer.py runs what
-  its layer adds).
+  input embeddings, 26B-A4B's experts beside each layer's dense MLP (models/gemma4.py reads its
+  configuration, models/gemma4_layer.py runs what its layer adds).
 - Qwen3.5 (dense and MoE) and Qwen3-Next are hybrid: most layers are Gated DeltaNet (a
   linear-attention recurrence, models/deltanet.py), the rest full attention with an output gate
   (the query projection doubled per head: [q | gate], attention * sigmoid(gate)), q/k norms and

@@ -11,7 +11,9 @@
 - norms are RMSNorm times w (not Gemma 2/3's 1 + w), around attention and the MLP (sandwich),
   on each query and key head, and on each value head without a weight; attention is unscaled
   (1.0); a per-layer input embedding (`hidden_size_per_layer_input`) and a scalar end each
-  layer (models/gemma4_layer.py); the final logits are soft-capped.
+  layer (models/gemma4_layer.py); the final logits are soft-capped;
+- with `enable_moe_block` (26B-A4B) every layer has a mixture of experts beside its dense MLP
+  (models/gemma4_layer.py): a router over the residual, GeGLU experts, each branch normed.
 
 Imported by the API process through the family table: no torch here."""
 
@@ -42,11 +44,12 @@ class Gemma4Layout:
 def missing(config: Any) -> str | None:
     """What the paged forward lacks for this Gemma 4 configuration (None: nothing)."""
     if getattr(config, "enable_moe_block", False):
-        return (
-            "its mixture-of-experts block is not built (a router over the RMS-normed residual "
-            "with a learned scale and per-expert output scales; GeGLU experts beside the dense "
-            "MLP, each branch with norms of its own)"
-        )
+        experts, k = int(config.num_experts or 0), int(config.top_k_experts or 0)
+        if not 0 < k <= experts or not int(config.moe_intermediate_size or 0):
+            return (
+                f"its mixture-of-experts block routes to {k} of {experts} experts of width "
+                f"{config.moe_intermediate_size}"
+            )
     if getattr(config, "use_bidirectional_attention", None):
         return "its bidirectional attention is not built"
     types = list(config.layer_types)
@@ -106,7 +109,18 @@ def family_fields(config: Any) -> dict[str, Any]:
         "sandwich": True,
         "final_softcap": getattr(config, "final_logit_softcapping", None),
         "gemma4": shape,
+        **(_experts(config) if getattr(config, "enable_moe_block", False) else {}),
     }
+
+
+def _experts(config: Any) -> dict[str, Any]:
+    """Its mixture of experts (every layer's, beside its dense MLP: models/gemma4_layer.py):
+    the renormalised top k of the router's softmax, GeGLU experts."""
+    return {
+        "experts": int(config.num_experts), "top_k": int(config.top_k_experts), "norm_topk": True,
+        "expert_intermediate": int(config.moe_intermediate_size),
+        "sparse": (True,) * int(config.num_hidden_layers),
+    }  # fmt: skip
 
 
 # the pairs a full layer's proportional RoPE leaves unrotated: llama.cpp's rope_freqs marks them
@@ -121,7 +135,7 @@ def gguf_config(config: Any, read: Callable[[str], Any]) -> Any:
     ones') and KV heads, the layers sharing KV, the per-layer input width and vocabulary, the
     double-wide MLPs of the shared layers, keys as values (full layers without attn_v), each
     layer type's RoPE (the full layers' rotated share from rope_freqs), the final soft-cap, a
-    mixture of experts (its block, which the forward refuses in one line) and the end-of-turn
+    mixture of experts (its count, the experts a token and their width) and the end-of-turn
     tokens the vocabulary holds. transformers reads the file as Gemma 4 with its defaults."""
     from transformers import Gemma4TextConfig
 

@@ -8,7 +8,14 @@ models/gemma4.py reads its configuration), on the forward's operations (kernels/
 - the per-layer inputs: each token's row of the per-layer embedding table (kept as the
   checkpoint stores it, a GGUF file's blocks too, gathered per token, times sqrt(width)),
   plus the RMS-normed projection of the scaled embedding (times hidden^-0.5), times 2^-0.5;
-  after each layer's MLP, h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar.
+  after each layer's MLP, h + norm(proj(gelu_tanh(gate(h)) * its slice)), then the layer's scalar;
+- a mixture of experts beside each layer's dense MLP (`enable_moe_block`, 26B-A4B), both read
+  the residual h after attention: the dense branch post_feedforward_layernorm_1(mlp(
+  pre_feedforward_layernorm(h))), the experts' post_feedforward_layernorm_2(sum of their
+  GeGLUs of pre_feedforward_layernorm_2(h)), summed, then post_feedforward_layernorm as for
+  any layer; the router (models/moe.py) reads rms_norm(h) * router.scale * hidden^-0.5 (its
+  own norm, without a weight of its own), takes the renormalised top k of its softmax and
+  scales each chosen weight by router.per_expert_scale of its expert.
 
 A layer's rows never mix: every step is a product, a norm or an elementwise operation of the
 backend's, or an exact gather, so the row-invariant kernels keep a token's bits whatever else
@@ -17,6 +24,7 @@ the step holds."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -55,6 +63,30 @@ def _rotated(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
 
+@dataclass(frozen=True)
+class _Branches:
+    """A layer's norms around its two feed-forward branches, and its router's scale [H]."""
+
+    post_dense: torch.Tensor
+    pre_experts: torch.Tensor
+    post_experts: torch.Tensor
+    router: torch.Tensor
+
+    @classmethod
+    def of(cls, weights: Mapping[str, Weight], i: int) -> _Branches:
+        at = f"model.layers.{i}."
+
+        def norm(name: str) -> torch.Tensor:
+            return _vector(weights[f"{at}{name}.weight"])
+
+        return cls(
+            post_dense=norm("post_feedforward_layernorm_1"),
+            pre_experts=norm("pre_feedforward_layernorm_2"),
+            post_experts=norm("post_feedforward_layernorm_2"),
+            router=_vector(weights[f"{at}router.scale"]),
+        )
+
+
 class Gemma4Layers:
     def __init__(
         self,
@@ -64,14 +96,17 @@ class Gemma4Layers:
         hidden: int,
         eps: float,
         ops: LayerOps,
+        experts: bool = False,
     ) -> None:
-        """Its constants and tensors from `weights` by transformers' names."""
+        """Its constants and tensors from `weights` by transformers' names (`experts`: each
+        layer's mixture of experts' norms and router scale too)."""
         self.shape, self.heads, self.hidden, self.eps, self.ops = shape, heads, hidden, eps, ops
         n = len(shape.head_dims)
         self.ones = {d: ops.place(torch.ones(d)) for d in set(shape.head_dims)}  # v's norm
         self.scalars = [
             ops.place(_vector(weights[f"model.layers.{i}.layer_scalar"])) for i in range(n)
         ]
+        self.branches = [_Branches.of(weights, i) for i in range(n)] if experts else []
         self.width = shape.per_layer_input
         if not self.width:
             return
@@ -133,6 +168,19 @@ class Gemma4Layers:
         proj = self.projection(h) * (float(self.hidden) ** -0.5)
         normed = self.ops.rms_norm(proj.reshape(-1, w).contiguous(), self.projection_norm, self.eps)
         return (normed.view(t, -1) + token) * (2.0**-0.5)
+
+    def expert_rows(self, h: torch.Tensor, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer li's experts' rows and its router's from the residual h (after attention)."""
+        b = self.branches[li]
+        routed = self.ops.rms_norm(h, b.router, self.eps) * (float(self.hidden) ** -0.5)
+        return self.ops.rms_norm(h, b.pre_experts, self.eps), routed
+
+    def beside(self, dense: torch.Tensor, experts: torch.Tensor, li: int) -> torch.Tensor:
+        """Layer li's feed-forward: its dense MLP's output and its experts' (before
+        post_feedforward_layernorm), each normed, summed."""
+        b = self.branches[li]
+        dense = self.ops.rms_norm(dense, b.post_dense, self.eps)
+        return dense + self.ops.rms_norm(experts, b.post_experts, self.eps)
 
     def after(self, h: torch.Tensor, li: int, per_layer: torch.Tensor | None) -> torch.Tensor:
         """What ends layer li: its per-layer input's residual, then its scalar."""

@@ -295,6 +295,10 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         if suffix in ("sinks", "layer_scalar"):  # a parameter of its own (gpt-oss's sinks,
             # Gemma 4's layer scalars): the file's attn_sinks.weight, layer_output_scale.weight
             base, suffix = hf_name, "weight"
+        tail = hf_name.split(".", 3)[-1]  # (model.layers.N.<tail>)
+        if tail in SCALES:  # Gemma 4's router scales: named after the tensors they scale
+            stem, suffix = SCALES[tail]
+            base = hf_name[: -len(tail)] + stem
         if suffix in gguf_hybrid.NAMES:  # Qwen3.5's A_log (ssm_a), dt_bias (ssm_dt.bias)
             stem, suffix = gguf_hybrid.NAMES[suffix]
             base = f"{base}.{stem}"
@@ -305,6 +309,7 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
         if gguf_name is not None:
             names.setdefault(f"{gguf_name}.{suffix}" if suffix else gguf_name, hf_name)
     out: dict[str, Weight] = {}
+    under = EXPERTS_UNDER.get(arch_name, "mlp.experts")
     for tensor in reader.tensors:
         stacked = _EXPERTS.fullmatch(tensor.name)
         if stacked is not None:  # [experts, rows, row bytes]: each expert a view
@@ -312,11 +317,12 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
             if layer >= cfg.num_hidden_layers:  # a multi-token-prediction layer: not served
                 continue
             for e in range(tensor.data.shape[0]):
-                out[_expert_name(layer, e, which, kind)] = _expert_weight(tensor, tensor.data[e])
+                held = _expert_weight(tensor, tensor.data[e])
+                out[_expert_name(layer, e, which, kind, under)] = held
             continue
         one = _ONE_EXPERT.fullmatch(tensor.name)  # an older file: each expert its own tensor
         if one is not None:
-            expert = _expert_name(int(one[1]), int(one[3]), one[2])
+            expert = _expert_name(int(one[1]), int(one[3]), one[2], "weight", under)
             out[expert] = _expert_weight(tensor, tensor.data)
             continue
         name = names.get(tensor.name)
@@ -339,12 +345,22 @@ def read_weights(path: str | Path, skeleton: Any) -> dict[str, Weight]:
 # one expert's matrix in an older file (Mixtral's first GGUFs: blk.N.ffn_gate.E.weight)
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.(weight|bias)")
 _ONE_EXPERT = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
+# the module of a layer's experts where it is not `mlp.experts` (transformers' Gemma 4 holds
+# them beside its MLP), by GGUF architecture
+EXPERTS_UNDER = {"gemma4": "experts"}
+# Gemma 4's router vectors (a layer's parameter -> the tensor whose file name they take, and
+# their suffix there): llama.cpp's converter writes router.scale as ffn_gate_inp.scale and
+# router.per_expert_scale as ffn_down_exps.scale
+SCALES = {
+    "router.scale": ("router.proj", "scale"),
+    "router.per_expert_scale": ("experts.down_proj", "scale"),
+}
 
 
-def _expert_name(layer: int, expert: int, which: str, kind: str = "weight") -> str:
+def _expert_name(layer: int, expert: int, which: str, kind: str, under: str) -> str:
     """Expert `expert`'s matrix (or bias: gpt-oss) under its own name (the forward's
-    per-expert weights)."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{which}_proj.{kind}"
+    per-expert weights), in the layer's module `under`."""
+    return f"model.layers.{layer}.{under}.{expert}.{which}_proj.{kind}"
 
 
 def _expert_weight(tensor: Any, rows: np.ndarray) -> Weight:
@@ -360,14 +376,14 @@ def _expert_weight(tensor: Any, rows: np.ndarray) -> Weight:
 
 def _held_per_expert(name: str, out: dict[str, Weight]) -> bool:
     """A skeleton's stacked expert parameter (transformers' mlp.experts.gate_up_proj or
-    down_proj) the weights hold per expert instead."""
+    down_proj, Gemma 4's experts.*) the weights hold per expert instead."""
     parts = {
         "gate_up_proj": (("gate_proj", "up_proj"), ("gate_up_proj",)),
         "down_proj": (("down_proj",),),
     }
     for stacked, layouts in parts.items():
         for kind, tail in (("weight", ""), ("bias", "_bias")):
-            if name.endswith(f"mlp.experts.{stacked}{tail}"):
+            if name.endswith(f".experts.{stacked}{tail}"):
                 head = name[: -len(stacked + tail)]
                 return any(
                     all(f"{head}0.{part}.{kind}" in out for part in names) for names in layouts

@@ -196,23 +196,22 @@ class _Tensors:
         return projection([self[f"{n}.weight"] for n in names], biases, self.ops)
 
 
-def _expert(t: _Tensors, e: int) -> Expert:
+def _expert(t: _Tensors, e: int, under: str) -> Expert:
     """Expert e: from transformers' stacked [E, 2I, H] and [E, H, I] parameters (views; a
     family whose checkpoints store them as columns has them made rows: models/families.py), or
-    a GGUF file's rows of each expert (models/gguf_blocks.py names them per expert)."""
-    if t.has("mlp.experts.gate_up_proj"):
-        gate_up = as_float(t["mlp.experts.gate_up_proj"])[e]
-        down = as_float(t["mlp.experts.down_proj"])[e]
+    a GGUF file's rows of each expert (models/gguf_blocks.py names them per expert); `under`:
+    their module ("mlp.experts.", Gemma 4's "experts.")."""
+    if t.has(f"{under}gate_up_proj"):
+        gate_up = as_float(t[f"{under}gate_up_proj"])[e]
+        down = as_float(t[f"{under}down_proj"])[e]
         gu_bias, down_bias = (
-            as_float(t[f"mlp.experts.{name}_bias"])[e]
-            if t.has(f"mlp.experts.{name}_bias")
-            else None
+            as_float(t[f"{under}{name}_bias"])[e] if t.has(f"{under}{name}_bias") else None
             for name in ("gate_up_proj", "down_proj")
         )
         if t.fam.column_experts:
             gate_up, gu_bias, down = column_expert_rows(gate_up, gu_bias, down)
         return Expert(Linear(gate_up, gu_bias, t.ops), Linear(down, down_bias, t.ops))
-    at = f"mlp.experts.{e}."
+    at = f"{under}{e}."
     if t.has(f"{at}gate_up_proj.weight"):  # a file's fused [gate | up]
         return Expert(t.linear(at + "gate_up_proj"), t.linear(at + "down_proj"))
     return Expert(t.linear(at + "gate_proj", at + "up_proj"), t.linear(at + "down_proj"))
@@ -220,11 +219,19 @@ def _expert(t: _Tensors, e: int) -> Expert:
 
 def _mixture(t: _Tensors) -> MoE:
     """A sparse layer's router and experts, the experts held as the backend runs them (taken
-    one at a time: the GPU path stacks each as it is packed)."""
+    one at a time: the GPU path stacks each as it is packed); Gemma 4's beside its dense MLP,
+    its router's per-expert factor."""
     fam = t.fam
-    router = t.linear("mlp.router" if t.has("mlp.router.weight") else "mlp.gate")
-    experts: Iterator[Expert] = (_expert(t, e) for e in range(fam.experts))
-    return MoE(router, t.ops.experts(experts, fam.experts), fam.top_k, fam.norm_topk)
+    if fam.gemma4 is not None:
+        scale = t.vector("router.per_expert_scale")
+        assert scale is not None
+        under, router, factor = "experts.", t.linear("router.proj"), t.ops.place(scale.clone())
+    else:
+        under, factor = "mlp.experts.", None
+        router = t.linear("mlp.router" if t.has("mlp.router.weight") else "mlp.gate")
+    experts: Iterator[Expert] = (_expert(t, e, under) for e in range(fam.experts))
+    run = t.ops.experts(experts, fam.experts)
+    return MoE(router, run, fam.top_k, fam.norm_topk, factor)
 
 
 class _Layer:
@@ -256,8 +263,9 @@ class _Layer:
         self.moe: MoE | None = None
         self.gate_up: Linear | Joined | None = None
         self.down: Linear | Joined | None = None
-        # this layer's place among the MoE layers (the routing a cache keeps)
-        self.moe_index = sum(fam.sparse[:index]) if fam.experts else 0
+        # this layer's place among the layers, and among the MoE layers (the routing a cache
+        # keeps)
+        self.index, self.moe_index = index, sum(fam.sparse[:index]) if fam.experts else 0
         # Qwen3.5-MoE: a shared expert's [gate | up], down, and its gate's single row
         self.shared: tuple[Linear | Joined, Linear | Joined, Linear | Joined] | None = None
         if fam.experts and fam.sparse[index]:
@@ -269,7 +277,7 @@ class _Layer:
                     t.linear(at + "gate_proj", at + "up_proj"), t.linear(at + "down_proj"),
                     t.linear("mlp.shared_expert_gate"),
                 )  # fmt: skip
-        else:
+        if self.moe is None or fam.gemma4 is not None:  # (Gemma 4's beside its experts)
             gate_up = ("mlp.gate_up_proj",) if fam.fused else ("mlp.gate_proj", "mlp.up_proj")
             self.gate_up, self.down = t.linear(*gate_up), t.linear("mlp.down_proj")
             self.intermediate = int(config.intermediate_size)
@@ -392,8 +400,9 @@ class LlamaForward:
         self.gemma4: Gemma4Layers | None = None
         if fam.gemma4 is not None:
             self.gemma4 = Gemma4Layers(
-                weights, fam.gemma4, self.num_heads, int(cfg.hidden_size), self.eps, ops
-            )
+                weights, fam.gemma4, self.num_heads, int(cfg.hidden_size), self.eps, ops,
+                experts=bool(fam.experts),
+            )  # fmt: skip
         else:
             self.num_kv_heads = cfg.num_key_value_heads
         self.layers = [
@@ -537,9 +546,9 @@ class LlamaForward:
             assert layer.pre_ff is not None and layer.post_ff is not None
             h = h + self._norm(attn, layer.ln2)
             x = self._norm(h, layer.pre_ff)
-            return h + self._norm(self._ffn(layer, x, cache, plan.slots), layer.post_ff)
+            return h + self._norm(self._ffn(layer, x, cache, plan.slots, h), layer.post_ff)
         h = h + attn
-        return h + self._ffn(layer, self._norm(h, layer.ln2), cache, plan.slots)
+        return h + self._ffn(layer, self._norm(h, layer.ln2), cache, plan.slots, h)
 
     def _attention(
         self,
@@ -620,19 +629,28 @@ class LlamaForward:
         return torch.cat([q, k, qkv[:, (nq + nkv) * d :]], dim=1)
 
     def _ffn(
-        self, layer: _Layer, x: torch.Tensor, cache: KVCache, slots: torch.Tensor
+        self, layer: _Layer, x: torch.Tensor, cache: KVCache, slots: torch.Tensor, h: torch.Tensor
     ) -> torch.Tensor:
-        """The feed-forward of normed rows x: the layer's experts (their routing kept at the
-        rows' slots), or its MLP."""
-        if layer.moe is not None:
-            out, ids, weights = layer.moe(x, self._expert_act, self.ops)
-            if cache.experts is not None and cache.expert_weights is not None:
-                cache.experts[:, layer.moe_index].index_copy_(0, slots, ids.to(torch.int16))
-                cache.expert_weights[:, layer.moe_index].index_copy_(0, slots, weights.float())
-            if layer.shared is not None:  # + sigmoid(gate(x)) * the shared expert's SwiGLU
-                gate_up, down, gate = layer.shared
-                out = out + sigmoid_rows(gate(x)) * down(self._act(gate_up(x)))
-            return out
+        """The feed-forward of normed rows x (h: the residual they were normed from): the
+        layer's experts (their routing kept at the rows' slots; Gemma 4's beside its MLP), or
+        its MLP."""
+        if layer.moe is None:
+            return self._mlp(layer, x)
+        rows, routed = x, None
+        if self.gemma4 is not None:  # its experts and router read the residual, normed anew
+            rows, routed = self.gemma4.expert_rows(h, layer.index)
+        out, ids, weights = layer.moe(rows, self._expert_act, self.ops, routed)
+        if cache.experts is not None and cache.expert_weights is not None:
+            cache.experts[:, layer.moe_index].index_copy_(0, slots, ids.to(torch.int16))
+            cache.expert_weights[:, layer.moe_index].index_copy_(0, slots, weights.float())
+        if layer.shared is not None:  # + sigmoid(gate(x)) * the shared expert's SwiGLU
+            gate_up, down, gate = layer.shared
+            out = out + sigmoid_rows(gate(x)) * down(self._act(gate_up(x)))
+        if self.gemma4 is not None:
+            return self.gemma4.beside(self._mlp(layer, x), out, layer.index)
+        return out
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None
         return layer.down(self._act(layer.gate_up(x)))
 

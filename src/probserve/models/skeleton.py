@@ -239,7 +239,7 @@ class _Gemma4Attention(nn.Module):
 
 
 class _Gemma4Layer(nn.Module):
-    def __init__(self, config: Any, layout: Gemma4Layout, i: int) -> None:
+    def __init__(self, config: Any, fam: Family, layout: Gemma4Layout, i: int) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = _Gemma4Attention(config, layout, i)
@@ -256,6 +256,18 @@ class _Gemma4Layer(nn.Module):
         ):  # fmt: skip
             setattr(self, name, _Norm(hidden, eps))
         self.layer_scalar = nn.Parameter(torch.empty(1, device="meta"))  # (a buffer there)
+        if fam.experts:  # its mixture of experts beside the MLP, each branch with its norms
+            router = nn.Module()
+            router.proj = _linear(hidden, fam.experts, False)
+            router.scale = nn.Parameter(torch.empty(hidden, device="meta"))
+            router.per_expert_scale = nn.Parameter(torch.empty(fam.experts, device="meta"))
+            self.router = router
+            self.experts = _Experts(fam.experts, hidden, fam.expert_intermediate, False)
+            for name in (
+                "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                "post_feedforward_layernorm_2",
+            ):  # fmt: skip
+                setattr(self, name, _Norm(hidden, eps))
         width = layout.per_layer_input
         if width:
             self.per_layer_input_gate = _linear(hidden, width, False)
@@ -278,7 +290,7 @@ class _Gemma4Body(nn.Module):
             self.embed_tokens_per_layer = _embedding(config.vocab_size_per_layer_input, n * width)
             self.per_layer_model_projection = _linear(hidden, n * width, False)
             self.per_layer_projection_norm = _Norm(width, config.rms_norm_eps)
-        self.layers = nn.ModuleList(_Gemma4Layer(config, layout, i) for i in range(n))
+        self.layers = nn.ModuleList(_Gemma4Layer(config, fam, layout, i) for i in range(n))
         self.norm = _Norm(hidden, config.rms_norm_eps)
         key = fam.rope_keys[0]
         self.rotary_emb = Rotary(config.per_layer_config[config.layer_types.index(key)], key)
