@@ -233,17 +233,21 @@ def test_the_paged_forward_equals_transformers(model: LoadedModel, deterministic
 
 
 def _numbers(outs: list) -> list[bytes]:
-    out = []
+    """The tokens and every array of a request's outputs, each field joined over them (rows in
+    any grouping: a step that accepts speculation's proposals sends several tokens at once)."""
+    fields: dict[str, list[bytes]] = {}
     for o in outs:
-        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
-        for lp in (o.logprobs, o.prompt_logprobs):
+        fields.setdefault("tokens", []).append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        for kind, lp in (("gen", o.logprobs), ("prompt", o.prompt_logprobs)):
             if lp is not None:
-                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
-                    out.append(np.ascontiguousarray(arr).tobytes())
-        for routed in (o.routed, o.prompt_routed):
+                arrays = (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy)
+                for i, arr in enumerate(arrays):
+                    fields.setdefault(f"{kind}{i}", []).append(np.ascontiguousarray(arr).tobytes())
+        for kind, routed in (("gen", o.routed), ("prompt", o.prompt_routed)):
             if routed is not None:
-                out += [routed.experts.tobytes(), routed.weights.tobytes()]
-    return out
+                fields.setdefault(f"{kind}-experts", []).append(routed.experts.tobytes())
+                fields.setdefault(f"{kind}-weights", []).append(routed.weights.tobytes())
+    return [name.encode() + b"".join(parts) for name, parts in sorted(fields.items())]
 
 
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):

@@ -90,14 +90,17 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _numbers(outs: list) -> list[bytes]:
-    out = []
+    """The tokens and every logprobs array of a request's outputs, each field joined over them
+    (rows in any grouping: a step that accepts proposals sends several tokens at once)."""
+    fields: dict[str, list[bytes]] = {}
     for o in outs:
-        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
-        for lp in (o.logprobs, o.prompt_logprobs):
+        fields.setdefault("tokens", []).append(np.asarray(o.new_token_ids, np.int64).tobytes())
+        for kind, lp in (("gen", o.logprobs), ("prompt", o.prompt_logprobs)):
             if lp is not None:
-                for arr in (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy):
-                    out.append(np.ascontiguousarray(arr).tobytes())
-    return out
+                arrays = (lp.token_ids, lp.logprobs, lp.top_ids, lp.top_logprobs, lp.entropy)
+                for i, arr in enumerate(arrays):
+                    fields.setdefault(f"{kind}{i}", []).append(np.ascontiguousarray(arr).tobytes())
+    return [name.encode() + b"".join(parts) for name, parts in sorted(fields.items())]
 
 
 def _joined(outs: list) -> list[bytes]:

@@ -96,7 +96,7 @@ class _Fixed(_Each):
 
 @pytest.fixture(scope="module")
 def plain(tiny: LoadedModel) -> dict:
-    return _run(tiny, _requests())
+    return _run(tiny, _requests(), speculative="off")
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_ngram():
@@ -214,7 +214,8 @@ MATES = [
 
 @pytest.mark.slow
 def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, http):
-    """The embedded model, a server with --speculative ngram against the session's (off):
+    """The embedded model, a server with --speculative ngram against the session's answers
+    with `speculative: false`:
     completions (echo, top logprobs, entropy) and seeded sampled chat, whole and streamed, the
     same JSON; the drafted and accepted tokens counted on /metrics, the default on /health, a
     request's `speculative: false` honoured; the sampled chat alone has proposals checked and
@@ -233,10 +234,10 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
         "temperature": 0.8, "seed": 7, "logprobs": True, "top_logprobs": 2,
     }  # fmt: skip
 
-    def answers(c) -> list:
-        got = [c.post("/v1/completions", json=completion).json()["choices"]]
-        got.append(c.post("/v1/chat/completions", json=chat).json()["choices"])
-        with c.stream("POST", "/v1/completions", json={**completion, "stream": True}) as s:
+    def answers(c, **off: bool) -> list:
+        got = [c.post("/v1/completions", json=completion | off).json()["choices"]]
+        got.append(c.post("/v1/chat/completions", json=chat | off).json()["choices"])
+        with c.stream("POST", "/v1/completions", json={**completion, "stream": True, **off}) as s:
             got.append([ln for ln in s.iter_lines() if ln.startswith("data: {")])
         return got
 
@@ -257,8 +258,9 @@ def test_the_server_answers_the_same_bits_with_speculation(smol: LoadedModel, ht
     def mate(base: str, path: str, body: dict) -> list:
         return httpx.post(f"{base}{path}", json=body, timeout=120).json()["choices"]
 
-    plain = scrubbed(answers(http))
-    plain_mates = [mate(str(http.base_url).rstrip("/"), path, body) for path, body in MATES]
+    plain = scrubbed(answers(http, speculative=False))
+    base = str(http.base_url).rstrip("/")
+    plain_mates = [mate(base, path, {**body, "speculative": False}) for path, body in MATES]
     with running_server(smol, "--speculative", "ngram") as url:
         c = httpx.Client(base_url=url, timeout=120)
         assert c.get("/health").json()["speculative"] == "ngram"
@@ -340,7 +342,8 @@ def test_a_grammars_forced_tokens_are_proposed_and_change_no_bit(smol: LoadedMod
         steps = sum(len(o) for o in outs.values())
         return got, steps
 
-    plain, plain_steps = numbers(EngineCore(smol, EngineConfig(kv_cache_gib=0.1)))
+    off = EngineConfig(kv_cache_gib=0.1, speculative="off")
+    plain, plain_steps = numbers(EngineCore(smol, off))
     core = EngineCore(smol, EngineConfig(kv_cache_gib=0.1, speculative="ngram"))
     spec_on, spec_steps = numbers(core)
     assert spec_on == plain

@@ -6,12 +6,15 @@ and the first draw that differs is the next token. Every token and logprob is
 therefore what plain decoding gives, bit for bit where the kernels are row-invariant.
 
 `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the
-sequence's last n tokens (n from `max_n` down to `min_n`), in the prompt or the text so far; no
-second model. How many it proposes adapts per sequence (`Speculation`): one more than were
-accepted last time, up to the server's most; a check that keeps none rests the sequence for
-1, 3, 7, 15, 31, then REST_MOST steps in a row of misses (one kept token ends the rests), so
-text that does not repeat costs an extra row about once in REST_MOST + 1 steps, not every step. `DraftProposer`: a smaller model with the same tokenizer guesses greedily,
-run by an engine of its own (its own KV cache; prefix caching finds each sequence's earlier
+sequence's last n tokens (n from `max_n` down to `min_n`, 2: a single recurring token proposes
+too much on text that does not repeat), in the prompt or the text so far; no second model. How
+many it proposes adapts per sequence (`Speculation`): one more than were accepted last time, up
+to the server's most; a check that keeps none rests the sequence for 1, 3, 7, 15, 31, then
+REST_MOST steps in a row of misses (one kept token ends the rests), so text that does not
+repeat costs an extra row about once in REST_MOST + 1 steps, not every step (the default,
+`--speculative ngram`, measured to cost at most 3% there: docs/benchmarks.md).
+`DraftProposer`: a smaller model with the same tokenizer guesses greedily, run by an engine
+of its own (its own KV cache; prefix caching finds each sequence's earlier
 tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one
 batch). A request with a grammar proposes the tokens its grammar forces instead (core/grammar.py:
 llguidance's fast-forward tokens).
