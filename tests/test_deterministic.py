@@ -300,7 +300,9 @@ def _others(m: LoadedModel, count: int, seed: int) -> list[EngineRequest]:
 
 
 def _det(**config: object) -> EngineConfig:
+    """Plain decoding's invariance (speculation's: tests/test_speculation.py)."""
     config.setdefault("kv_cache_gib", 0.1)
+    config.setdefault("speculative", "off")
     return EngineConfig(deterministic=True, **config)  # type: ignore[arg-type]
 
 

@@ -253,7 +253,10 @@ def _numbers(outs: list) -> list[bytes]:
 def test_a_request_is_bitwise_the_same_among_others_and_in_chunks(model: LoadedModel):
     canary = _prompt(2, 19)
     routed = _routed(model)
-    fresh = EngineConfig(deterministic=True, kv_cache_gib=0.02, prefix_caching=False)
+    # alone: plain decoding; among others: the default (prompt lookup where it runs)
+    fresh = EngineConfig(
+        deterministic=True, kv_cache_gib=0.02, prefix_caching=False, speculative="off"
+    )
     alone = run_core(EngineCore(model, fresh), [_request(canary, "c", routing=routed)])["c"]
     core = EngineCore(
         model,

@@ -208,7 +208,7 @@ def test_speculation_and_preemption_change_no_bit(model: LoadedModel):
 
     alone = {}
     for r in requests():
-        core = EngineCore(model, EngineConfig(kv_cache_gib=0.02, **det))
+        core = EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="off", **det))
         alone[r.request_id] = _flat(run_core(core, [r])[r.request_id])
     spec = EngineCore(model, EngineConfig(kv_cache_gib=0.02, speculative="ngram", **det))
     full = {tuple(p): p + alone[f"s{i}"][0] for i, p in enumerate(prompts)}

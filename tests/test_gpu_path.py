@@ -100,8 +100,7 @@ def test_the_bf16_path_is_as_invariant_and_measured_from_the_cpu(smol: LoadedMod
 
 def _check_invariance(model: LoadedModel, precision: str) -> None:
     canary = _prompt(2, 19)
-    # (no proposals: every decode step of these replays a graph; the mixed core speculates)
-    fresh = _gpu(precision=precision, prefix_caching=False, speculative="off")
+    fresh = _gpu(precision=precision, prefix_caching=False)
     alone_core = EngineCore(model, fresh)
     alone = run_core(alone_core, [_request(canary, "c")])["c"]
     core = EngineCore(model, _gpu(precision=precision, max_num_batched_tokens=7))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from probserve.engine import (
     LogprobsSpec,
     SamplingParams,
 )
+from probserve.engine.core import speculation
 from probserve.engine.core.host import engine_over
 from probserve.engine.core.speculation import REST_MOST, NgramProposer, Speculation
 from probserve.models import LoadedModel, load_model
@@ -130,11 +132,45 @@ def test_guesses_that_keep_missing_rest_the_sequence():
     assert not spec.resting() and spec.limit == 2 and spec.misses == 0
 
 
+def test_auto_speculates_where_it_was_measured():
+    """`--speculative auto` (the default): prompt lookup on the CPU engine for a model without a
+    recurrent state, off on the GPU path (on a device or interpreted) and for a hybrid model;
+    any other setting as asked."""
+    from probserve.engine.core.speculator import default_mode
+
+    auto = EngineConfig()
+    assert auto.speculative == "auto"
+    assert default_mode(auto, "cpu", hybrid=False) == "ngram"
+    assert default_mode(auto, "cuda", hybrid=False) == "off"
+    assert default_mode(auto, "interpreted", hybrid=False) == "off"
+    assert default_mode(auto, "cpu", hybrid=True) == "off"
+    for asked in ("off", "ngram", "draft"):
+        assert default_mode(EngineConfig(speculative=asked), "cuda", hybrid=True) == asked  # type: ignore[arg-type]
+
+
+def test_a_lookup_that_matches_nothing_rests_the_sequence(tiny: LoadedModel):
+    """A sequence whose text repeats no n-gram is not searched again every step: the empty
+    answer counts as a miss (a long text's lookup saved)."""
+    from probserve.engine.core.speculator import Speculator
+
+    spec = Speculator.lookup(EngineConfig(speculative="ngram"), "ngram")
+    seq = types.SimpleNamespace(speculation=Speculation(4))
+    spec.propose([(seq, ("r", [5, 6, 7, 8, 9], 3))])  # type: ignore[list-item]
+    assert seq.speculation.proposed == () and seq.speculation.misses == 1
+    assert seq.speculation.resting() and not seq.speculation.resting()
+    spec.propose([(seq, ("r", [5, 6, 7, 5, 6], 3))])  # type: ignore[list-item]
+    assert seq.speculation.proposed == (7, 5, 6) and seq.speculation.misses == 1
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "oracle", "random"])
-def test_speculation_changes_no_bit(tiny: LoadedModel, plain: dict, proposer: str):
+def test_speculation_changes_no_bit(
+    tiny: LoadedModel, plain: dict, proposer: str, monkeypatch: pytest.MonkeyPatch
+):
     """Greedy, seeded sampling and penalties with min_tokens: the tokens and every logprobs
     field (raw and processed, top-k, target ids, entropy) the same bits with each proposer;
-    the true continuation is accepted whole, random tokens almost never."""
+    the true continuation is accepted whole, random tokens almost never (no rests: every
+    step checks a proposal)."""
+    monkeypatch.setattr(speculation, "REST_MOST", 0)
     table = {
         tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
         for r in _requests()
@@ -174,7 +210,7 @@ def test_speculation_among_other_requests_and_a_small_budget(tiny: LoadedModel, 
 @given(st.integers(0, 2**31), st.integers(1, 6), st.floats(0.0, 1.0))
 def test_any_proposals_change_no_bit(tiny: LoadedModel, plain: dict, seed, most, right):
     """Proposals mixing the true continuation and random tokens (a `right` share correct), up
-    to `most` a step: the same bits as plain decoding."""
+    to `most` a step, no rests after misses: the same bits as plain decoding."""
     rng = random.Random(seed)
     truths = {tuple(r.prompt_token_ids): [*r.prompt_token_ids, *plain[r.request_id][0]]
               for r in _requests()}  # fmt: skip
@@ -187,7 +223,9 @@ def test_any_proposals_change_no_bit(tiny: LoadedModel, plain: dict, seed, most,
                     return tuple(t if rng.random() < right else rng.randrange(40000) for t in want)
             return ()
 
-    spec = _run(tiny, _requests(), Mixed(), speculative="ngram", speculative_tokens=most)
+    with pytest.MonkeyPatch.context() as no_rests:
+        no_rests.setattr(speculation, "REST_MOST", 0)
+        spec = _run(tiny, _requests(), Mixed(), speculative="ngram", speculative_tokens=most)
     spec.pop("_core")
     for rid in ("greedy", "sampled", "penalised"):
         assert spec[rid] == plain[rid], rid

@@ -112,22 +112,24 @@ class EngineConfig:
         "they cannot run)",
     )
 
-    speculative: Literal["off", "ngram", "draft"] = setting(
-        "ngram",
-        "speculative decoding: ngram (the default) proposes the tokens that followed the latest "
-        "earlier occurrence of the text's last 2-4 tokens (prompt lookup; measured to cost at "
-        "most 3 percent on text that does not repeat: docs/benchmarks.md); draft a smaller model's "
-        "greedy guesses (--draft-model, the same tokenizer); off none; checked in the step as "
-        "extra rows: every token and logprob the same bits as without it (paged runner)",
+    speculative: Literal["auto", "off", "ngram", "draft"] = setting(
+        "auto",
+        "speculative decoding: ngram proposes the tokens that followed the latest earlier "
+        "occurrence of the text's last 2-4 tokens (prompt lookup); draft a smaller model's "
+        "greedy guesses (--draft-model, the same tokenizer); off none; auto (the default) ngram "
+        "on the CPU engine for models without a recurrent state (measured there to cost at most "
+        "3 percent on text that does not repeat: docs/benchmarks.md), off on the GPU path and "
+        "for hybrid models (not measured); checked in the step as extra rows: every token and "
+        "logprob the same bits as without it (paged runner)",
     )
     speculative_tokens: int = setting(
         4, "the most tokens proposed a step (adapting to how many were accepted)"
     )
 
     def __post_init__(self) -> None:
-        if self.speculative not in ("off", "ngram", "draft"):
+        if self.speculative not in ("auto", "off", "ngram", "draft"):
             mode = self.speculative
-            raise ValueError(f"--speculative must be off, ngram or draft (got {mode!r})")
+            raise ValueError(f"--speculative must be auto, off, ngram or draft (got {mode!r})")
         if not 1 <= self.speculative_tokens <= SPEC_POSITIONS:
             most, got = SPEC_POSITIONS, self.speculative_tokens
             raise ValueError(f"--speculative-tokens must be 1 to {most} (got {got})")

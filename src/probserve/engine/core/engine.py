@@ -26,7 +26,7 @@ from probserve.engine.core.runners.recurrent import RecurrentRunner
 from probserve.engine.core.scheduler import Scheduler
 from probserve.engine.core.sequence import Sequence
 from probserve.engine.core.speculation import Proposer
-from probserve.engine.core.speculator import Ask, Speculator
+from probserve.engine.core.speculator import Ask, Speculator, default_mode
 from probserve.engine.core.step import Chunk, RunOutput
 from probserve.engine.core.verify import Drawn, draw, sampler_row
 from probserve.engine.grammar import first_line
@@ -80,8 +80,10 @@ class EngineCore:
         # speculative decoding where the runner checks proposals (a request may ask, or not)
         self.speculator: Speculator | None = None
         if choice.cls.speculates:
+            device = str(choice.backend.facts().get("device", "cpu"))
+            mode = default_mode(config, device, bool(choice.state_bytes))
             self.speculator = (
-                Speculator(drafter(), config) if drafter else Speculator.lookup(config)
+                Speculator(drafter(), config, mode) if drafter else Speculator.lookup(config, mode)
             )
         self.iteration_tokens = IterationTokens()
         self.process_usage = ProcessUsage()

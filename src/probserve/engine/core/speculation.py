@@ -11,8 +11,9 @@ too much on text that does not repeat), in the prompt or the text so far; no sec
 many it proposes adapts per sequence (`Speculation`): one more than were accepted last time, up
 to the server's most; a check that keeps none rests the sequence for 1, 3, 7, 15, 31, then
 REST_MOST steps in a row of misses (one kept token ends the rests), so text that does not
-repeat costs an extra row about once in REST_MOST + 1 steps, not every step (the default,
-`--speculative ngram`, measured to cost at most 3% there: docs/benchmarks.md).
+repeat costs an extra row about once in REST_MOST + 1 steps, not every step; a lookup that
+matches nothing counts as a miss too, so a long text is not searched every step (the default
+on the CPU engine, measured to cost at most 3% there: docs/benchmarks.md).
 `DraftProposer`: a smaller model with the same tokenizer guesses greedily, run by an engine
 of its own (its own KV cache; prefix caching finds each sequence's earlier
 tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one
@@ -68,9 +69,17 @@ class Speculation:
             self.drafted += len(self.proposed)
             self.accepted += accepted
             self.limit = max(1, min(most, accepted + 1))
-            self.misses = 0 if accepted else self.misses + 1
-            self.rest = min(REST_MOST, (1 << min(self.misses, 6)) - 1)
+            if accepted:
+                self.misses = self.rest = 0
+            else:
+                self.missed()
         self.proposed = ()
+
+    def missed(self) -> None:
+        """Its guesses kept nothing, or it had none (no n-gram matched: a lookup over the whole
+        text saved): one more miss in a row, and its rest for them."""
+        self.misses += 1
+        self.rest = min(REST_MOST, (1 << min(self.misses, 6)) - 1)
 
     def resting(self) -> bool:
         """Whether it skips proposing this step (a step of its rest passes)."""

@@ -19,16 +19,28 @@ FORCED_MOST = SPEC_POSITIONS  # the most tokens a grammar's fast-forward propose
 Ask = tuple[str, list[int], int]  # (request id, its tokens, how many to propose)
 
 
+def default_mode(config: EngineConfig, device: str, hybrid: bool) -> str:
+    """Requests' default speculation: `--speculative` as asked, its `auto` resolved: prompt
+    lookup on the CPU engine for a model without a recurrent state (measured there to cost at
+    most 3% on text that does not repeat: docs/benchmarks.md), off on the GPU path (its decode
+    graphs replay only steps without proposals) and for a hybrid model (each verify row keeps a
+    recurrent state), where it was not measured."""
+    if config.speculative != "auto":
+        return config.speculative
+    return "off" if device != "cpu" or hybrid else "ngram"
+
+
 class Speculator:
-    def __init__(self, proposer: Proposer, config: EngineConfig) -> None:
+    def __init__(self, proposer: Proposer, config: EngineConfig, default: str = "") -> None:
         self.proposer = proposer
-        self.default = config.speculative  # requests' default (a request may ask, or not)
+        # requests' default (a request may ask, or not): `default_mode`'s
+        self.default = default or config.speculative
         self.most = config.speculative_tokens
         self.drafted = self.accepted = 0  # proposed tokens checked, and kept
         self.per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
 
     @classmethod
-    def lookup(cls, config: EngineConfig) -> Speculator:
+    def lookup(cls, config: EngineConfig, default: str = "") -> Speculator:
         """Prompt lookup's: what `--speculative ngram` runs, and what a request's `speculative:
         true` gets where the server's default is off (a draft model's engine is the host's to
         build: core/host.py)."""
@@ -37,7 +49,7 @@ class Speculator:
                 f"--speculative {config.speculative}: the draft model's engine is built by the "
                 "host (core/host.py: engine_over)"
             )
-        return cls(NgramProposer(), config)
+        return cls(NgramProposer(), config, default)
 
     def figures(self) -> dict[str, Any]:
         """Its totals, as `EngineStats` names them."""
@@ -87,3 +99,5 @@ class Speculator:
         for seq, (rid, _, _) in asks:
             if seq.speculation is not None:
                 seq.speculation.proposed = got.get(rid, ())
+                if not seq.speculation.proposed:  # nothing matched: it rests as after a miss
+                    seq.speculation.missed()
