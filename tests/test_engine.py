@@ -55,20 +55,21 @@ def test_greedy_logprobs_equal_full_forward(any_model: LoadedModel, engine_for, 
     assert len(gen) == 12
     ref = full_logprobs(any_model.model, [*ids, *gen])
 
-    # generated tokens: position p predicts token p+1
-    for j, out in enumerate(o for o in outs if o.new_token_ids):
+    # generated tokens: position p predicts token p+1 (an output may carry several: prompt
+    # lookup's accepted proposals, one logprobs row each)
+    rows = [(out.logprobs, i) for out in outs for i in range(len(out.new_token_ids))]
+    for j, (lp, i) in enumerate(rows):
         pos = len(ids) - 1 + j
-        lp = out.logprobs
         assert lp is not None
-        tok = int(lp.token_ids[0])
+        tok = int(lp.token_ids[i])
         assert tok == gen[j] == int(torch.argmax(ref[pos]))  # greedy picks the argmax
-        assert abs(float(lp.logprobs[0]) - float(ref[pos, tok])) < 1e-4
-        assert int(lp.ranks[0]) == 1
+        assert abs(float(lp.logprobs[i]) - float(ref[pos, tok])) < 1e-4
+        assert int(lp.ranks[i]) == 1
         top = torch.topk(ref[pos], 5)
-        np.testing.assert_allclose(lp.top_logprobs[0], top.values.numpy(), atol=1e-4)
+        np.testing.assert_allclose(lp.top_logprobs[i], top.values.numpy(), atol=1e-4)
         # the ids are the reference's top 5, up to the order of near-equal values (a random
         # model's alternatives can tie within float32 noise: on AVX2 and AVX-512 differently)
-        ids_found = lp.top_ids[0].tolist()
+        ids_found = lp.top_ids[i].tolist()
         assert len(set(ids_found)) == 5
         np.testing.assert_allclose(ref[pos, ids_found].numpy(), top.values.numpy(), atol=1e-4)
 

@@ -42,8 +42,8 @@ class Grammars:
         their own while the caller runs the model: llguidance and the kernels both run without
         the GIL. The matchers are not touched until the result is taken. Each sequence's list
         holds its next position's mask, then, for tokens `proposed` past its end (speculative
-        decoding), the mask after each of them (the matcher consumes them and is rolled back;
-        the list stops at one the grammar refuses)."""
+        decoding), the mask after each of them (a copy of the matcher consumes them; the list
+        stops at one the grammar refuses)."""
         constrained = [s for s in seqs if s.matcher is not None]
         if not constrained:
             done: Future[dict[str, list[torch.Tensor]]] = Future()
@@ -58,14 +58,16 @@ class Grammars:
                                      [s.stop_ids for s in constrained])  # fmt: skip
             out = {s.request_id: [rows[i]] for i, s in enumerate(constrained)}
             for s in constrained:
-                consumed = 0
-                for token in ahead.get(s.request_id, ()):
-                    if s.matcher.try_consume_tokens([token]) != 1:
+                tokens = ahead.get(s.request_id, ())
+                if not tokens:
+                    continue
+                # a copy consumes them: llguidance's rollback does not undo every bound (a
+                # thinking budget's token count), so the sequence's own matcher is never moved
+                probe = s.matcher.deep_copy()
+                for token in tokens:
+                    if probe.try_consume_tokens([token]) != 1:
                         break
-                    consumed += 1
-                    out[s.request_id].append(self.allowed(s.matcher, s.stop_ids))
-                if consumed:
-                    s.matcher.rollback(consumed)
+                    out[s.request_id].append(self.allowed(probe, s.stop_ids))
             return out
 
         return self._pool.submit(masks)
