@@ -11,9 +11,9 @@ too much on text that does not repeat), in the prompt or the text so far; no sec
 many it proposes adapts per sequence (`Speculation`): one more than were accepted last time, up
 to the server's most; a check that keeps none rests the sequence for 1, 3, 7, 15, 31, then
 REST_MOST steps in a row of misses (one kept token ends the rests), so text that does not
-repeat costs an extra row about once in REST_MOST + 1 steps, not every step; a lookup that
-matches nothing counts as a miss too, so a long text is not searched every step (the default
-on the CPU engine, measured to cost at most 3% there: docs/benchmarks.md).
+repeat costs an extra row about once in REST_MOST + 1 steps, not every step (the default on
+the CPU engine, measured to cost at most 3% there: docs/benchmarks.md). A lookup that matches
+nothing does not rest it: a reply that starts to copy its prompt is caught at once.
 `DraftProposer`: a smaller model with the same tokenizer guesses greedily, run by an engine
 of its own (its own KV cache; prefix caching finds each sequence's earlier
 tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one
@@ -76,8 +76,7 @@ class Speculation:
         self.proposed = ()
 
     def missed(self) -> None:
-        """Its guesses kept nothing, or it had none (no n-gram matched: a lookup over the whole
-        text saved): one more miss in a row, and its rest for them."""
+        """Its guesses kept nothing: one more miss in a row, and its rest for them."""
         self.misses += 1
         self.rest = min(REST_MOST, (1 << min(self.misses, 6)) - 1)
 

@@ -99,5 +99,3 @@ class Speculator:
         for seq, (rid, _, _) in asks:
             if seq.speculation is not None:
                 seq.speculation.proposed = got.get(rid, ())
-                if not seq.speculation.proposed:  # nothing matched: it rests as after a miss
-                    seq.speculation.missed()
