@@ -94,7 +94,8 @@ def test_the_choice_is_reported_and_needs_amx(limbs):
     """The library's automatic choice: AMX exactly where this CPU can run it (kernel_isa says
     "+amx"), and batches from the row threshold on take it with the vpdpbusd path's bits."""
     lib = limbs.lib
-    assert int(lib.ps_limb_tile_rows()) == 10
+    # the K-quants' passes (one join a super-block) pay from 8 rows, the blocks of 32's from 10
+    assert [int(lib.ps_limb_tile_rows(f)) for f in range(8)] == [10, 10, 10, 10, 10, 8, 8, 8]
     if os.environ.get("PROBSERVE_LIMB_TILES") in (None, "", "auto"):
         assert int(lib.ps_limb_tiles()) == (AMX if _has_amx(limbs) else VNNI)
     assert isa_path(lib, limbs=True).endswith("+amx") == (int(lib.ps_limb_tiles()) == AMX)

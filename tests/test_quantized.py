@@ -180,13 +180,15 @@ def _offsets(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 
 def _limb_bound(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
-    """limbs.cpp's error bound: each x off by at most 2^-31 of its block's largest |x| (times
-    |w|), the float64 roundings (at most 2^-51 of sum |x| (|s u| + |o|) a block of 32), and for
-    the formats with an o the weights' own rounding (s u + o is exact in the limbs, rounded once
-    in gguf's float32 copy); the result's float32 rounding is the caller's."""
+    """limbs.cpp's error bound: each x off by at most 2^-31 of its span's largest |x| (times
+    |w|; a span is a block of 32 k's, a K-quant's super-block of 256: limbs_super.h), the
+    float64 roundings (at most 2^-51 of sum |x| (|s u| + |o|) a block of 32), and for the formats
+    with an o the weights' own rounding (s u + o is exact in the limbs, rounded once in gguf's
+    float32 copy); the result's float32 rounding is the caller's."""
     k = x.shape[1]
     weight = dequantized(raw, qtype).double()
-    top = x.double().abs().reshape(x.shape[0], k // 32, 32).amax(-1).repeat_interleave(32, -1)
+    span = gguf.GGML_QUANT_SIZES[qtype][0]  # 32, or the K-quants' 256
+    top = x.double().abs().reshape(x.shape[0], k // span, span).amax(-1).repeat_interleave(span, -1)
     w = weight.abs()
     magnitude = F.linear(x.double().abs(), w)
     parts = magnitude
@@ -215,7 +217,7 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
     unpacked = 4 if qtype in (Q.Q4_K, Q.Q5_K) else 0
     assert packed.data.numel() == -(-n // 32) * 32 * (k // qk) * (size + unpacked)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
-    x[3, :32] *= 1e-30  # a block of tiny values: its own exponent
+    x[3, :32] *= 1e-30  # a block of tiny values: its own exponent (a K-quant's: its span's)
     x[5, :] = 0.0
     full = limbs.qlinear(x, packed)
     reference = F.linear(x.double(), weight.double())

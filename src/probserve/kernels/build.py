@@ -46,6 +46,7 @@ HEADERS = (
     HERE / "probserve.h",
     HERE / "limbs_avx2.h",
     HERE / "limbs_amx.h",
+    HERE / "limbs_super.h",
     HERE / "tiles.h",
 )
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend

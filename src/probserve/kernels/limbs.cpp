@@ -129,42 +129,54 @@ inline int block_exponent(float top) {
 
 #ifdef PS_LIMBS_ZMM
 
-// row m's limbs; a block with a non-finite x gets scale NaN (its outputs NaN)
-void row_limbs(const float* x, int64_t m, RowLimbs& r) {
-    const int64_t K = r.K;
+// row m's limbs, the k's in spans of `span` (32, or a K-quant's 256) sharing one exponent: the
+// least that keeps the span's largest |x| within XMAX; a span with a non-finite x gets scale NaN
+// (its outputs NaN). scale, sum and sum16 stay per block of 32 (a span's blocks share a scale)
+void row_limbs(const float* x, int64_t m, RowLimbs& r, int64_t span) {
+    const int64_t K = r.K, per = span / 32;
     const __m512i c128 = _mm512_set1_epi32(128), m255 = _mm512_set1_epi32(255);
-    for (int64_t b = 0; b < r.nb; ++b) {
-        const float* xb = x + m * K + b * 32;
-        const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const int64_t at = m * r.nb + b;
-        const bool nan = _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+    for (int64_t b0 = 0; b0 < r.nb; b0 += per) {
+        float top = 0.0f;
+        bool nan = false;
+        for (int64_t b = b0; b < b0 + per; ++b) {
+            const float* xb = x + m * K + b * 32;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            top = std::max(top, _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))));
+            nan = nan || _mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) || _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q);
+        }
         const bool finite = !nan && std::isfinite(top);  // (max drops a NaN: asked apart)
         const int e = finite && top > 0.0f ? block_exponent(top) : 0;
-        r.scale[at] = finite ? std::ldexp(1.0, e) : std::numeric_limits<double>::quiet_NaN();
+        const double scale = finite ? std::ldexp(1.0, e) : std::numeric_limits<double>::quiet_NaN();
         const __m512d inv = _mm512_set1_pd(finite ? std::ldexp(1.0, -e) : 0.0);
-        for (int h = 0; h < 2; ++h) {
-            const __m512 v = h ? v1 : v0;
-            // x 2^-e is exact in a double; the conversion rounds to nearest (even)
-            const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
-            const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(
-                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), inv));
-            const __m512i X = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            const __m512i a0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c128), m255), c128);
-            const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, a0), 8);
-            const __m512i a1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, c128), m255), c128);
-            const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, a1), 8);
-            const __m512i a2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X2, c128), m255), c128);
-            const __m512i a3 = _mm512_srai_epi32(_mm512_sub_epi32(X2, a2), 8);
-            const int64_t k = m * K + b * 32 + 16 * h;
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[0].data() + k), _mm512_cvtepi32_epi8(a0));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[1].data() + k), _mm512_cvtepi32_epi8(a1));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[2].data() + k), _mm512_cvtepi32_epi8(a2));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[3].data() + k), _mm512_cvtepi32_epi8(a3));
-            // integers below 2^35: exact
-            r.sum16[2 * at + h] = _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtepi32_pd(lo), _mm512_cvtepi32_pd(hi)));
+        for (int64_t b = b0; b < b0 + per; ++b) {
+            const float* xb = x + m * K + b * 32;
+            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+            const int64_t at = m * r.nb + b;
+            r.scale[at] = scale;
+            for (int h = 0; h < 2; ++h) {
+                const __m512 v = h ? v1 : v0;
+                // x 2^-e is exact in a double; the conversion rounds to nearest (even)
+                const __m256i lo = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
+                const __m256i hi = _mm512_cvtpd_epi32(_mm512_mul_pd(
+                    _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))), inv));
+                const __m512i X = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                const __m512i a0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c128), m255), c128);
+                const __m512i X1 = _mm512_srai_epi32(_mm512_sub_epi32(X, a0), 8);
+                const __m512i a1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X1, c128), m255), c128);
+                const __m512i X2 = _mm512_srai_epi32(_mm512_sub_epi32(X1, a1), 8);
+                const __m512i a2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X2, c128), m255), c128);
+                const __m512i a3 = _mm512_srai_epi32(_mm512_sub_epi32(X2, a2), 8);
+                const int64_t k = m * K + b * 32 + 16 * h;
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[0].data() + k), _mm512_cvtepi32_epi8(a0));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[1].data() + k), _mm512_cvtepi32_epi8(a1));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[2].data() + k), _mm512_cvtepi32_epi8(a2));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l[3].data() + k), _mm512_cvtepi32_epi8(a3));
+                // integers below 2^35: exact
+                r.sum16[2 * at + h] =
+                    _mm512_reduce_add_pd(_mm512_add_pd(_mm512_cvtepi32_pd(lo), _mm512_cvtepi32_pd(hi)));
+            }
+            r.sum[at] = r.sum16[2 * at] + r.sum16[2 * at + 1];
         }
-        r.sum[at] = r.sum16[2 * at] + r.sum16[2 * at + 1];
     }
 }
 
@@ -226,43 +238,23 @@ inline void i32_pd(__m512i v, __m512d& lo, __m512d& hi) {
     hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
 }
 
-// a half's (16 columns, h) scales of one sub-block: s[g] and o[g] of each group g, columns 0..7
-// in [0], 8..15 in [1] (exact: float16 times a 6- or 8-bit integer)
+// a half's (16 columns, h) scales of one block of 32 (the K-quants: limbs_super.h): s[0] and
+// o[0], columns 0..7 in [0], 8..15 in [1] (exact: float16s)
 template <int F>
-inline void half_scales(const uint8_t* blk, const uint8_t* sb, int64_t h, __m512d (*s)[2], __m512d (*o)[2]) {
+inline void half_scales(const uint8_t* blk, int64_t h, __m512d (*s)[2], __m512d (*o)[2]) {
     using L = LimbLayout<F>;
+    static_assert(!L::kquant, "the K-quants' scales: limbs_super.h");
     const __m256i* h16 = reinterpret_cast<const __m256i*>(blk);
     const __m256i dh = _mm256_loadu_si256(h16 + h);
-    const __m512d d0 = half_pd<0>(dh), d1 = half_pd<1>(dh);
+    s[0][0] = half_pd<0>(dh);
+    s[0][1] = half_pd<1>(dh);
     o[0][0] = o[0][1] = _mm512_setzero_pd();
-    if constexpr (L::kquant) {
-        const __m128i* sc = reinterpret_cast<const __m128i*>(sb);  // [row of 32][half]
-        for (int g = 0; g < L::groups; ++g) {
-            const __m128i bytes = _mm_loadu_si128(sc + 2 * g + h);
-            __m512d lo, hi;
-            i32_pd(F == L6_K ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes), lo, hi);
-            s[g][0] = _mm512_mul_pd(d0, lo);
-            s[g][1] = _mm512_mul_pd(d1, hi);
-        }
-        if constexpr (L::kmin) {
-            const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
-            __m512d lo, hi;
-            i32_pd(_mm512_cvtepu8_epi32(_mm_loadu_si128(sc + 2 + h)), lo, hi);
-            const __m512d neg = _mm512_set1_pd(-1.0);
-            o[0][0] = _mm512_mul_pd(_mm512_mul_pd(half_pd<0>(mh), lo), neg);
-            o[0][1] = _mm512_mul_pd(_mm512_mul_pd(half_pd<1>(mh), hi), neg);
-        }
-    } else {
-        s[0][0] = d0;
-        s[0][1] = d1;
-        if constexpr (L::plus_m) {
-            const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
-            o[0][0] = half_pd<0>(mh);
-            o[0][1] = half_pd<1>(mh);
-        }
+    if constexpr (L::plus_m) {
+        const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
+        o[0][0] = half_pd<0>(mh);
+        o[0][1] = half_pd<1>(mh);
     }
 }
-
 
 // one group's four limb sums (int32, 16 columns) into the row's y: limbs 0 and 1, 2 and 3 joined
 // in int32 (below 2^29), then T in a double, scaled by the group's scales s and offsets o (the
@@ -307,7 +299,8 @@ template <int F, int MR, int HS>
 void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0, const float* bias,
                 float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
-    constexpr int G = L::groups, CG = 8 / G;  // chunks a group
+    static_assert(!L::kquant, "the K-quants: limb_micro_k");
+    constexpr int G = L::groups, CG = 8 / G;  // chunks a group (G = 1)
     constexpr int64_t stride = L::block / L::subs;  // bytes a sub-block, heads spread
     const int64_t K = R.K, nb = R.nb;
     __m512d y[MR][HS][2];
@@ -325,7 +318,7 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
             for (int h = 0; h < HS; ++h) {
                 const int64_t hh = h0 + h;
                 __m512d s[G][2], o[G][2];
-                half_scales<F>(blk, sb, hh, s, o);
+                half_scales<F>(blk, hh, s, o);
                 __m512i w[8];
                 half_quants<F>(sb + L::scale_bytes + hh * L::chunks * 64, w);
 #pragma GCC unroll 4
@@ -346,8 +339,7 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
 #pragma GCC unroll 4
                             for (int i = 0; i < LIMBS; ++i)
                                 a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
-                        const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
-                        add_group<F>(a, S, s[g], o[g], e, y[r][h]);
+                        add_group<F>(a, R.sum[at], s[g], o[g], e, y[r][h]);
                     }
                 }
             }
@@ -366,18 +358,30 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
         }
 }
 
+#include "limbs_super.h"
+
 // rows 0..M-1 of the limbs times one panel: a few rows at a time, each half in turn (the rows'
 // limbs then come from the cache for the second half: the activations are read once a panel, as
 // the float path's); one row both halves a pass (independent sums in flight)
 template <int F>
 void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float* b, float* o, int64_t N,
                 int64_t ncols) {
+    constexpr bool kquant = LimbLayout<F>::kquant;  // limbs_super.h's one join a super-block
     int64_t m0 = 0;
     for (; m0 + LMR <= M; m0 += LMR)
-        for (int64_t h = 0; h < 2; ++h) limb_micro<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);
+        for (int64_t h = 0; h < 2; ++h) {
+            if constexpr (kquant) limb_micro_k<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);
+            else limb_micro<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);
+        }
     for (; m0 + 2 <= M; m0 += 2)
-        for (int64_t h = 0; h < 2; ++h) limb_micro<F, 2, 1>(R, m0, panel, h, b, o, N, ncols);
-    for (; m0 < M; ++m0) limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
+        for (int64_t h = 0; h < 2; ++h) {
+            if constexpr (kquant) limb_micro_k<F, 2, 1>(R, m0, panel, h, b, o, N, ncols);
+            else limb_micro<F, 2, 1>(R, m0, panel, h, b, o, N, ncols);
+        }
+    for (; m0 < M; ++m0) {
+        if constexpr (kquant) limb_micro_k<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
+        else limb_micro<F, 1, 2>(R, m0, panel, 0, b, o, N, ncols);
+    }
 }
 
 #include "limbs_amx.h"
@@ -401,12 +405,12 @@ void limb_linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, in
         std::unique_ptr<RowLimbs> own(few ? new RowLimbs(M, K) : nullptr);
         RowLimbs* shared = own.get();
         if (few) {
-            for (int64_t m = 0; m < M; ++m) row_limbs(x, m, *shared);
+            for (int64_t m = 0; m < M; ++m) row_limbs(x, m, *shared, L::QK);
         } else {
 #pragma omp single copyprivate(shared)
             shared = new RowLimbs(M, K);
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; ++m) row_limbs(x, m, *shared);
+            for (int64_t m = 0; m < M; ++m) row_limbs(x, m, *shared, L::QK);
         }
         const RowLimbs& R = *shared;
 #pragma omp for schedule(static)
@@ -473,8 +477,9 @@ enum LimbTiles : int { TILES_NONE = 0, TILES_AMX = 1, TILES_EMULATED = 2 };
 
 // the fewest rows worth a tile pass (16 rows, padded with zero rows): a pass costs about as much
 // for any number of rows up to 16, and below this many the vpdpbusd path is as fast (measured on
-// an Intel Xeon with AMX, docs/benchmarks.md); either path gives the same bits
-constexpr int64_t TILE_ROWS = 10;
+// an Intel Xeon with AMX, bench/limb_tiles.py: the K-quants' passes from 8 rows, the blocks of
+// 32's from 10); either path gives the same bits
+inline int64_t tile_rows(int fmt) { return fmt == L4_K || fmt == L5_K || fmt == L6_K ? 8 : 10; }
 constexpr int64_t TILE_PASS = 16;  // rows a tile pass (limbs_amx.h's TROWS)
 
 // the tiles the automatic choice (ps_limb_linear) takes for many rows, asked once a process:
@@ -515,12 +520,13 @@ inline auto by_format(int fmt, Fn&& fn, None&& none) {
 
 extern "C" {
 
-// the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows()
-// rows or more (Q6_K: whole passes only): 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
+// the tiles ps_limb_linear takes for passes of 16 rows, and for a rest of ps_limb_tile_rows(fmt)
+// rows or more: 0 none (vpdpbusd, or the AVX2 path, for every row count), 1 AMX, 2 AMX's
 // emulation
 int ps_limb_tiles() { return chosen_tiles(); }
 
-int64_t ps_limb_tile_rows() { return TILE_ROWS; }
+// the fewest rows of a rest that ps_limb_linear takes to the tiles, for format `fmt`
+int64_t ps_limb_tile_rows(int fmt) { return tile_rows(fmt); }
 
 // the limbs' instruction path this build took: 512 (AVX-512 VNNI: vpdpbusd on 16 columns' lanes),
 // 256 (AVX2: vpmaddubsw + vpmaddwd), 0 (none)
@@ -577,14 +583,11 @@ int ps_limb_linear_on(int tiles, int fmt, const float* x, int64_t M, int64_t K, 
 // out[M, N] = x[M, K] . w^T + bias, w in the limb layout of format `fmt` (ps_limb_block_bytes);
 // bias padded with zeros to a multiple of 32 columns (a panel's: InvariantKernels.qpack's), or
 // null. On the tiles ps_limb_tiles() names: the rows in whole passes of 16, and the rest too
-// where they are TILE_ROWS or more; the other rows on vpdpbusd: the same bits either way. Q6_K
-// only in whole passes: its groups of 16 k's take two tile passes a sub-block, 1.13x vpdpbusd at
-// 16 rows (with its quants signed: limbs_amx.h), slower below (docs/benchmarks.md)
+// where they are tile_rows(fmt) or more; the other rows on vpdpbusd: the same bits either way
 void ps_limb_linear(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                     const float* bias, float* out) {
     const int tiles = chosen_tiles();
-    const int64_t rest = fmt == L6_K ? TILE_PASS : TILE_ROWS;  // the fewest rows of a rest on the tiles
-    const int64_t whole = M % TILE_PASS >= rest ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
+    const int64_t whole = M % TILE_PASS >= tile_rows(fmt) ? M : M / TILE_PASS * TILE_PASS;  // on the tiles
     if (tiles == TILES_NONE || whole == 0) {
         ps_limb_linear_on(TILES_NONE, fmt, x, M, K, packed, N, bias, out);
         return;

@@ -11,37 +11,41 @@
 // there its outputs, are those of the AVX-512 path's arithmetic (the same bits, tests check).
 // A pass is one row and 8 columns (a quarter of a panel: 16 ymm registers), over all of K.
 
-// row m's limbs (scalar: O(K), beside the O(N K) product); nearbyint rounds to nearest even, as
-// the AVX-512 path's conversion
-void row_limbs(const float* x, int64_t m, RowLimbs& r) {
-    const int64_t K = r.K;
-    for (int64_t b = 0; b < r.nb; ++b) {
-        const float* xb = x + m * K + b * 32;
+// row m's limbs (scalar: O(K), beside the O(N K) product), the k's in spans of `span` sharing
+// one exponent (the AVX-512 path's row_limbs); nearbyint rounds to nearest even, as the AVX-512
+// path's conversion
+void row_limbs(const float* x, int64_t m, RowLimbs& r, int64_t span) {
+    const int64_t K = r.K, per = span / 32;
+    for (int64_t b0 = 0; b0 < r.nb; b0 += per) {
         float top = 0.0f;
         bool finite = true;
-        for (int k = 0; k < 32; ++k) {
-            finite = finite && std::isfinite(xb[k]);
-            top = std::max(top, std::fabs(xb[k]));
+        for (int64_t k = 0; k < span; ++k) {
+            const float v = x[m * K + b0 * 32 + k];
+            finite = finite && std::isfinite(v);
+            top = std::max(top, std::fabs(v));
         }
-        const int64_t at = m * r.nb + b;
         const int e = finite && top > 0.0f ? block_exponent(top) : 0;
-        r.scale[at] = finite ? std::ldexp(1.0, e) : std::numeric_limits<double>::quiet_NaN();
         const double inv = finite ? std::ldexp(1.0, -e) : 0.0;
-        double half[2] = {0.0, 0.0};
-        for (int k = 0; k < 32; ++k) {
-            const double v = finite ? static_cast<double>(xb[k]) * inv : 0.0;  // (NaN: no int)
-            const int32_t X = static_cast<int32_t>(std::nearbyint(v));
-            int32_t rest = X;
-            for (int i = 0; i < LIMBS; ++i) {
-                const int32_t a = i == LIMBS - 1 ? rest : ((rest + 128) & 255) - 128;
-                r.l[i][m * K + b * 32 + k] = static_cast<int8_t>(a);
-                rest = (rest - a) >> 8;
+        for (int64_t b = b0; b < b0 + per; ++b) {
+            const float* xb = x + m * K + b * 32;
+            const int64_t at = m * r.nb + b;
+            r.scale[at] = finite ? std::ldexp(1.0, e) : std::numeric_limits<double>::quiet_NaN();
+            double half[2] = {0.0, 0.0};
+            for (int k = 0; k < 32; ++k) {
+                const double v = finite ? static_cast<double>(xb[k]) * inv : 0.0;  // (NaN: no int)
+                const int32_t X = static_cast<int32_t>(std::nearbyint(v));
+                int32_t rest = X;
+                for (int i = 0; i < LIMBS; ++i) {
+                    const int32_t a = i == LIMBS - 1 ? rest : ((rest + 128) & 255) - 128;
+                    r.l[i][m * K + b * 32 + k] = static_cast<int8_t>(a);
+                    rest = (rest - a) >> 8;
+                }
+                half[k / 16] += static_cast<double>(X);
             }
-            half[k / 16] += static_cast<double>(X);
+            r.sum16[2 * at] = half[0];
+            r.sum16[2 * at + 1] = half[1];
+            r.sum[at] = half[0] + half[1];
         }
-        r.sum16[2 * at] = half[0];
-        r.sum16[2 * at + 1] = half[1];
-        r.sum[at] = half[0] + half[1];
     }
 }
 
@@ -132,40 +136,20 @@ template <int F>
 void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, const float* bias, float* out,
                   int64_t ncols) {
     using L = LimbLayout<F>;
-    constexpr int G = L::groups, CG = 8 / G;
+    static_assert(!L::kquant, "the K-quants: limb_quarter_k");
+    constexpr int G = L::groups, CG = 8 / G;  // (G = 1)
     const int64_t K = R.K, nb = R.nb, h = q / 2;
     __m256d y0 = _mm256_setzero_pd(), y1 = _mm256_setzero_pd();
     for (int64_t b = 0; b < K / L::QK; ++b) {
         const uint8_t* blk = panel + b * L::block;
         const uint16_t* h16 = reinterpret_cast<const uint16_t*>(blk);
-        __m256d d0, d1, n0 = _mm256_setzero_pd(), n1 = _mm256_setzero_pd();
+        __m256d d0, d1, o0 = _mm256_setzero_pd(), o1 = _mm256_setzero_pd();
         f16_pd(h16 + 8 * q, d0, d1);
-        if constexpr (L::plus_m || L::kmin) f16_pd(h16 + LP + 8 * q, n0, n1);  // m or dmin
+        if constexpr (L::plus_m) f16_pd(h16 + LP + 8 * q, o0, o1);  // o: m
+        const __m256d s[G][2] = {{d0, d1}};
         for (int64_t j = 0; j < L::subs; ++j) {
             const uint8_t* sb = blk + L::head + j * L::sub;
             const int64_t kb = b * L::subs + j, at = m * nb + kb;
-            __m256d s[G][2], o0 = n0, o1 = n1;  // o: m, or -(dmin mn)
-            for (int g = 0; g < G; ++g) {
-                s[g][0] = d0;
-                s[g][1] = d1;
-            }
-            if constexpr (L::kquant) {
-                for (int g = 0; g < G; ++g) {
-                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + g * LP + 8 * q));
-                    __m256d lo, hi;
-                    i32_pd8(F == L6_K ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes), lo, hi);
-                    s[g][0] = _mm256_mul_pd(d0, lo);
-                    s[g][1] = _mm256_mul_pd(d1, hi);
-                }
-                if constexpr (L::kmin) {
-                    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + LP + 8 * q));
-                    __m256d lo, hi;
-                    i32_pd8(_mm256_cvtepu8_epi32(bytes), lo, hi);
-                    const __m256d neg = _mm256_set1_pd(-1.0);
-                    o0 = _mm256_mul_pd(_mm256_mul_pd(n0, lo), neg);
-                    o1 = _mm256_mul_pd(_mm256_mul_pd(n1, hi), neg);
-                }
-            }
             __m256i w[8];
             quarter_quants<F>(sb + L::scale_bytes + h * L::chunks * 64 + (q % 2) * 32, w);
             const __m256d e = _mm256_set1_pd(R.scale[at]);
@@ -181,7 +165,7 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
                 i32_pd8(a23, l23, h23);
                 const __m256d big = _mm256_set1_pd(65536.0);
                 const __m256d t0 = _mm256_fmadd_pd(l23, big, l01), t1 = _mm256_fmadd_pd(h23, big, h01);
-                const double S = G == 1 ? R.sum[at] : R.sum16[2 * at + g];
+                const double S = R.sum[at];
                 __m256d u0, u1;
                 if constexpr (L::offset != 0) {
                     const __m256d os = _mm256_set1_pd(S * L::offset);
@@ -207,10 +191,91 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
     for (int64_t i = 0; i < n; ++i) out[c0 + i] = tmp[i];
 }
 
+// row m of the limbs times quarter q (8 columns) of a K-quant's panel: limbs_super.h's join, one
+// a super-block, operation for operation (the limbs' int32 sums times each group's sc, T joined
+// exactly in float64, then dmin Mn, d T - q fused, y + u 2^e), so the AVX-512 path's bits
+template <int F>
+void limb_quarter_k(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, const float* bias, float* out,
+                    int64_t ncols) {
+    using L = LimbLayout<F>;
+    constexpr int G = L::groups, CG = 8 / G;
+    const int64_t K = R.K, h = q / 2;
+    const __m256d base = _mm256_set1_pd(256.0);
+    __m256d y0 = _mm256_setzero_pd(), y1 = _mm256_setzero_pd();
+    for (int64_t b = 0; b < K / L::QK; ++b) {
+        const uint8_t* blk = panel + b * L::block;
+        const uint16_t* h16 = reinterpret_cast<const uint16_t*>(blk);
+        __m256i acc[LIMBS];
+        for (int i = 0; i < LIMBS; ++i) acc[i] = _mm256_setzero_si256();
+        for (int64_t j = 0; j < L::subs; ++j) {
+            const uint8_t* sb = blk + L::head + j * L::sub;
+            const int64_t kb = b * L::subs + j;
+            __m256i w[8];
+            quarter_quants<F>(sb + L::scale_bytes + h * L::chunks * 64 + (q % 2) * 32, w);
+            const int32_t* p[LIMBS];
+            for (int i = 0; i < LIMBS; ++i) p[i] = reinterpret_cast<const int32_t*>(R.l[i].data() + m * K + kb * 32);
+            for (int g = 0; g < G; ++g) {
+                const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + g * LP + 8 * q));
+                const __m256i sc = F == L6_K ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+                for (int i = 0; i < LIMBS; ++i)
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_mullo_epi32(limb_dot<F>(w, p[i], g * CG, (g + 1) * CG), sc));
+            }
+        }
+        __m256d T0, T1;  // sum acc[i] 256^i, exact
+        i32_pd8(acc[LIMBS - 1], T0, T1);
+        for (int i = LIMBS - 2; i >= 0; --i) {
+            __m256d lo, hi;
+            i32_pd8(acc[i], lo, hi);
+            T0 = _mm256_fmadd_pd(T0, base, lo);
+            T1 = _mm256_fmadd_pd(T1, base, hi);
+        }
+        const int64_t at = m * R.nb + b * L::subs;
+        __m256d d0, d1, u0, u1;
+        f16_pd(h16 + 8 * q, d0, d1);
+        // Q4_K, Q5_K: sum_j mn_j S_j; Q6_K: sum_g sc_g S_g (its offset's); exact
+        __m256d n0 = _mm256_setzero_pd(), n1 = _mm256_setzero_pd();
+        for (int64_t j = 0; j < L::subs; ++j) {
+            const uint8_t* sb = blk + L::head + j * L::sub;
+            for (int g = 0; g < (L::kmin ? 1 : G); ++g) {
+                const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + (L::kmin ? LP : g * LP) + 8 * q));
+                __m256d lo, hi;
+                i32_pd8(L::kmin ? _mm256_cvtepu8_epi32(bytes) : _mm256_cvtepi8_epi32(bytes), lo, hi);
+                const __m256d S = _mm256_set1_pd(L::kmin ? R.sum[at + j] : R.sum16[2 * at + j * G + g]);
+                n0 = _mm256_fmadd_pd(S, lo, n0);
+                n1 = _mm256_fmadd_pd(S, hi, n1);
+            }
+        }
+        if constexpr (L::kmin) {
+            __m256d dm0, dm1;
+            f16_pd(h16 + LP + 8 * q, dm0, dm1);
+            u0 = _mm256_fmsub_pd(d0, T0, _mm256_mul_pd(dm0, n0));
+            u1 = _mm256_fmsub_pd(d1, T1, _mm256_mul_pd(dm1, n1));
+        } else {
+            const __m256d off = _mm256_set1_pd(L::offset);
+            u0 = _mm256_mul_pd(d0, _mm256_fmadd_pd(off, n0, T0));
+            u1 = _mm256_mul_pd(d1, _mm256_fmadd_pd(off, n1, T1));
+        }
+        const __m256d e = _mm256_set1_pd(R.scale[at]);
+        y0 = _mm256_fmadd_pd(u0, e, y0);
+        y1 = _mm256_fmadd_pd(u1, e, y1);
+    }
+    const int64_t c0 = 8 * q;
+    if (c0 >= ncols) return;
+    __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(y1), _mm256_cvtpd_ps(y0));
+    alignas(32) float tmp[8];
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c0));
+    _mm256_store_ps(tmp, v);
+    const int64_t n = std::min<int64_t>(8, ncols - c0);
+    for (int64_t i = 0; i < n; ++i) out[c0 + i] = tmp[i];
+}
+
 // rows 0..M-1 of the limbs times one panel, a row and a quarter at a time
 template <int F>
 void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float* b, float* o, int64_t N,
                 int64_t ncols) {
     for (int64_t m = 0; m < M; ++m)
-        for (int q = 0; q < 4; ++q) limb_quarter<F>(R, m, panel, q, b, o + m * N, ncols);
+        for (int q = 0; q < 4; ++q) {
+            if constexpr (LimbLayout<F>::kquant) limb_quarter_k<F>(R, m, panel, q, b, o + m * N, ncols);
+            else limb_quarter<F>(R, m, panel, q, b, o + m * N, ncols);
+        }
 }
