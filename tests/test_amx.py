@@ -175,8 +175,11 @@ def test_auto_resolves_per_isa_as_the_table_says():
         assert auto_limbs(isa, every) == want, isa
         assert chosen_limbs("auto", isa, every, [*every, "MXFP4"]) == want
     assert auto_limbs("avx2", every) == frozenset()  # float wins everywhere there
-    on_amx = auto_limbs("amx", every)
-    assert {"Q4_0", "Q8_0", "Q4_K"} <= on_amx and "Q6_K" not in on_amx
+    # the K-quants' one join a super-block wins on the tiles (Q6_K too); on VNNI alone Q6_K's
+    # 16 rows did not pay (measured before it)
+    assert {"Q4_0", "Q8_0", "Q4_K", "Q6_K"} <= auto_limbs("amx", every)
+    on_vnni = auto_limbs("avx512-vnni", every)
+    assert "Q4_K" in on_vnni and "Q6_K" not in on_vnni
     assert auto_limbs(None, every) == frozenset()
     assert chosen_limbs("limbs", "avx2", every, ["Q4_K", "Q6_K", "MXFP4"]) == {"Q4_K", "Q6_K"}
     assert chosen_limbs("float", "amx", every, every) == frozenset()
@@ -193,18 +196,19 @@ def test_describe_says_each_formats_choice_where_they_split():
 
 def test_auto_splits_a_model_by_format_and_stays_batch_invariant(request, limbs, monkeypatch):
     """The K-quant mix (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) served with --products auto on a simulated
-    AMX CPU: /health and the fingerprint say each format's choice (Q4_K in limbs, Q6_K float),
+    AVX-512 VNNI CPU: /health and the fingerprint say each format's choice (Q4_K in limbs, Q6_K
+    float),
     the numbers differ from both uniform choices', and a request among others (the batch's
     rows taking the tiles or vpdpbusd by count) is the same bits as alone."""
     from probserve.engine.core import products
 
     blocks, _, _ = request.getfixturevalue("kmix")  # test_quantized's
-    monkeypatch.setattr(products, "limb_isa", lambda lib: "amx")
+    monkeypatch.setattr(products, "limb_isa", lambda lib: "avx512-vnni")
     config = EngineConfig(kv_cache_gib=0.05, block_size=4, products="auto")
     core = EngineCore(blocks, config)
     said = dict(part.split("=") for part in core.info.products.split(","))
     assert said["Q4_K"] == "limbs" and said["Q6_K"] == "float", said
-    want = products.auto_limbs("amx", said)
+    want = products.auto_limbs("avx512-vnni", said)
     assert {f for f, v in said.items() if v == "limbs"} == want
     fingerprint = core.info.fingerprint
     assert fingerprint is not None and fingerprint.products == core.info.products

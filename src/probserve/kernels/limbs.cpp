@@ -5,8 +5,9 @@
 // closer to a float64 forward than the float32 path.
 //
 // The float32 path (quantized.cpp) dequantizes each weight and adds x * w with one FMA a weight,
-// K roundings of running sums. Here each row of x is written, one block of 32 k's at a time, as
-// integers sharing one exponent:
+// K roundings of running sums. Here each row of x is written, one block of 32 k's at a time (a
+// K-quant's super-block of 256: the span of limbs_super.h's join), as integers sharing one
+// exponent:
 //   x[k] = X[k] 2^e + r[k],  X[k] = round-to-nearest(x[k] 2^-e),  |X[k]| <= XMAX = 127 * 16843009
 // e the least exponent that keeps the block's largest |x| within XMAX (< 2^31): X holds 31 bits,
 // so every x within 2^6 of the block's largest is exact (r = 0: float32 has 24 bits) and any
@@ -34,10 +35,14 @@
 // (d sc) u - dmin mn once; these products use the exact value. (tests/test_quantized.py checks
 // this bound on every float16 scale, and that the error is below the float32 path's.)
 //
+// That is the arithmetic of the formats in blocks of 32. The K-quants (Q4_K, Q5_K, Q6_K) join
+// once a super-block instead (limbs_super.h: the sub-block scales multiplied in int32, three
+// float64 roundings a super-block; their own bound, the same bits on every path).
+//
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
-// of one stream), not in batched products (docs/benchmarks.md measures both): batches of 10 rows
-// or more go to AMX tiles where the CPU has them (limbs_amx.h: the same sums, the same bits).
+// of one stream), not in batched products (docs/benchmarks.md measures both): batches of 8 or 10
+// rows or more go to AMX tiles where the CPU has them (limbs_amx.h: the same sums, the same bits).
 // On AVX2 (three instructions for 32 byte products) it is slower than the float path at every
 // row count: there it buys accuracy only.
 //

@@ -254,9 +254,11 @@ void tile_panel_k(Tiles& t, KTileScratch& sc, const RowLimbs& R, const TiledLimb
                     const int64_t kw = b * (L::QK / 64) + s;
                     t.template load<T_B>(sc.b0[h] + s * 1024, 64);
                     t.template load<T_A2>(sc.b1[h] + s * 1024, 64);
+                    // limbs 0, 2, 1, 3: a C tile's two products three apart (each waits
+                    // for the one before it: C tile i + 1 takes limb i's and limb i + 1's)
                     limb_tiles_k<0, SIGNED_B1>(t, TL, p, kw);
-                    limb_tiles_k<1, SIGNED_B1>(t, TL, p, kw);
                     limb_tiles_k<2, SIGNED_B1>(t, TL, p, kw);
+                    limb_tiles_k<1, SIGNED_B1>(t, TL, p, kw);
                     limb_tiles_k<3, SIGNED_B1>(t, TL, p, kw);
                 }
                 t.template store<0>(sc.sums[0], 64);

@@ -37,7 +37,8 @@ class Measured:
 # in an ISA's table was not measured there and runs the float path.
 #   amx: Intel Xeon family 6 model 207 (AVX-512 + VNNI + AMX-INT8), 2026-12-06, bench/limb_tiles.py
 #        --shape 2048 2048 --rows 1 16 (one thread's CPU time, alternated rounds; shared machine):
-#        one row on vpdpbusd, 16 rows on the tiles
+#        one row on vpdpbusd, 16 rows on the tiles; the K-quants again after their one join a
+#        super-block (limbs_super.h), --rounds 7
 #   avx512-vnni: AMD EPYC Zen 4 (AVX-512 + VNNI, no AMX), 2026-12-05, bench/kernel_race.py
 #        --shape 5632 2048 --limbs --copies 8 (medians of 5 rounds, 2 threads); Q4_0's batched
 #        figure is at 4 rows (16 rows were not run)
@@ -50,9 +51,9 @@ MEASURED: dict[LimbIsa, dict[str, Measured]] = {
         "Q5_0": Measured(1.77, 1.04),
         "Q5_1": Measured(1.67, 0.94),
         "Q8_0": Measured(1.40, 1.05),
-        "Q4_K": Measured(1.32, 0.97),
-        "Q5_K": Measured(1.61, 0.95),
-        "Q6_K": Measured(1.49, 0.54),
+        "Q4_K": Measured(1.43, 1.38),
+        "Q5_K": Measured(2.11, 1.29),
+        "Q6_K": Measured(1.77, 1.40),
     },
     "avx512-vnni": {
         "Q4_0": Measured(1.60, 0.95),
