@@ -1,7 +1,7 @@
 """The integer limbs on AMX tiles (kernels/limbs_amx.h, tiles.h): on any AVX-512 CPU the AMX
 kernels' code runs through the tiles' exact emulation and must give the vpdpbusd path's bytes for
 every format and row count; on a CPU with AMX-INT8 the instructions must give the emulation's
-bytes; the automatic choice (tiles from ps_limb_tile_rows() rows) is what the library says
+bytes; the automatic choice (tiles from ps_limb_tile_rows(fmt) rows) is what the library says
 (/health's kernel_isa) and what PROBSERVE_LIMB_TILES asks; and `--products auto`
 (engine/core/products.py) resolves per format as its table says on each simulated CPU, with
 batch-invariant bits where a model's formats split between float and limbs."""
@@ -40,15 +40,16 @@ def limbs() -> InvariantKernels:
 def _case(
     limbs: InvariantKernels, qtype: gguf.GGMLQuantizationType, seed: int
 ) -> tuple[QuantizedWeight, torch.Tensor]:
-    """A random weight of 37 columns (a panel and a part of one) with a bias, and 40 rows of x
-    with a block of tiny values, a row of zeros, an outlier and a NaN."""
+    """A random weight of 37 columns (a panel and a part of one; 33 for the K-quants, over two
+    super-blocks) with a bias, and 40 rows of x with a span of tiny values (a block of 32, a
+    K-quant's super-block: its own exponent), a row of zeros, an outlier and a NaN."""
     qk = gguf.GGML_QUANT_SIZES[qtype][0]
-    n, k = SHAPES[qk][0]
+    n, k = SHAPES[qk][0] if qk == 32 else SHAPES[qk][4]
     rng = np.random.default_rng(seed + qtype.value)
     raw = random_blocks(qtype, n, k, rng)
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
-    x[3, :32] *= 1e-30
+    x[3, :qk] *= 1e-30
     x[5, :] = 0.0
     x[17, 7] *= 3e5
     x[22, 40] = float("nan")
@@ -196,8 +197,8 @@ def test_describe_says_each_formats_choice_where_they_split():
 
 def test_auto_splits_a_model_by_format_and_stays_batch_invariant(request, limbs, monkeypatch):
     """The K-quant mix (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) served with --products auto on a simulated
-    AVX-512 VNNI CPU: /health and the fingerprint say each format's choice (Q4_K in limbs, Q6_K
-    float),
+    AVX-512 VNNI CPU: /health and the fingerprint say each format's choice (Q4_K in limbs,
+    Q6_K float),
     the numbers differ from both uniform choices', and a request among others (the batch's
     rows taking the tiles or vpdpbusd by count) is the same bits as alone."""
     from probserve.engine.core import products

@@ -180,7 +180,7 @@ def _offsets(raw: np.ndarray, qtype: Q) -> torch.Tensor:
 
 
 def _limb_bound(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
-    """limbs.cpp's error bound: each x off by at most 2^-31 of its span's largest |x| (times
+    """limbs.cpp's error bound: each x off by less than its span's largest |x| / XMAX (times
     |w|; a span is a block of 32 k's, a K-quant's super-block of 256: limbs_super.h), the
     float64 roundings (at most 2^-51 of sum |x| (|s u| + |o|) a block of 32), and for the formats
     with an o the weights' own rounding (s u + o is exact in the limbs, rounded once in gguf's
@@ -194,7 +194,7 @@ def _limb_bound(x: torch.Tensor, raw: np.ndarray, qtype: Q) -> torch.Tensor:
     parts = magnitude
     if qtype in QUANT_BYTES:  # |s u| + |o| <= |w| + 2 |o|
         parts = F.linear(x.double().abs(), w + 2 * _offsets(raw, qtype).double().abs())
-    bound = F.linear(top, w) * 2.0**-31 + parts * (k // 32) * 2.0**-51
+    bound = F.linear(top, w) / (127 * 16843009) + parts * (k // 32) * 2.0**-51  # top / XMAX
     if qtype in QUANT_BYTES:
         bound += magnitude * 2.0**-24
     return bound
@@ -217,7 +217,8 @@ def test_limb_products_are_within_their_bound_and_row_invariant(limbs, qtype: Q,
     unpacked = 4 if qtype in (Q.Q4_K, Q.Q5_K) else 0
     assert packed.data.numel() == -(-n // 32) * 32 * (k // qk) * (size + unpacked)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
-    x[3, :32] *= 1e-30  # a block of tiny values: its own exponent (a K-quant's: its span's)
+    # a span of tiny values (a block of 32, a K-quant's super-block): its own exponent
+    x[3, :qk] *= 1e-30
     x[5, :] = 0.0
     full = limbs.qlinear(x, packed)
     reference = F.linear(x.double(), weight.double())

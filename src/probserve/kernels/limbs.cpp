@@ -11,7 +11,8 @@
 //   x[k] = X[k] 2^e + r[k],  X[k] = round-to-nearest(x[k] 2^-e),  |X[k]| <= XMAX = 127 * 16843009
 // e the least exponent that keeps the block's largest |x| within XMAX (< 2^31): X holds 31 bits,
 // so every x within 2^6 of the block's largest is exact (r = 0: float32 has 24 bits) and any
-// other is off by at most half of 2^e, 2^-31 of the largest (an outlier channel costs the rest of
+// other is off by at most half of 2^e, below max|x| / XMAX (2^-31 of the largest, times 1.004:
+// 2^e < 2 max|x| / XMAX) (an outlier channel costs the rest of
 // its block nothing a float32 sum would keep). X is split into four signed bytes,
 //   X = a3 * 2^24 + a2 * 2^16 + a1 * 2^8 + a0,  each a in -128..127 (balanced limbs)
 // Every format's weight is w = s (u + offset) or s u + o, u the stored unsigned quant (0..15,
@@ -30,14 +31,15 @@
 // offset formats round twice a group (the product by s, the add to y), the others three times
 // (T * s, its sum with S * o, the add), each at 2^-53 of its operands. y is rounded to float32
 // once, at the end. So the error against the exact product is one float32 rounding of y, plus
-// |sum_k w[k] r[k]| <= 2^-31 sum_b max_b|x| sum_k |w[k]|, plus the float64 roundings (at most
+// |sum_k w[k] r[k]| <= sum_b max_b|x| / XMAX sum_k |w[k]|, plus the float64 roundings (at most
 // 2^-51 of sum_k |x[k]| (|s u| + |o|) a block). gguf's float32 copy rounds the sums d u + m and
 // (d sc) u - dmin mn once; these products use the exact value. (tests/test_quantized.py checks
 // this bound on every float16 scale, and that the error is below the float32 path's.)
 //
-// That is the arithmetic of the formats in blocks of 32. The K-quants (Q4_K, Q5_K, Q6_K) join
-// once a super-block instead (limbs_super.h: the sub-block scales multiplied in int32, three
-// float64 roundings a super-block; their own bound, the same bits on every path).
+// That is the arithmetic of the formats in blocks of 32. The K-quants (Q4_K, Q5_K, Q6_K) never
+// form s and o: they join once a super-block instead (limbs_super.h: the sub-block scales sc and
+// mn multiplied in integers, three float64 roundings a super-block, the exponent the span's; the
+// same bound with the span for the block, the same bits on every path).
 //
 // Four limbs are 16 byte products an instruction, a float32 FMA's 16 lanes: on AVX-512 VNNI this
 // pays where the float path spends more on dequantizing than on its FMAs (one row: a decode step
@@ -373,6 +375,9 @@ void panel_rows(const RowLimbs& R, int64_t M, const uint8_t* panel, const float*
                 int64_t ncols) {
     constexpr bool kquant = LimbLayout<F>::kquant;  // limbs_super.h's one join a super-block
     int64_t m0 = 0;
+    if constexpr (kquant)  // four rows a pass: the K-quants' sums need no float64 registers
+        for (; m0 + 4 <= M; m0 += 4)
+            for (int64_t h = 0; h < 2; ++h) limb_micro_k<F, 4, 1>(R, m0, panel, h, b, o, N, ncols);
     for (; m0 + LMR <= M; m0 += LMR)
         for (int64_t h = 0; h < 2; ++h) {
             if constexpr (kquant) limb_micro_k<F, LMR, 1>(R, m0, panel, h, b, o, N, ncols);

@@ -23,6 +23,7 @@
 
 constexpr int64_t TROWS = 16;               // rows a pass (an A tile's)
 enum : int { T_A0 = 4, T_A1 = 5, T_B = 6, T_A2 = 7 };  // tiles 0..3: the C of limbs 0..3; B; three A's
+// (the K-quants' tile_panel_k: C tiles 0..4 (T_A0 the fifth), the A tile T_A1, b0 in T_B, b1 in T_A2)
 
 // the tiles' shapes for the blocks of 32: A 16 rows of a block's k's, B its chunks, C 16 x 16 int32
 inline TileConfig limb_tiles() {
@@ -159,7 +160,7 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
 }
 
 // The K-quants on tiles (limbs_super.h's join, once a super-block): a group's sc is folded
-// into its quants, B = sc u (Q6_K: sc (u - 32)), at most 13 bits, so each product is split in two
+// into its quants, B = sc u (Q6_K: sc (u - 32)), within -4064..4096, so each product is split in two
 // bytes, B = b0 + 256 b1 (b0 unsigned 0..255, b1 0..7, Q6_K's -16..16 signed): two B planes
 // whose tiles' 16 rows are 64 k's (two sub-blocks: a sub-block no longer needs its own tiles,
 // and the A tiles are whole, 16 rows of 64 limbs). A pass (16 rows, a super-block, 16 columns)

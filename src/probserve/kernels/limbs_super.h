@@ -18,7 +18,7 @@
 //   u = d * T - q            (one fused rounding)
 //   y = y + u * 2^e          (one rounding; the scale by 2^e exact)
 // So a super-block costs three roundings of y's float64 sum where a group of 32 k's cost two or
-// three before (the limbs' error bound is the span's: 2^-31 of the super-block's largest |x|).
+// three before (the limbs' error bound is the span's: max|x| / XMAX of the super-block's).
 
 template <int F>
 struct SuperScales {
