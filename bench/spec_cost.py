@@ -6,6 +6,7 @@ changes no bit), so its guesses mostly miss. Per streams level: each run's secon
 proposed and kept tokens; at one stream also the median step with and without a proposal.
 
     .venv/bin/python bench/spec_cost.py --streams 1 16 32 --runs 3
+    .venv/bin/python bench/spec_cost.py --streams 1 2 4 16 --runs 5 --mode auto   # the default
 
 Run it alone on the machine (docs/benchmarks.md: "Prompt lookup by default").
 """
@@ -65,20 +66,29 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=100)
     ap.add_argument("--output-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--mode",
+        default="ngram",
+        choices=["ngram", "auto"],
+        help="the setting raced against off (auto: prompt lookup while few run)",
+    )
     args = ap.parse_args()
     configure_threads(0)
     loaded = load_model(args.model, "native")
     for streams in args.streams:
         prompts = make_prompts_local(loaded.tokenizer, streams, args.prompt_tokens, seed=0)
-        times: dict[str, list[float]] = {"off": [], "ngram": []}
-        for r in range(args.runs):  # off ngram, then ngram off: neither always first
-            for mode in ("off", "ngram") if r % 2 == 0 else ("ngram", "off"):
+        on = args.mode
+        times: dict[str, list[float]] = {"off": [], on: []}
+        for r in range(args.runs):  # off on, then on off: neither always first
+            for mode in ("off", on) if r % 2 == 0 else (on, "off"):
                 row = run(loaded, prompts, mode, args)
                 times[mode].append(row["seconds"])
                 print(f"{streams} streams, {mode}:", row, flush=True)
-        off, ngram = statistics.mean(times["off"]), statistics.mean(times["ngram"])
-        print(f"{streams} streams: off {off:.3f} s, ngram {ngram:.3f} s (means of {args.runs}): "
-              f"ngram costs {100 * (ngram / off - 1):.1f}%", flush=True)  # fmt: skip
+        off, spec = statistics.mean(times["off"]), statistics.mean(times[on])
+        mid_off, mid_on = statistics.median(times["off"]), statistics.median(times[on])
+        print(f"{streams} streams: off {off:.3f} s, {on} {spec:.3f} s (means of {args.runs}; "
+              f"medians {mid_off:.3f} s, {mid_on:.3f} s): "
+              f"{on} costs {100 * (spec / off - 1):.1f}%", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -117,8 +117,9 @@ class EngineConfig:
         "speculative decoding: ngram proposes the tokens that followed the latest earlier "
         "occurrence of the text's last 2-4 tokens (prompt lookup); draft a smaller model's "
         "greedy guesses (--draft-model, the same tokenizer); off none; auto (the default) ngram "
-        "on the CPU engine for models without a recurrent state (measured there to cost at most "
-        "3 percent on text that does not repeat: docs/benchmarks.md), off on the GPU path and "
+        "on the CPU engine for models without a recurrent state, proposing for requests that did "
+        "not ask only while at most 2 sequences run (from 4 streams it cost more than 3 percent "
+        "on text that does not repeat: docs/benchmarks.md), off on the GPU path and "
         "for hybrid models (not measured); checked in the step as extra rows: every token and "
         "logprob the same bits as without it (paged runner)",
     )

@@ -247,7 +247,7 @@ class EngineCore:
                 prompt_routed=prompt_routed,
             ))  # fmt: skip
         if self.speculator is not None:
-            self.speculator.propose(asks)
+            self.speculator.propose(asks, len(self.scheduler.running))
         return outputs
 
     def _append(

@@ -12,8 +12,9 @@ many it proposes adapts per sequence (`Speculation`): one more than were accepte
 to the server's most; a check that keeps none rests the sequence for 1, 3, 7, 15, 31, then
 REST_MOST steps in a row of misses (one kept token ends the rests), so text that does not
 repeat costs an extra row about once in REST_MOST + 1 steps, not every step (the default on
-the CPU engine, measured to cost at most 3% there: docs/benchmarks.md). A lookup that matches
-nothing does not rest it: a reply that starts to copy its prompt is caught at once.
+the CPU engine while few sequences run: core/speculator.py's AUTO_MOST_RUNNING). A lookup
+that matches nothing does not rest it: a reply that starts to copy its prompt is caught at
+once.
 `DraftProposer`: a smaller model with the same tokenizer guesses greedily, run by an engine
 of its own (its own KV cache; prefix caching finds each sequence's earlier
 tokens there, so a step's guesses cost the new tokens and k draft steps, every sequence's in one

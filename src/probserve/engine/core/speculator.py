@@ -17,12 +17,17 @@ from probserve.engine.stats import SPEC_POSITIONS
 
 FORCED_MOST = SPEC_POSITIONS  # the most tokens a grammar's fast-forward proposes a step
 Ask = tuple[str, list[int], int]  # (request id, its tokens, how many to propose)
+# `--speculative auto`'s prompt lookup proposes for requests that did not ask only while at most
+# this many sequences run: on text that does not repeat it cost 0-2% at 1 and 2 streams and
+# 5-13% at 4 to 32 (bench/spec_cost.py, docs/benchmarks.md), where its checks' rows are no
+# longer nearly free. Proposals change no bit, so the numbers are the same either way.
+AUTO_MOST_RUNNING = 2
 
 
 def default_mode(config: EngineConfig, device: str, hybrid: bool) -> str:
     """Requests' default speculation: `--speculative` as asked, its `auto` resolved: prompt
-    lookup on the CPU engine for a model without a recurrent state (measured there to cost at
-    most 3% on text that does not repeat: docs/benchmarks.md), off on the GPU path (its decode
+    lookup on the CPU engine for a model without a recurrent state (while at most
+    AUTO_MOST_RUNNING sequences run: `Speculator.propose`), off on the GPU path (its decode
     graphs replay only steps without proposals) and for a hybrid model (each verify row keeps a
     recurrent state), where it was not measured."""
     if config.speculative != "auto":
@@ -36,6 +41,8 @@ class Speculator:
         # requests' default (a request may ask, or not): `default_mode`'s
         self.default = default or config.speculative
         self.most = config.speculative_tokens
+        # `auto`'s lookup: proposals for requests that did not ask only while few sequences run
+        self.light = config.speculative == "auto"
         self.drafted = self.accepted = 0  # proposed tokens checked, and kept
         self.per_position = [0] * SPEC_POSITIONS  # kept, by place among a step's
 
@@ -91,8 +98,15 @@ class Speculator:
         # (a grammar's masks ahead stop the check at a proposal it refuses)
         return seq.request_id, seq.token_ids, min(spec.limit, room)
 
-    def propose(self, asks: list[tuple[Sequence, Ask]]) -> None:
-        """The step's proposals, every asking sequence's from one call of the proposer."""
+    def propose(self, asks: list[tuple[Sequence, Ask]], running: int) -> None:
+        """The step's proposals, every asking sequence's from one call of the proposer; with
+        `auto` and more than AUTO_MOST_RUNNING sequences `running`, only those of requests that
+        asked for speculation (`speculative: true`), the others none this step."""
+        if self.light and running > AUTO_MOST_RUNNING:
+            for seq, _ in asks:
+                if seq.request.speculative is None and seq.speculation is not None:
+                    seq.speculation.proposed = ()
+            asks = [(seq, ask) for seq, ask in asks if seq.request.speculative]
         if not asks:
             return
         got = self.proposer.propose_many([ask for _, ask in asks])
