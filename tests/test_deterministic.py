@@ -245,25 +245,31 @@ def test_geglu_and_softcap_kernels_equal_torch_and_are_row_invariant(kernels: In
 
 # ---- whole requests -----------------------------------------------------------------------
 def _bits(outs: list[EngineOutput]) -> list[bytes]:
-    """Every number a request's outputs carry, as raw bytes (NaN and -0.0 included)."""
-    out: list[bytes] = []
+    """Every number a request's outputs carry, as raw bytes (NaN and -0.0 included), each
+    field's joined over the outputs in order: the same whether a step's tokens came one an
+    output or several (speculation proposes, or not, as the load allows: core/speculator.py)."""
+    fields: dict[str, list[bytes]] = {}
 
-    def add(lp: TokenLogprobs | None) -> None:
+    def put(name: str, data: bytes) -> None:
+        fields.setdefault(name, []).append(data)
+
+    def add(prefix: str, lp: TokenLogprobs | None) -> None:
         if lp is None:
-            out.append(b"-")
             return
         for name in ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs",
                      "target_logprobs", "entropy", "full"):  # fmt: skip
             arr = getattr(lp, name, None)
-            out.append(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
-        add(lp.processed) if lp.processed is not None else out.append(b"-")
+            if arr is not None:
+                put(prefix + name, np.ascontiguousarray(arr).tobytes())
+        add(prefix + "processed.", lp.processed)
 
     for o in outs:
-        out.append(np.asarray(o.new_token_ids, np.int64).tobytes())
-        add(o.logprobs)
-        add(o.prompt_logprobs)
-        out.append(str(o.finish_reason).encode())
-    return out
+        put("new_token_ids", np.asarray(o.new_token_ids, np.int64).tobytes())
+        add("logprobs.", o.logprobs)
+        add("prompt.", o.prompt_logprobs)
+        if o.finish_reason is not None:
+            put("finish", str(o.finish_reason).encode())
+    return [name.encode() + b"=" + b"".join(parts) for name, parts in sorted(fields.items())]
 
 
 def _canary(m: LoadedModel, rid: str = "canary", seeded: bool = False) -> EngineRequest:

@@ -263,6 +263,18 @@ inline void half_scales(const uint8_t* blk, int64_t h, __m512d (*s)[2], __m512d 
     }
 }
 
+// the four limbs' exact dot products (a[i], int32, 16 columns) with CG chunks of quants w (the
+// chunks from c0 of a block: p[i][c0 + c] the limb's broadcast word of chunk c0 + c)
+template <int CG>
+inline void group_sums(const __m512i* w, const int32_t* const* p, int c0, __m512i* a) {
+#pragma GCC unroll 4
+    for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < CG; ++c)
+#pragma GCC unroll 4
+        for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c0 + c]));
+}
+
 // one group's four limb sums (int32, 16 columns) into the row's y: limbs 0 and 1, 2 and 3 joined
 // in int32 (below 2^29), then T in a double, scaled by the group's scales s and offsets o (the
 // row's sum S) and the row's block scale e. The vpdpbusd and the tile paths both end here, so
@@ -339,13 +351,7 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
 #pragma GCC unroll 2
                     for (int g = 0; g < G; ++g) {
                         __m512i a[LIMBS];
-#pragma GCC unroll 4
-                        for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                        for (int c = g * CG; c < (g + 1) * CG; ++c)
-#pragma GCC unroll 4
-                            for (int i = 0; i < LIMBS; ++i)
-                                a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
+                        group_sums<CG>(w + g * CG, p, g * CG, a);
                         add_group<F>(a, R.sum[at], s[g], o[g], e, y[r][h]);
                     }
                 }

@@ -105,6 +105,17 @@ inline void i32_pd8(__m256i v, __m256d& lo, __m256d& hi) {
     hi = _mm256_cvtepi32_pd(_mm256_extracti128_si256(v, 1));
 }
 
+// a quarter's y (8 columns from c0) rounded to float32, the bias added, into the row's columns
+inline void store_quarter(__m256d y0, __m256d y1, const float* bias, float* out, int64_t c0, int64_t ncols) {
+    if (c0 >= ncols) return;
+    __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(y1), _mm256_cvtpd_ps(y0));
+    alignas(32) float tmp[8];
+    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c0));
+    _mm256_store_ps(tmp, v);
+    const int64_t n = std::min<int64_t>(8, ncols - c0);
+    for (int64_t i = 0; i < n; ++i) out[c0 + i] = tmp[i];
+}
+
 // the exact dot products of one limb (broadcast words p[c], chunks c0..c1-1) with the quants,
 // int32 per column
 template <int F>
@@ -181,14 +192,7 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
             }
         }
     }
-    const int64_t c0 = 8 * q;
-    if (c0 >= ncols) return;
-    __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(y1), _mm256_cvtpd_ps(y0));
-    alignas(32) float tmp[8];
-    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c0));
-    _mm256_store_ps(tmp, v);
-    const int64_t n = std::min<int64_t>(8, ncols - c0);
-    for (int64_t i = 0; i < n; ++i) out[c0 + i] = tmp[i];
+    store_quarter(y0, y1, bias, out, 8 * q, ncols);
 }
 
 // row m of the limbs times quarter q (8 columns) of a K-quant's panel: limbs_super.h's join, one
@@ -259,14 +263,7 @@ void limb_quarter_k(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, c
         y0 = _mm256_fmadd_pd(u0, e, y0);
         y1 = _mm256_fmadd_pd(u1, e, y1);
     }
-    const int64_t c0 = 8 * q;
-    if (c0 >= ncols) return;
-    __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(y1), _mm256_cvtpd_ps(y0));
-    alignas(32) float tmp[8];
-    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c0));
-    _mm256_store_ps(tmp, v);
-    const int64_t n = std::min<int64_t>(8, ncols - c0);
-    for (int64_t i = 0; i < n; ++i) out[c0 + i] = tmp[i];
+    store_quarter(y0, y1, bias, out, 8 * q, ncols);
 }
 
 // rows 0..M-1 of the limbs times one panel, a row and a quarter at a time

@@ -160,13 +160,7 @@ void limb_micro_k(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h
 #pragma GCC unroll 2
                     for (int g = 0; g < G; ++g) {
                         __m512i a[LIMBS];
-#pragma GCC unroll 4
-                        for (int i = 0; i < LIMBS; ++i) a[i] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                        for (int c = g * CG; c < (g + 1) * CG; ++c)
-#pragma GCC unroll 4
-                            for (int i = 0; i < LIMBS; ++i)
-                                a[i] = _mm512_dpbusd_epi32(a[i], w[c], _mm512_set1_epi32(p[i][c]));
+                        group_sums<CG>(w + g * CG, p, g * CG, a);
 #pragma GCC unroll 4
                         for (int i = 0; i < LIMBS; ++i)
                             acc[r][h][i] = _mm512_add_epi32(acc[r][h][i], _mm512_mullo_epi32(a[i], sc[g]));
