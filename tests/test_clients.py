@@ -207,7 +207,8 @@ def test_continuous_usage_stats_puts_the_tokens_so_far_on_every_chunk(http: http
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     chunks = _stream(http, "/v1/completions", body)
     counts = [c["usage"]["completion_tokens"] for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 4 and len(chunks) >= 5
+    # (a step's accepted proposals come in one chunk: at least a chunk a step and the usage's)
+    assert counts == sorted(counts) and counts[-1] == 4 and len(chunks) >= 2
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
     assert all(c["usage"] is not None for c in _stream(http, "/v1/chat/completions", chat))

@@ -91,7 +91,7 @@ def test_greedy_logprobs_equal_full_forward(any_model: LoadedModel, engine_for, 
 
 def test_sampled_token_logprob_and_rank_exact(smol: LoadedModel, engine_for):
     """Random sampling: each sampled token's raw logprob and rank match the reference."""
-    eng = engine_for(smol)
+    eng = engine_for(smol, speculative="off")  # one token an output: rows by position
     ids = _ids(smol, PROMPTS[2])
     req = EngineRequest(
         "s",
@@ -113,7 +113,7 @@ def test_sampled_token_logprob_and_rank_exact(smol: LoadedModel, engine_for):
 
 
 def test_processed_top_p_masks_and_renormalises(smol: LoadedModel, engine_for):
-    eng = engine_for(smol)
+    eng = engine_for(smol, speculative="off")  # one token an output: rows by position
     ids = _ids(smol, PROMPTS[0])
     req = EngineRequest(
         "p",

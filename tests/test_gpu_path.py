@@ -173,7 +173,8 @@ def test_a_gguf_file_runs_from_its_blocks_dequantized_on_the_device(
     ids = [int(t) for t in np.random.default_rng(5).integers(10, 4000, size=17)]
     ours = run_core(gpu, [_request(ids, "g", 3)])["g"]
     theirs = run_core(cpu, [_request(ids, "c", 3)])["c"]
-    assert [o.new_token_ids for o in ours] == [o.new_token_ids for o in theirs]
+    joined = [[t for o in outs for t in o.new_token_ids] for outs in (ours, theirs)]
+    assert joined[0] == joined[1]  # (the CPU engine's prompt lookup may group them)
     a, b = (
         np.concatenate(
             [np.asarray(o.prompt_logprobs.logprobs) for o in outs if o.prompt_logprobs]
