@@ -177,10 +177,12 @@ def test_pull_resumes_shows_progress_lists_and_says_what_is_wrong(hub, tmp_path:
 def test_a_split_gguf_is_joined_into_one_file(hub, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     _, url, run = hub
     repo = f"test-org/Split-{run}-GGUF"
-    pulled = _probserve(_env(url, tmp_path / "hf"), "pull", repo)  # its only quantization
+    # the joined file goes to a cache of the test's own, not the user's (a 98 MB file a run)
+    env = _env(url, tmp_path / "hf", PROBSERVE_CACHE_DIR=str(tmp_path / "cache"))
+    pulled = _probserve(env, "pull", repo)  # its only quantization
     assert pulled.returncode == 0, pulled.stderr
     joined = Path(pulled.stdout.split(", ")[2].splitlines()[0])
-    assert joined.suffix == ".gguf" and "joined" in joined.parts
+    assert joined.suffix == ".gguf" and joined.is_relative_to(tmp_path / "cache" / "joined")
     a, b = GGUFReader(str(embedded_gguf_path())), GGUFReader(str(joined))
     assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type)
                                                             for t in b.tensors]  # fmt: skip

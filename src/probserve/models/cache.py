@@ -7,8 +7,10 @@ configuration, generation configuration, tokenizer and chat template into a dire
 no weights: `--weights native` reads the blocks from the file itself, models/gguf_blocks.py), and
 every later start (each engine worker, each test server) reads that. A float32 copy of the weights
 (`<directory>.float32`, safetensors, memory-mapped) is written only when float32 is served
-(`--weights float32`, a model without a native path) or exported. The key is the file's path,
-size and modification time; each directory is written to a temporary folder and renamed into
+(`--weights float32`, a model without a native path) or exported. The key is the file's
+content (its SHA-256, models/digest.py, itself kept by path, size and modification time), so
+the same file in a second virtual environment, checkout or download reuses the entries instead
+of writing another copy; each directory is written to a temporary folder and renamed into
 place, so concurrent starts never see half of one. `PROBSERVE_CACHE_DIR` moves the cache (default
 `~/.cache/probserve`); an unwritable cache falls back to reading the GGUF directly.
 """
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from probserve.cache_dir import cache_root
+from probserve.models.digest import file_digest
 from probserve.progress import Stage
 
 log = logging.getLogger(__name__)
@@ -33,9 +36,9 @@ FLOAT32_SUFFIX = ".float32"
 
 
 def converted_dir(gguf: Path) -> Path:
-    """The metadata directory of a GGUF file (its float32 copy and its blocks sit beside it)."""
-    st = gguf.stat()
-    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_LAYOUT}"
+    """The metadata directory of a GGUF file (its float32 copy and its blocks sit beside it),
+    named by the file's content: one entry however many paths hold the same bytes."""
+    key = f"{file_digest(gguf)}|{_LAYOUT}"
     digest = hashlib.sha256(key.encode()).hexdigest()
     return cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
 
