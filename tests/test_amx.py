@@ -75,6 +75,28 @@ def test_emulated_tiles_give_the_vpdpbusd_bits_at_every_row_count(limbs, qtype):
         assert got == want[: rows * row], (qtype.name, rows)
 
 
+KQUANTS = [q for q in LIMB_FORMATS if gguf.GGML_QUANT_SIZES[q][0] == 256]
+
+
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
+def test_the_k_quants_rows_in_blocks_give_the_same_bits(limbs, qtype):
+    """A K-quant's tile path takes its rows in blocks whose limbs stay in a core's L2 (1 MiB:
+    32 rows at K = 8192), every panel through one block, then the next: 40 rows (a block and a
+    part of a pass), emulated and on the real tiles where there are some, give the vpdpbusd
+    path's bytes, row for row."""
+    rng = np.random.default_rng(7 + qtype.value)
+    n, k = 33, 8192
+    packed = limbs.qpack(random_blocks(qtype, n, k, rng), qtype.value, None)
+    x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
+    x[35, 300:560] *= 1e-20  # a super-block of tiny values in the second block
+    if limbs.limb_product(x[:1], packed, EMULATED) is None:
+        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
+    want = _bytes(limbs.limb_product(x, packed, VNNI))
+    assert _bytes(limbs.limb_product(x, packed, EMULATED)) == want
+    if _has_amx(limbs):
+        assert _bytes(limbs.limb_product(x, packed, AMX)) == want
+
+
 def _has_amx(limbs: InvariantKernels) -> bool:
     packed, x = _case(limbs, LIMB_FORMATS[0], 1)
     return limbs.limb_product(x[:1], packed, AMX) is not None

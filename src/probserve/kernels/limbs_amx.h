@@ -180,11 +180,14 @@ inline TileConfig kquant_tiles() {
 }
 
 // a thread's buffers for the K-quants: one super-block's two halves as the B planes (b0, b1:
-// 8 sub-blocks x 8 chunks of 64 bytes, in k order), five C tiles' sums, the rows' y (two halves)
+// 8 sub-blocks x 8 chunks of 64 bytes, in k order), two passes' five C tiles' sums (tile_panel_k's
+// pipeline), two super-blocks' scales, the rows' y (two halves)
+template <int F>
 struct KTileScratch {
     alignas(64) uint8_t b0[2][8 * 8 * 64];
     alignas(64) uint8_t b1[2][8 * 8 * 64];
-    alignas(64) int32_t sums[5][TROWS][16];
+    alignas(64) int32_t sums[2][5][TROWS][16];
+    SuperScales<F> ss[2][2];  // [super-block parity][half]
     std::unique_ptr<__m512d[]> y;
     explicit KTileScratch(int64_t rows) : y(new __m512d[4 * rows]) {}
 };
@@ -227,24 +230,43 @@ inline void limb_tiles_k(Tiles& t, const TiledLimbs& TL, int64_t p, int64_t kw) 
     t.template dp<true, SIGNED_B1, I + 1, T_A1, T_A2>();
 }
 
-// rows 0..M-1 of the limbs times one packed K-quant panel, super-block by super-block, a pass
-// of 16 rows both halves in turn (its A tiles read twice, from the cache)
+// the sums of one pass (16 rows from m0, half h of super-block b: C tiles 0..4) joined and added
+// to the rows' y (y0: row m_lo's)
+template <int F>
+inline void add_pass_k(const int32_t (*sums)[TROWS][16], KTileScratch<F>& sc, const RowLimbs& R, int64_t m_lo,
+                       int64_t m0, int64_t rows, int64_t h, int64_t b) {
+    for (int64_t r = 0; r < rows; ++r) {
+        __m512i c[5];
+        for (int i = 0; i < 5; ++i) c[i] = _mm512_load_si512(sums[i][r]);
+        __m512d T0, T1;
+        join_limbs<5>(c, T0, T1);
+        add_super<F, true>(T0, T1, R, m0 + r, b, sc.ss[b & 1][h], sc.y.get() + 4 * (m0 + r - m_lo) + 2 * h);
+    }
+}
+
+// rows m_lo..m_hi - 1 (whole passes but the last) of the limbs times one packed K-quant panel,
+// super-block by super-block, a pass of 16 rows both halves in turn (its A tiles read twice,
+// from the cache). Pipelined as tile_half: a pass's tile instructions are issued before the
+// previous pass's sums are joined (two buffers of sums, two super-blocks' scales), so the tiles
+// and the vector units work at once; each row's y still takes the super-blocks in order
 template <int F, class Tiles>
-void tile_panel_k(Tiles& t, KTileScratch& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t M,
-                  const uint8_t* panel, const float* bias, float* out, int64_t ldo, int64_t ncols) {
+void tile_panel_k(Tiles& t, KTileScratch<F>& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m_lo,
+                  int64_t m_hi, const uint8_t* panel, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     constexpr bool SIGNED_B1 = L::offset != 0;
     __m512d* y = sc.y.get();
-    for (int64_t r = 0; r < 4 * M; ++r) y[r] = _mm512_setzero_pd();
+    for (int64_t r = 0; r < 4 * (m_hi - m_lo); ++r) y[r] = _mm512_setzero_pd();
+    int cur = 0;           // the buffer of sums this pass stores
+    bool pending = false;  // the other buffer holds the previous pass's sums, not yet added
+    int64_t prev_m0 = 0, prev_rows = 0, prev_h = 0, prev_b = 0;
     for (int64_t b = 0; b < R.K / L::QK; ++b) {
         const uint8_t* blk = panel + b * L::block;
-        SuperScales<F> ss[2];
         for (int64_t h = 0; h < 2; ++h) {
             fold_scales<F>(blk, h, sc.b0[h], sc.b1[h]);
-            super_scales<F, L::kmin>(blk, h, ss[h]);
+            super_scales<F, L::kmin>(blk, h, sc.ss[b & 1][h]);
         }
-        for (int64_t m0 = 0; m0 < M; m0 += TROWS) {
-            const int64_t p = m0 / TROWS, rows = std::min<int64_t>(TROWS, M - m0);
+        for (int64_t m0 = m_lo; m0 < m_hi; m0 += TROWS) {
+            const int64_t p = m0 / TROWS, rows = std::min<int64_t>(TROWS, m_hi - m0);
             for (int64_t h = 0; h < 2; ++h) {
                 t.template zero<0>();
                 t.template zero<1>();
@@ -262,23 +284,31 @@ void tile_panel_k(Tiles& t, KTileScratch& sc, const RowLimbs& R, const TiledLimb
                     limb_tiles_k<1, SIGNED_B1>(t, TL, p, kw);
                     limb_tiles_k<3, SIGNED_B1>(t, TL, p, kw);
                 }
-                t.template store<0>(sc.sums[0], 64);
-                t.template store<1>(sc.sums[1], 64);
-                t.template store<2>(sc.sums[2], 64);
-                t.template store<3>(sc.sums[3], 64);
-                t.template store<4>(sc.sums[4], 64);
-                for (int64_t r = 0; r < rows; ++r) {
-                    __m512i c[5];
-                    for (int i = 0; i < 5; ++i) c[i] = _mm512_load_si512(sc.sums[i][r]);
-                    __m512d T0, T1;
-                    join_limbs<5>(c, T0, T1);
-                    add_super<F, true>(T0, T1, R, m0 + r, b, ss[h], y + 4 * (m0 + r) + 2 * h);
-                }
+                t.template store<0>(sc.sums[cur][0], 64);
+                t.template store<1>(sc.sums[cur][1], 64);
+                t.template store<2>(sc.sums[cur][2], 64);
+                t.template store<3>(sc.sums[cur][3], 64);
+                t.template store<4>(sc.sums[cur][4], 64);
+                if (pending) add_pass_k<F>(sc.sums[cur ^ 1], sc, R, m_lo, prev_m0, prev_rows, prev_h, prev_b);
+                pending = true;
+                prev_m0 = m0, prev_rows = rows, prev_h = h, prev_b = b;
+                cur ^= 1;
             }
         }
     }
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t h = 0; h < 2; ++h) store_half(y + 4 * m + 2 * h, bias, out + m * ldo, h * 16, ncols);
+    if (pending) add_pass_k<F>(sc.sums[cur ^ 1], sc, R, m_lo, prev_m0, prev_rows, prev_h, prev_b);
+    for (int64_t m = m_lo; m < m_hi; ++m)
+        for (int64_t h = 0; h < 2; ++h)
+            store_half(y + 4 * (m - m_lo) + 2 * h, bias, out + m * ldo, h * 16, ncols);
+}
+
+// the rows a K-quant's panels take at a time: whole passes whose four limbs (4 M K bytes) fill at
+// most 1 MiB (a core's L2 holds them while every panel's weights stream by; without the blocks
+// 512 rows of K = 2048 were 4 MiB of A tiles read again for each panel), at least one pass
+inline int64_t kquant_row_block(int64_t K, int64_t M) {
+    constexpr int64_t bytes = int64_t{1} << 20;
+    const int64_t passes = std::max<int64_t>(1, bytes / (LIMBS * K * TROWS));
+    return std::min(passes * TROWS, (M + TROWS - 1) / TROWS * TROWS);
 }
 
 // limb_linear on tiles (Tiles: AmxTiles, only where amx_usable(); or EmuTiles): the team fills
@@ -308,12 +338,17 @@ void limb_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* pack
         std::unique_ptr<Tiles> tiles(new Tiles());
         tiles->config(cfg);
         if constexpr (L::kquant) {
-            std::unique_ptr<KTileScratch> sc(new KTileScratch(padded));
+            // blocks of rows whose A tiles stay in a core's L2 while every panel passes them
+            const int64_t block = kquant_row_block(K, M);
+            const int64_t blocks = (M + block - 1) / block;
+            std::unique_ptr<KTileScratch<F>> sc(new KTileScratch<F>(std::min(block, padded)));
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; ++p) {
+            for (int64_t bp = 0; bp < blocks * panels; ++bp) {
+                const int64_t p = bp % panels, m_lo = bp / panels * block;
                 const float* b = bias ? bias + p * LP : nullptr;
                 const int64_t ncols = std::min<int64_t>(LP, N - p * LP);
-                tile_panel_k<F>(*tiles, *sc, R, TL, M, packed + p * panel_bytes, b, out + p * LP, N, ncols);
+                tile_panel_k<F>(*tiles, *sc, R, TL, m_lo, std::min(M, m_lo + block), packed + p * panel_bytes, b,
+                                out + p * LP, N, ncols);
             }
         } else {
             std::unique_ptr<TileScratch> sc(new TileScratch());
