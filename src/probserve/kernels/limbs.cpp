@@ -245,21 +245,21 @@ inline void i32_pd(__m512i v, __m512d& lo, __m512d& hi) {
     hi = _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(v, 1));
 }
 
-// a half's (16 columns, h) scales of one block of 32 (the K-quants: limbs_super.h): s[0] and
-// o[0], columns 0..7 in [0], 8..15 in [1] (exact: float16s)
+// a half's (16 columns, h) scales of one block of 32 (the K-quants: limbs_super.h): s and o,
+// columns 0..7 in [0], 8..15 in [1] (exact: float16s)
 template <int F>
-inline void half_scales(const uint8_t* blk, int64_t h, __m512d (*s)[2], __m512d (*o)[2]) {
+inline void half_scales(const uint8_t* blk, int64_t h, __m512d* s, __m512d* o) {
     using L = LimbLayout<F>;
     static_assert(!L::kquant, "the K-quants' scales: limbs_super.h");
     const __m256i* h16 = reinterpret_cast<const __m256i*>(blk);
     const __m256i dh = _mm256_loadu_si256(h16 + h);
-    s[0][0] = half_pd<0>(dh);
-    s[0][1] = half_pd<1>(dh);
-    o[0][0] = o[0][1] = _mm512_setzero_pd();
+    s[0] = half_pd<0>(dh);
+    s[1] = half_pd<1>(dh);
+    o[0] = o[1] = _mm512_setzero_pd();
     if constexpr (L::plus_m) {
         const __m256i mh = _mm256_loadu_si256(h16 + 2 + h);
-        o[0][0] = half_pd<0>(mh);
-        o[0][1] = half_pd<1>(mh);
+        o[0] = half_pd<0>(mh);
+        o[1] = half_pd<1>(mh);
     }
 }
 
@@ -319,7 +319,6 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
                 float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     static_assert(!L::kquant, "the K-quants: limb_micro_k");
-    constexpr int G = L::groups, CG = 8 / G;  // chunks a group (G = 1)
     constexpr int64_t stride = L::block / L::subs;  // bytes a sub-block, heads spread
     const int64_t K = R.K, nb = R.nb;
     __m512d y[MR][HS][2];
@@ -336,7 +335,7 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
 #pragma GCC unroll 2
             for (int h = 0; h < HS; ++h) {
                 const int64_t hh = h0 + h;
-                __m512d s[G][2], o[G][2];
+                __m512d s[2], o[2];
                 half_scales<F>(blk, hh, s, o);
                 __m512i w[8];
                 half_quants<F>(sb + L::scale_bytes + hh * L::chunks * 64, w);
@@ -348,12 +347,9 @@ void limb_micro(const RowLimbs& R, int64_t m0, const uint8_t* panel, int64_t h0,
 #pragma GCC unroll 4
                     for (int i = 0; i < LIMBS; ++i)
                         p[i] = reinterpret_cast<const int32_t*>(R.l[i].data() + m * K + kb * 32);
-#pragma GCC unroll 2
-                    for (int g = 0; g < G; ++g) {
-                        __m512i a[LIMBS];
-                        group_sums<CG>(w + g * CG, p, g * CG, a);
-                        add_group<F>(a, R.sum[at], s[g], o[g], e, y[r][h]);
-                    }
+                    __m512i a[LIMBS];
+                    group_sums<8>(w, p, 0, a);
+                    add_group<F>(a, R.sum[at], s, o, e, y[r][h]);
                 }
             }
         }

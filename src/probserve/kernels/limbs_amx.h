@@ -70,9 +70,9 @@ struct TiledLimbs {
 // limb I of pass p's rows over the group's k's (A tile) times the B tile, into C tile I
 // (SIGNED: the B tile holds signed quants u + offset, tdpbssd; else unsigned u, tdpbsud)
 template <int I, bool SIGNED, class Tiles>
-inline void limb_tile(Tiles& t, const TiledLimbs& T, int64_t p, int64_t kb, int64_t off) {
+inline void limb_tile(Tiles& t, const TiledLimbs& T, int64_t p, int64_t kb) {
     constexpr int A = I == 1 ? T_A1 : I == 2 ? T_A2 : T_A0;
-    t.template load<A>(T.at(I, p, kb) + off, 32);
+    t.template load<A>(T.at(I, p, kb), 32);
     t.template dp<true, SIGNED, I, A, T_B>();
 }
 
@@ -100,7 +100,6 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                const uint8_t* panel, int64_t h, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     static_assert(!L::kquant, "the K-quants: tile_panel_k");
-    constexpr int G = L::groups, CG = 8 / G, GK = 32 / G;  // chunks and k's a group (G = 1)
     constexpr bool SIGNED = L::offset != 0;  // the offset folded into the quants (add_group's FOLDED)
     const int64_t K = R.K, pass = m0 / TROWS;
     __m512d y[TROWS][2];
@@ -114,7 +113,7 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
         for (int64_t j = 0; j < L::subs; ++j) {
             const uint8_t* sb = blk + L::head + j * L::sub;
             const int64_t kb = b * L::subs + j;  // the block of 32 k's
-            __m512d s[G][2], o[G][2];
+            __m512d s[2], o[2];
             half_scales<F>(blk, h, s, o);
             const uint8_t* q = sb + L::scale_bytes + h * L::chunks * 64;
             if constexpr (F != L8_0 || SIGNED) {
@@ -125,26 +124,24 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                 for (int c = 0; c < 8; ++c) _mm512_store_si512(sc.quants + 64 * c, w[c]);
                 q = sc.quants;
             }
-            for (int g = 0; g < G; ++g) {
-                t.template load<T_B>(q + g * CG * 64, 64);
-                t.template zero<0>();
-                t.template zero<1>();
-                t.template zero<2>();
-                t.template zero<3>();
-                limb_tile<0, SIGNED>(t, TL, pass, kb, g * GK);
-                limb_tile<1, SIGNED>(t, TL, pass, kb, g * GK);
-                limb_tile<2, SIGNED>(t, TL, pass, kb, g * GK);
-                limb_tile<3, SIGNED>(t, TL, pass, kb, g * GK);
-                t.template store<0>(sc.sums[cur][0], 64);
-                t.template store<1>(sc.sums[cur][1], 64);
-                t.template store<2>(sc.sums[cur][2], 64);
-                t.template store<3>(sc.sums[cur][3], 64);
-                if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_s, prev_o, y);
-                pending = true;
-                prev_kb = kb;
-                prev_s[0] = s[g][0], prev_s[1] = s[g][1], prev_o[0] = o[g][0], prev_o[1] = o[g][1];
-                cur ^= 1;
-            }
+            t.template load<T_B>(q, 64);
+            t.template zero<0>();
+            t.template zero<1>();
+            t.template zero<2>();
+            t.template zero<3>();
+            limb_tile<0, SIGNED>(t, TL, pass, kb);
+            limb_tile<1, SIGNED>(t, TL, pass, kb);
+            limb_tile<2, SIGNED>(t, TL, pass, kb);
+            limb_tile<3, SIGNED>(t, TL, pass, kb);
+            t.template store<0>(sc.sums[cur][0], 64);
+            t.template store<1>(sc.sums[cur][1], 64);
+            t.template store<2>(sc.sums[cur][2], 64);
+            t.template store<3>(sc.sums[cur][3], 64);
+            if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_s, prev_o, y);
+            pending = true;
+            prev_kb = kb;
+            prev_s[0] = s[0], prev_s[1] = s[1], prev_o[0] = o[0], prev_o[1] = o[1];
+            cur ^= 1;
         }
     }
     if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_s, prev_o, y);

@@ -148,7 +148,6 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
                   int64_t ncols) {
     using L = LimbLayout<F>;
     static_assert(!L::kquant, "the K-quants: limb_quarter_k");
-    constexpr int G = L::groups, CG = 8 / G;  // (G = 1)
     const int64_t K = R.K, nb = R.nb, h = q / 2;
     __m256d y0 = _mm256_setzero_pd(), y1 = _mm256_setzero_pd();
     for (int64_t b = 0; b < K / L::QK; ++b) {
@@ -157,7 +156,6 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
         __m256d d0, d1, o0 = _mm256_setzero_pd(), o1 = _mm256_setzero_pd();
         f16_pd(h16 + 8 * q, d0, d1);
         if constexpr (L::plus_m) f16_pd(h16 + LP + 8 * q, o0, o1);  // o: m
-        const __m256d s[G][2] = {{d0, d1}};
         for (int64_t j = 0; j < L::subs; ++j) {
             const uint8_t* sb = blk + L::head + j * L::sub;
             const int64_t kb = b * L::subs + j, at = m * nb + kb;
@@ -166,30 +164,28 @@ void limb_quarter(const RowLimbs& R, int64_t m, const uint8_t* panel, int q, con
             const __m256d e = _mm256_set1_pd(R.scale[at]);
             const int32_t* p[LIMBS];
             for (int i = 0; i < LIMBS; ++i) p[i] = reinterpret_cast<const int32_t*>(R.l[i].data() + m * K + kb * 32);
-            for (int g = 0; g < G; ++g) {
-                __m256i a[LIMBS];
-                for (int i = 0; i < LIMBS; ++i) a[i] = limb_dot<F>(w, p[i], g * CG, (g + 1) * CG);
-                const __m256i a01 = _mm256_add_epi32(a[0], _mm256_slli_epi32(a[1], 8));
-                const __m256i a23 = _mm256_add_epi32(a[2], _mm256_slli_epi32(a[3], 8));
-                __m256d l01, h01, l23, h23;
-                i32_pd8(a01, l01, h01);
-                i32_pd8(a23, l23, h23);
-                const __m256d big = _mm256_set1_pd(65536.0);
-                const __m256d t0 = _mm256_fmadd_pd(l23, big, l01), t1 = _mm256_fmadd_pd(h23, big, h01);
-                const double S = R.sum[at];
-                __m256d u0, u1;
-                if constexpr (L::offset != 0) {
-                    const __m256d os = _mm256_set1_pd(S * L::offset);
-                    u0 = _mm256_mul_pd(_mm256_add_pd(t0, os), s[g][0]);
-                    u1 = _mm256_mul_pd(_mm256_add_pd(t1, os), s[g][1]);
-                } else {
-                    const __m256d Sv = _mm256_set1_pd(S);
-                    u0 = _mm256_fmadd_pd(Sv, o0, _mm256_mul_pd(t0, s[g][0]));
-                    u1 = _mm256_fmadd_pd(Sv, o1, _mm256_mul_pd(t1, s[g][1]));
-                }
-                y0 = _mm256_fmadd_pd(u0, e, y0);
-                y1 = _mm256_fmadd_pd(u1, e, y1);
+            __m256i a[LIMBS];
+            for (int i = 0; i < LIMBS; ++i) a[i] = limb_dot<F>(w, p[i], 0, 8);
+            const __m256i a01 = _mm256_add_epi32(a[0], _mm256_slli_epi32(a[1], 8));
+            const __m256i a23 = _mm256_add_epi32(a[2], _mm256_slli_epi32(a[3], 8));
+            __m256d l01, h01, l23, h23;
+            i32_pd8(a01, l01, h01);
+            i32_pd8(a23, l23, h23);
+            const __m256d big = _mm256_set1_pd(65536.0);
+            const __m256d t0 = _mm256_fmadd_pd(l23, big, l01), t1 = _mm256_fmadd_pd(h23, big, h01);
+            const double S = R.sum[at];
+            __m256d u0, u1;
+            if constexpr (L::offset != 0) {
+                const __m256d os = _mm256_set1_pd(S * L::offset);
+                u0 = _mm256_mul_pd(_mm256_add_pd(t0, os), d0);
+                u1 = _mm256_mul_pd(_mm256_add_pd(t1, os), d1);
+            } else {
+                const __m256d Sv = _mm256_set1_pd(S);
+                u0 = _mm256_fmadd_pd(Sv, o0, _mm256_mul_pd(t0, d0));
+                u1 = _mm256_fmadd_pd(Sv, o1, _mm256_mul_pd(t1, d1));
             }
+            y0 = _mm256_fmadd_pd(u0, e, y0);
+            y1 = _mm256_fmadd_pd(u1, e, y1);
         }
     }
     store_quarter(y0, y1, bias, out, 8 * q, ncols);
