@@ -1,16 +1,17 @@
 """Speculative decoding's same-run race: one stream, real text from the embedded model, on the
 workloads speculation is meant for and on free text, probserve with `--speculative off` and
-`ngram` against llama-server without and with its own n-gram speculation (`--spec-type`), each
-server alone on the machine in turn.
+`--speculative MODE` (`--mode`: `auto`, the default, which at one stream proposes as `ngram`
+does, or `ngram`) against llama-server without and with its own n-gram speculation
+(`--spec-type`), each server alone on the machine in turn.
 
 Workloads (chat completions, greedy, the model's chat template):
 - edit: the model is asked to copy a ~180-word passage with one word changed (the reply repeats
   the prompt's text: what prompt lookup is for);
 - json: the same passage's facts extracted under a JSON schema with fixed keys (structured
-  outputs: probserve does not speculate requests with a grammar);
+  outputs: probserve proposes the tokens a grammar forces, then prompt lookup's);
 - free: an open question (the standard race's kind of text; speculation must not slow it).
 
-    .venv/bin/python bench/spec_race.py [--rounds 3] [--llama-spec ngram-simple]
+    .venv/bin/python bench/spec_race.py [--rounds 3] [--mode auto] [--llama-spec ngram-simple]
 
 probserve's answers with and without speculation are checked to be the same tokens (the
 contract: docs/logprobs.md). Run it alone on the machine; the figures go to docs/benchmarks.md
@@ -100,6 +101,12 @@ def run(server: Server, model: str, rounds: int) -> dict[str, dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--mode",
+        default="auto",
+        choices=["auto", "ngram"],
+        help="probserve's --speculative against off (auto: the default)",
+    )
     ap.add_argument("--llama-spec", default="ngram-simple", help="llama-server's --spec-type")
     ap.add_argument("--logs", default="/tmp/spec_race")
     args = ap.parse_args()
@@ -116,7 +123,7 @@ def main() -> int:
         Server(f"probserve ({mode})", [exe, "serve", "--port", str(8020 + i), "--log-level",
                "warning", "--speculative", mode], 8020 + i, "smollm2-135m-instruct",
                logs / f"probserve-{mode}.log")
-        for i, mode in enumerate(("off", "ngram"))
+        for i, mode in enumerate(("off", args.mode))
     ]  # fmt: skip
     servers.append(Server("llama-server", llama, 8013, "smollm2", logs / "llama.log"))
     servers.append(Server(f"llama-server ({args.llama_spec})",
@@ -130,11 +137,13 @@ def main() -> int:
             results[server.name] = run(server, server.model, args.rounds)
         finally:
             server.stop()
-    off, on = results["probserve (off)"], results["probserve (ngram)"]
+    off, on = results["probserve (off)"], results[f"probserve ({args.mode})"]
     same = {w: off[w]["text"] == on[w]["text"] for w in WORKLOADS}
     names = list(results)
     print(f"\n{time.strftime('%Y-%m-%d')}, {cpu_model()}, {args.rounds} rounds a workload")
-    print("| workload | " + " | ".join(names) + " | ngram / off | ngram / llama-spec |")
+    print(
+        "| workload | " + " | ".join(names) + f" | {args.mode} / off | {args.mode} / llama-spec |"
+    )
     print("|---|" + "---:|" * (len(names) + 2))
     llama_spec = names[-1]
     for w in WORKLOADS:
