@@ -25,6 +25,22 @@ constexpr int64_t TROWS = 16;               // rows a pass (an A tile's)
 enum : int { T_A0 = 4, T_A1 = 5, T_B = 6, T_A2 = 7 };  // tiles 0..3: the C of limbs 0..3; B; three A's
 // (the K-quants' tile_panel_k: C tiles 0..4 (T_A0 the fifth), the A tile T_A1, b0 in T_B, b1 in T_A2)
 
+// C tiles 0..N-1 zeroed, and stored to sums[0..N-1] (16 rows of 16 int32 each)
+template <int N, class Tiles>
+inline void zero_sums(Tiles& t) {
+    if constexpr (N > 0) {
+        zero_sums<N - 1>(t);
+        t.template zero<N - 1>();
+    }
+}
+template <int N, class Tiles>
+inline void store_sums(Tiles& t, int32_t (*sums)[TROWS][16]) {
+    if constexpr (N > 0) {
+        store_sums<N - 1>(t, sums);
+        t.template store<N - 1>(sums[N - 1], 64);
+    }
+}
+
 // the tiles' shapes for the blocks of 32: A 16 rows of a block's k's, B its chunks, C 16 x 16 int32
 inline TileConfig limb_tiles() {
     TileConfig c;
@@ -125,18 +141,12 @@ void tile_half(Tiles& t, TileScratch& sc, const RowLimbs& R, const TiledLimbs& T
                 q = sc.quants;
             }
             t.template load<T_B>(q, 64);
-            t.template zero<0>();
-            t.template zero<1>();
-            t.template zero<2>();
-            t.template zero<3>();
+            zero_sums<LIMBS>(t);
             limb_tile<0, SIGNED>(t, TL, pass, kb);
             limb_tile<1, SIGNED>(t, TL, pass, kb);
             limb_tile<2, SIGNED>(t, TL, pass, kb);
             limb_tile<3, SIGNED>(t, TL, pass, kb);
-            t.template store<0>(sc.sums[cur][0], 64);
-            t.template store<1>(sc.sums[cur][1], 64);
-            t.template store<2>(sc.sums[cur][2], 64);
-            t.template store<3>(sc.sums[cur][3], 64);
+            store_sums<LIMBS>(t, sc.sums[cur]);
             if (pending) add_pass<F>(sc.sums[cur ^ 1], R, m0, rows, prev_kb, prev_s, prev_o, y);
             pending = true;
             prev_kb = kb;
@@ -265,11 +275,7 @@ void tile_panel_k(Tiles& t, KTileScratch<F>& sc, const RowLimbs& R, const TiledL
         for (int64_t m0 = m_lo; m0 < m_hi; m0 += TROWS) {
             const int64_t p = m0 / TROWS, rows = std::min<int64_t>(TROWS, m_hi - m0);
             for (int64_t h = 0; h < 2; ++h) {
-                t.template zero<0>();
-                t.template zero<1>();
-                t.template zero<2>();
-                t.template zero<3>();
-                t.template zero<4>();
+                zero_sums<5>(t);
                 for (int64_t s = 0; s < L::QK / 64; ++s) {
                     const int64_t kw = b * (L::QK / 64) + s;
                     t.template load<T_B>(sc.b0[h] + s * 1024, 64);
@@ -281,11 +287,7 @@ void tile_panel_k(Tiles& t, KTileScratch<F>& sc, const RowLimbs& R, const TiledL
                     limb_tiles_k<1, SIGNED_B1>(t, TL, p, kw);
                     limb_tiles_k<3, SIGNED_B1>(t, TL, p, kw);
                 }
-                t.template store<0>(sc.sums[cur][0], 64);
-                t.template store<1>(sc.sums[cur][1], 64);
-                t.template store<2>(sc.sums[cur][2], 64);
-                t.template store<3>(sc.sums[cur][3], 64);
-                t.template store<4>(sc.sums[cur][4], 64);
+                store_sums<5>(t, sc.sums[cur]);
                 if (pending) add_pass_k<F>(sc.sums[cur ^ 1], sc, R, m_lo, prev_m0, prev_rows, prev_h, prev_b);
                 pending = true;
                 prev_m0 = m0, prev_rows = rows, prev_h = h, prev_b = b;
