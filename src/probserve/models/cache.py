@@ -37,10 +37,16 @@ FLOAT32_SUFFIX = ".float32"
 
 def converted_dir(gguf: Path) -> Path:
     """The metadata directory of a GGUF file (its float32 copy and its blocks sit beside it),
-    named by the file's content: one entry however many paths hold the same bytes."""
+    named by the file's content: one entry however many paths and names hold the same bytes
+    (the first name written stays: `<stem>-<digest>`)."""
     key = f"{file_digest(gguf)}|{_LAYOUT}"
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    return cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    models = cache_root() / "models"
+    try:  # another name's entry for the same bytes (the suffixed copies end otherwise)
+        kept = sorted(p for p in models.glob(f"*-{digest}") if p.is_dir())
+    except OSError:
+        kept = []
+    return kept[0] if kept else models / f"{gguf.stem}-{digest}"
 
 
 def float32_dir(gguf: Path) -> Path:
