@@ -187,14 +187,11 @@ inline TileConfig kquant_tiles() {
 }
 
 // a thread's buffers for the K-quants: one super-block's two halves as the B planes (b0, b1:
-// 8 sub-blocks x 8 chunks of 64 bytes, in k order), two passes' five C tiles' sums (tile_panel_k's
-// pipeline), two super-blocks' scales, the rows' y (two halves)
-template <int F>
+// 8 sub-blocks x 8 chunks of 64 bytes, in k order), five C tiles' sums, the rows' y (two halves)
 struct KTileScratch {
     alignas(64) uint8_t b0[2][8 * 8 * 64];
     alignas(64) uint8_t b1[2][8 * 8 * 64];
-    alignas(64) int32_t sums[2][5][TROWS][16];
-    SuperScales<F> ss[2][2];  // [super-block parity][half]
+    alignas(64) int32_t sums[5][TROWS][16];
     std::unique_ptr<__m512d[]> y;
     explicit KTileScratch(int64_t rows) : y(new __m512d[4 * rows]) {}
 };
@@ -237,40 +234,22 @@ inline void limb_tiles_k(Tiles& t, const TiledLimbs& TL, int64_t p, int64_t kw) 
     t.template dp<true, SIGNED_B1, I + 1, T_A1, T_A2>();
 }
 
-// the sums of one pass (16 rows from m0, half h of super-block b: C tiles 0..4) joined and added
-// to the rows' y (y0: row m_lo's)
-template <int F>
-inline void add_pass_k(const int32_t (*sums)[TROWS][16], KTileScratch<F>& sc, const RowLimbs& R, int64_t m_lo,
-                       int64_t m0, int64_t rows, int64_t h, int64_t b) {
-    for (int64_t r = 0; r < rows; ++r) {
-        __m512i c[5];
-        for (int i = 0; i < 5; ++i) c[i] = _mm512_load_si512(sums[i][r]);
-        __m512d T0, T1;
-        join_limbs<5>(c, T0, T1);
-        add_super<F, true>(T0, T1, R, m0 + r, b, sc.ss[b & 1][h], sc.y.get() + 4 * (m0 + r - m_lo) + 2 * h);
-    }
-}
-
 // rows m_lo..m_hi - 1 (whole passes but the last) of the limbs times one packed K-quant panel,
 // super-block by super-block, a pass of 16 rows both halves in turn (its A tiles read twice,
-// from the cache). Pipelined as tile_half: a pass's tile instructions are issued before the
-// previous pass's sums are joined (two buffers of sums, two super-blocks' scales), so the tiles
-// and the vector units work at once; each row's y still takes the super-blocks in order
+// from the cache), each pass's sums joined into its rows' y (y[0]: row m_lo's) as it ends
 template <int F, class Tiles>
-void tile_panel_k(Tiles& t, KTileScratch<F>& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m_lo,
-                  int64_t m_hi, const uint8_t* panel, const float* bias, float* out, int64_t ldo, int64_t ncols) {
+void tile_panel_k(Tiles& t, KTileScratch& sc, const RowLimbs& R, const TiledLimbs& TL, int64_t m_lo, int64_t m_hi,
+                  const uint8_t* panel, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     using L = LimbLayout<F>;
     constexpr bool SIGNED_B1 = L::offset != 0;
     __m512d* y = sc.y.get();
     for (int64_t r = 0; r < 4 * (m_hi - m_lo); ++r) y[r] = _mm512_setzero_pd();
-    int cur = 0;           // the buffer of sums this pass stores
-    bool pending = false;  // the other buffer holds the previous pass's sums, not yet added
-    int64_t prev_m0 = 0, prev_rows = 0, prev_h = 0, prev_b = 0;
     for (int64_t b = 0; b < R.K / L::QK; ++b) {
         const uint8_t* blk = panel + b * L::block;
+        SuperScales<F> ss[2];
         for (int64_t h = 0; h < 2; ++h) {
             fold_scales<F>(blk, h, sc.b0[h], sc.b1[h]);
-            super_scales<F, L::kmin>(blk, h, sc.ss[b & 1][h]);
+            super_scales<F, L::kmin>(blk, h, ss[h]);
         }
         for (int64_t m0 = m_lo; m0 < m_hi; m0 += TROWS) {
             const int64_t p = m0 / TROWS, rows = std::min<int64_t>(TROWS, m_hi - m0);
@@ -287,15 +266,17 @@ void tile_panel_k(Tiles& t, KTileScratch<F>& sc, const RowLimbs& R, const TiledL
                     limb_tiles_k<1, SIGNED_B1>(t, TL, p, kw);
                     limb_tiles_k<3, SIGNED_B1>(t, TL, p, kw);
                 }
-                store_sums<5>(t, sc.sums[cur]);
-                if (pending) add_pass_k<F>(sc.sums[cur ^ 1], sc, R, m_lo, prev_m0, prev_rows, prev_h, prev_b);
-                pending = true;
-                prev_m0 = m0, prev_rows = rows, prev_h = h, prev_b = b;
-                cur ^= 1;
+                store_sums<5>(t, sc.sums);
+                for (int64_t r = 0; r < rows; ++r) {
+                    __m512i c[5];
+                    for (int i = 0; i < 5; ++i) c[i] = _mm512_load_si512(sc.sums[i][r]);
+                    __m512d T0, T1;
+                    join_limbs<5>(c, T0, T1);
+                    add_super<F, true>(T0, T1, R, m0 + r, b, ss[h], y + 4 * (m0 + r - m_lo) + 2 * h);
+                }
             }
         }
     }
-    if (pending) add_pass_k<F>(sc.sums[cur ^ 1], sc, R, m_lo, prev_m0, prev_rows, prev_h, prev_b);
     for (int64_t m = m_lo; m < m_hi; ++m)
         for (int64_t h = 0; h < 2; ++h)
             store_half(y + 4 * (m - m_lo) + 2 * h, bias, out + m * ldo, h * 16, ncols);
@@ -340,7 +321,7 @@ void limb_linear_tiles(const float* x, int64_t M, int64_t K, const uint8_t* pack
             // blocks of rows whose A tiles stay in a core's L2 while every panel passes them
             const int64_t block = kquant_row_block(K, M);
             const int64_t blocks = (M + block - 1) / block;
-            std::unique_ptr<KTileScratch<F>> sc(new KTileScratch<F>(std::min(block, padded)));
+            std::unique_ptr<KTileScratch> sc(new KTileScratch(std::min(block, padded)));
 #pragma omp for schedule(static)
             for (int64_t bp = 0; bp < blocks * panels; ++bp) {
                 const int64_t p = bp % panels, m_lo = bp / panels * block;
