@@ -5,6 +5,8 @@ token alone or in a chunk, whatever its neighbours)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -239,3 +241,47 @@ def test_grouped_experts_equal_each_expert_alone_and_are_row_invariant(bias: boo
     pair, tile_expert = layout(ids, e)
     assert pair.numel() == tile_expert.numel() * TILE_M
     assert sorted(int(p) for p in pair if p >= 0) == list(range(t * k))
+
+
+def test_the_delta_rule_is_the_torch_rule_and_ignores_chunks_and_neighbours() -> None:
+    """gpu/delta.py's recurrence (through TritonKernels.gated_delta) against delta_rule.py's
+    torch rule (GQA, a value width past one program's block of columns, states saved mid-span),
+    and bitwise the same outputs, states and saved states for a sequence alone in chunks of 3, 1
+    and 4 rows as beside another sequence in one call."""
+    from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
+
+    nk, nv, dk, dv, k = 2, 4, 8, 40, 4
+    c = 2 * nk * dk + nv * dv
+    layer = DeltaLayer(_randn(k, c, seed=20, scale=0.5), -torch.rand(nv).to(DEVICE) - 0.1,
+                       _randn(nv, seed=21), nk, nv, dk, dv)  # fmt: skip
+    proj = _randn(13, c + nv * dv + 2 * nv, seed=22)
+    start = [(_randn(k - 1, c, seed=23 + i), _randn(nv, dk, dv, seed=25 + i, scale=0.1))
+             for i in range(2)]  # fmt: skip
+    ops = TritonKernels(DEVICE)
+
+    def both(rule: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        states = [(conv.clone(), delta.clone()) for conv, delta in start]
+        saved = [(torch.empty_like(start[0][0]), torch.empty_like(start[0][1])) for _ in range(3)]
+        spans = [
+            DeltaSpan(0, 5, *states[0], ((1, *saved[0]), (3, *saved[1]))),
+            DeltaSpan(5, 13, *states[1], ((6, *saved[2]),)),
+        ]
+        out = rule(proj, layer, spans)
+        return out, [t for pair in states + saved for t in pair]
+
+    triton_out, held = both(ops.gated_delta)
+    torch_out, torch_held = both(lambda p, lay, sp: torch_gated_delta(F.silu, p, lay, sp))
+    torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+    for a, b in zip(held, torch_held, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # the second sequence alone, in chunks
+    conv, state = start[1][0].clone(), start[1][1].clone()
+    saved_conv, saved_delta = torch.empty_like(conv), torch.empty_like(state)
+    outs = []
+    for a, b in ((0, 3), (3, 4), (4, 8)):
+        saves = ((6 - a, saved_conv, saved_delta),) if a <= 6 < b else ()
+        span = DeltaSpan(0, b - a, conv, state, saves)
+        outs.append(ops.gated_delta(proj[5 + a : 5 + b], layer, [span]))
+    assert torch.equal(torch.cat(outs), triton_out[5:])
+    assert torch.equal(conv, held[2]) and torch.equal(state, held[3])
+    assert torch.equal(saved_conv, held[8]) and torch.equal(saved_delta, held[9])

@@ -4,7 +4,8 @@ one fixed order of operations per token and head on every path. `DeltaLayer` is 
 weights, `DeltaSpan` a sequence's rows with its state; the host's kernels run them in C++
 (kernels/deltanet.cpp, `InvariantKernels.gated_delta`); `torch_gated_delta` is the same rule in
 torch, token by token, for the backends without that library (torch's own operations, where the
-C++ kernels do not build, and the GPU path)."""
+C++ kernels do not build); the GPU path runs the conv in torch (`conv_rows`) and the recurrence in
+Triton (kernels/gpu/delta.py)."""
 
 from __future__ import annotations
 
@@ -63,17 +64,23 @@ def torch_gated_delta(
     its taps), the recurrence per token, each token's step the same operations on tensors of the
     same shapes wherever its row came from."""
     c, vd = layer.channels, layer.v_heads * layer.v_dim
-    t = proj.shape[0]
-    conv = proj.new_empty((t, c))
-    for span in spans:
-        conv[span.start : span.end] = _conv(proj[span.start : span.end, :c], layer, span)
-    conv = silu(conv)
+    conv = silu(conv_rows(proj, layer, spans))
     b, a = proj[:, c + vd : c + vd + layer.v_heads], proj[:, c + vd + layer.v_heads :]
-    out = proj.new_empty((t, vd))
+    out = proj.new_empty((proj.shape[0], vd))
     for span in spans:
         rows = slice(span.start, span.end)
         out[rows] = _recurrence(conv[rows], b[rows], a[rows], layer, span)
     return out
+
+
+def conv_rows(proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]) -> torch.Tensor:
+    """The causal conv of every span's rows of proj's first C columns (before the SiLU):
+    [T, C]; each span's conv state left past its last row (and copied past each save's)."""
+    c = layer.channels
+    conv = proj.new_empty((proj.shape[0], c))
+    for span in spans:
+        conv[span.start : span.end] = _conv(proj[span.start : span.end, :c], layer, span)
+    return conv
 
 
 def _conv(mixed: torch.Tensor, layer: DeltaLayer, span: DeltaSpan) -> torch.Tensor:

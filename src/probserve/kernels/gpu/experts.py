@@ -30,7 +30,7 @@ SUM_BLOCK = 1024
 def _grouped(
     x_ptr, w_ptr, b_ptr, y_ptr, pair_ptr, tile_expert_ptr, N, K, E, DIV,
     sxm, swe, swn, swk,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """Tile t: y[pair] = x[pair // DIV] @ w[e].T (+ b[e]) for the pairs of expert e in it."""
@@ -57,7 +57,7 @@ def _grouped(
             w_ptr + e * swe + rn[None, :] * swn + kk[:, None] * swk,
             mask=live[None, :] & (rn[None, :] < N) & (kk[:, None] < K), other=0.0,
         )  # fmt: skip
-        acc = tile_dot(a, b, acc, PRECISION, UPCAST)
+        acc = tile_dot(a, b, acc, PRECISION, INTERPRETED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * N + rn, mask=live & (rn < N), other=0.0)[None, :]
     out = tl.where(rows, pairs, 0).to(tl.int64)
@@ -123,7 +123,7 @@ def grouped_product(
         x.stride(0), w.stride(0), w.stride(1), w.stride(2),
         HAS_BIAS=bias is not None,
         PRECISION="ieee" if w.dtype == torch.float32 else "tf32",
-        UPCAST=w.dtype != torch.float32 and interpreted(),
+        INTERPRETED=interpreted(),
         BM=TILE_M, BN=TILE_N, BK=BLOCK_K[w.dtype],
     )  # fmt: skip
     return y

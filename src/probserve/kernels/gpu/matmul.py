@@ -21,11 +21,16 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def tile_dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def tile_dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc + a @ b, a rounded to b's dtype (float32: IEEE products; bf16 inputs with float32
-    sums). UPCAST: the interpreter multiplies bf16 wrongly, so its values go in as float32."""
-    if UPCAST:
-        acc = tl.dot(a.to(b.dtype).to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    sums). INTERPRETED: the interpreter's tl.dot is numpy's BLAS, whose bits for a row depend
+    on where the row sits in the tile (OpenBLAS's Haswell kernel, which AMD EPYCs run, rounds
+    rows 6-11 of each 12 unlike rows 0-5), and it multiplies bf16 wrongly; so there each
+    product is rounded to float32 and a row's products are summed over k by one elementwise
+    reduction, the same for every row."""
+    if INTERPRETED:
+        a32, b32 = a.to(b.dtype).to(tl.float32), b.to(tl.float32)
+        acc = acc + tl.sum(a32[:, :, None] * b32[None, :, :], 1)
     else:
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     return acc
@@ -35,7 +40,7 @@ def tile_dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _matmul(
     x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     sxm, sxk, swn, swk, sym, syn,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -52,7 +57,7 @@ def _matmul(
             w_ptr + rn[None, :] * swn + kk[:, None] * swk,
             mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0,
         )  # fmt: skip
-        acc = tile_dot(a, b, acc, PRECISION, UPCAST)
+        acc = tile_dot(a, b, acc, PRECISION, INTERPRETED)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(
@@ -75,7 +80,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         x, w, bias if bias is not None else y, y, m, n, k,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, PRECISION=precision,
-        UPCAST=w.dtype != torch.float32 and interpreted(),
+        INTERPRETED=interpreted(),
         BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K[w.dtype],
     )  # fmt: skip
     return y

@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 
 from probserve.kernels.attention_plan import FlatKernels
-from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
+from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, conv_rows
 from probserve.kernels.experts import Expert
 from probserve.kernels.gpu import attention as attention_kernel
-from probserve.kernels.gpu import rows
+from probserve.kernels.gpu import delta, rows
 from probserve.kernels.gpu.experts import ExpertParts, GroupedExperts
 from probserve.kernels.gpu.matmul import matmul
 from probserve.kernels.layers import LayerWeights, Shape
@@ -109,12 +109,36 @@ class TritonKernels(FlatKernels):
     def gated_delta(
         self, proj: torch.Tensor, layer: DeltaLayer, spans: Sequence[DeltaSpan]
     ) -> torch.Tensor:
-        """The rule in torch on the device (delta_rule.py), its SiLU the row kernel's."""
-
-        def silu(x: torch.Tensor) -> torch.Tensor:
-            return self.silu_mul(torch.cat([x, torch.ones_like(x)], dim=1))
-
-        return torch_gated_delta(silu, self._on(proj), layer, spans)
+        """The conv in torch (delta_rule.py's `conv_rows`), its SiLU the row kernel's, and the
+        recurrence in Triton (gpu/delta.py), every span at once. A state saved mid-span cuts
+        the launches there: each launch takes every span on to its next save (or its end), and
+        the saves are copied between launches (the state's float32 bits are the same whether
+        a program keeps them in registers or another reloads them)."""
+        proj = self._on(proj)
+        c, vd, nv = layer.channels, layer.v_heads * layer.v_dim, layer.v_heads
+        conv = conv_rows(proj, layer, spans)
+        x = self.silu_mul(torch.cat([conv, torch.ones_like(conv)], dim=1))
+        out = proj.new_empty((proj.shape[0], vd))
+        if not spans:
+            return out
+        states = torch.stack([span.delta for span in spans]).to(self.device, torch.float32)
+        heads = (layer.k_heads, nv, layer.k_dim, layer.v_dim)
+        rate, dt_bias = self.place(layer.rate), self.place(layer.dt_bias)
+        done = [span.start for span in spans]
+        for cut in range(max(len(span.saves) for span in spans) + 1):
+            ends = [
+                span.start + span.saves[cut][0] + 1 if cut < len(span.saves) else span.end
+                for span in spans
+            ]
+            bounds = torch.tensor([done, ends], dtype=torch.int64, device=self.device)
+            delta.recurrence(x, proj[:, c + vd :], states, rate, dt_bias, bounds, heads, out)
+            for j, span in enumerate(spans):
+                if cut < len(span.saves):
+                    span.saves[cut][2].copy_(states[j])
+            done = ends
+        for j, span in enumerate(spans):
+            span.delta.copy_(states[j])
+        return out
 
     def experts(self, experts: Iterable[Expert], count: int) -> GroupedExperts:
         """A layer's `count` experts, each as `pack` put it on the device, stacked one at a
