@@ -493,7 +493,7 @@ def test_instructors_tools_mode_request_gets_only_the_models_fields(http: httpx.
     for seed in range(3):
         choice = _chat(
             http, tools=[tool], tool_choice={"type": "function", "function": {"name": "City"}},
-            max_tokens=40, seed=seed, temperature=1.0,
+            max_tokens=120, seed=seed, temperature=1.0,  # (a sampled name ran past 40 on AVX2)
             messages=[{"role": "user", "content": "Name a city in France."}],
         )  # fmt: skip
         (call,) = choice["message"]["tool_calls"]

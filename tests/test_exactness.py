@@ -121,10 +121,15 @@ def test_logprobs_are_as_close_to_float64_as_float32_is(isa: str, products: str)
 # reference's worst token: 4 of 63 for probserve, 3 for the torch path (its own worst 2.64x).
 # In float64 one at a time: the body's products (what dominates; the head's alone changes
 # nothing) 0 of 63 and 9.4e-7; the norms, the attention, the delta rule or the scoring 1 to 4
-# of 63, each moving which prompt is unlucky. Marked, the rule kept (strict: a pass fails it).
+# of 63, each moving which prompt is unlucky. Marked where it was measured, the AVX-512 path
+# (strict: a pass fails it); the AVX2 path's own order of sums (an AMD EPYC without AVX-512,
+# 2026-12-07) passes the rule on the same prompts (its worst token 1.26x, rms 1.12e-6 against
+# the reference's 1.61e-6), and must.
 OUTLIER = "qwen3_5: one token 2.24x the float32 reference's float64 error, the reference lucky"
 NEW_FAMILIES = [
-    pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=OUTLIER)) if k == "qwen3_5" else k
+    pytest.param(k, marks=pytest.mark.xfail(" avx512f" in _flags(), strict=True, reason=OUTLIER))
+    if k == "qwen3_5"
+    else k
     for k in [*KINDS, "gemma4"]
 ]
 
