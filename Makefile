@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SERVE_STAMP := $(VENV)/.serve-installed
 
-.PHONY: install serve test test-fast lint clean browser wheel-check
+.PHONY: install serve test test-fast lint clean browser simde wheel-check
 
 # what serving needs: the CPU torch, probserve itself, the embedded model, the kernels
 $(SERVE_STAMP): pyproject.toml Makefile
@@ -41,16 +41,24 @@ browser:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
 		>/dev/null 2>&1; } || echo "no Chromium could be installed: the playground browser tests will skip"
 
+# Debian's SIMDe headers, for the build whose AVX-512 limb path (and AMX kernels) runs on a CPU
+# without AVX-512 (PROBSERVE_KERNEL_ISA=avx512-emulated; tests/test_amx.py skips, saying why,
+# where none installs)
+simde:
+	@test -f /usr/include/simde/x86/avx512.h || { command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev; } \
+		>/dev/null 2>&1; } || echo "SIMDe could not be installed: the AMX kernels' tests skip on a CPU without AVX-512"
+
 # the API suites a second time, against the Ray Serve deployment (tests/conftest.py)
 RAY_SUITES := tests/test_api_completions.py tests/test_api_chat.py tests/test_api_responses.py
 
 # the tests that start no server and run no external client (a few minutes)
-test-fast: $(STAMP)
+test-fast: $(STAMP) simde
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-test: $(STAMP) browser
+test: $(STAMP) browser simde
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25 $(PYTEST_ARGS)

@@ -1,6 +1,8 @@
-"""The integer limbs on AMX tiles (kernels/limbs_amx.h, tiles.h): on any AVX-512 CPU the AMX
-kernels' code runs through the tiles' exact emulation and must give the vpdpbusd path's bytes for
-every format and row count; on a CPU with AMX-INT8 the instructions must give the emulation's
+"""The integer limbs on AMX tiles (kernels/limbs_amx.h, tiles.h): on any CPU the AMX kernels'
+code runs through the tiles' exact emulation (on a CPU without AVX-512 VNNI, in the build whose
+AVX-512 limb path runs on SIMDe's emulation: PROBSERVE_KERNEL_ISA=avx512-emulated) and must give
+the vpdpbusd path's bytes, and this CPU's own limbs' bytes, for every format and row count; on a
+CPU with AMX-INT8 the instructions must give the emulation's
 bytes; the automatic choice (tiles from ps_limb_tile_rows(fmt) rows) is what the library says
 (/health's kernel_isa) and what PROBSERVE_LIMB_TILES asks; and `--products auto`
 (engine/core/products.py) resolves per format as its table says on each simulated CPU, with
@@ -22,7 +24,7 @@ from test_deterministic import _bits, _canary, _others
 from test_quantized import LIMB_FORMATS, SHAPES, kmix, random_blocks, tiny256  # noqa: F401
 
 from probserve.engine import EngineConfig, EngineCore, EngineRequest, LogprobsSpec, SamplingParams
-from probserve.kernels.build import KernelBuildError, isa_path, load
+from probserve.kernels.build import ISA_ENV, KernelBuildError, isa_path, load
 from probserve.kernels.invariant import InvariantKernels
 from probserve.kernels.weights import QuantizedWeight
 
@@ -35,6 +37,35 @@ def limbs() -> InvariantKernels:
     if not kernels.limb_types:
         pytest.skip("no AVX2 here: limbs.cpp multiplies no format")
     return kernels
+
+
+@pytest.fixture(scope="module")
+def tiled(limbs: InvariantKernels) -> InvariantKernels:
+    """Kernels whose limbs have the tile path: this CPU's own (the AVX-512 VNNI build), else the
+    build whose AVX-512 limb path, the same source, runs on SIMDe's emulation of its intrinsics
+    (its tiles on tiles.h's emulation: the AMX kernels' code on a CPU with AVX2 alone)."""
+    if int(limbs.lib.ps_limbs_isa()) == 512:
+        return limbs
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ISA_ENV, "avx512-emulated")
+        try:
+            kernels = InvariantKernels(limbs=True)
+        except KernelBuildError as exc:  # no SIMDe headers: `make simde` installs them
+            pytest.skip(str(exc).splitlines()[0])
+    assert isa_path(kernels.lib) == isa_path(limbs.lib) + "+avx512-vnni-emulated"
+    return kernels
+
+
+def test_the_emulated_build_says_what_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PROBSERVE_KERNEL_ISA=avx512-emulated without SIMDe's headers: one line naming them and
+    how to install them, before any compiler runs."""
+    from probserve.kernels import build
+
+    monkeypatch.setenv(ISA_ENV, "avx512-emulated")
+    monkeypatch.setattr(build, "simde_version", lambda: None)
+    monkeypatch.setattr(build, "compiler", lambda: pytest.fail("the compiler was asked"))
+    with pytest.raises(KernelBuildError, match=r"needs SIMDe's headers .*libsimde-dev"):
+        load()
 
 
 def _case(
@@ -62,16 +93,16 @@ def _bytes(t: torch.Tensor | None) -> bytes:
 
 
 @pytest.mark.parametrize("qtype", LIMB_FORMATS, ids=lambda q: q.name)
-def test_emulated_tiles_give_the_vpdpbusd_bits_at_every_row_count(limbs, qtype):
+def test_emulated_tiles_give_the_vpdpbusd_bits_at_every_row_count(limbs, tiled, qtype):
     """Rows 1..40 (one tile pass, part of one, several) through the emulated AMX kernel: the
-    bytes of the vpdpbusd path's product, which is row-invariant (tests/test_quantized.py)."""
-    packed, x = _case(limbs, qtype, 64)
-    if limbs.limb_product(x[:1], packed, EMULATED) is None:
-        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
-    want = _bytes(limbs.limb_product(x, packed, VNNI))
+    bytes of the vpdpbusd path's product, which is row-invariant (tests/test_quantized.py), and
+    of this CPU's own limbs (its AVX2 path where the AVX-512 one is emulated)."""
+    packed, x = _case(limbs, qtype, 64)  # (one layout for every ISA path: pack_limbs')
+    want = _bytes(tiled.limb_product(x, packed, VNNI))
+    assert _bytes(limbs.limb_product(x, packed, VNNI)) == want
     row = len(want) // 40
     for rows in range(1, 41):
-        got = _bytes(limbs.limb_product(x[:rows], packed, EMULATED))
+        got = _bytes(tiled.limb_product(x[:rows], packed, EMULATED))
         assert got == want[: rows * row], (qtype.name, rows)
 
 
@@ -79,22 +110,21 @@ KQUANTS = [q for q in LIMB_FORMATS if gguf.GGML_QUANT_SIZES[q][0] == 256]
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
-def test_the_k_quants_rows_in_blocks_give_the_same_bits(limbs, qtype):
+def test_the_k_quants_rows_in_blocks_give_the_same_bits(limbs, tiled, qtype):
     """A K-quant's tile path takes its rows in blocks whose limbs stay in a core's L2 (1 MiB:
     32 rows at K = 8192), every panel through one block, then the next: 40 rows (a block and a
     part of a pass), emulated and on the real tiles where there are some, give the vpdpbusd
-    path's bytes, row for row."""
+    path's bytes (and this CPU's own limbs'), row for row."""
     rng = np.random.default_rng(7 + qtype.value)
     n, k = 33, 8192
     packed = limbs.qpack(random_blocks(qtype, n, k, rng), qtype.value, None)
     x = torch.from_numpy(rng.standard_normal((40, k)).astype(np.float32))
     x[35, 300:560] *= 1e-20  # a super-block of tiny values in the second block
-    if limbs.limb_product(x[:1], packed, EMULATED) is None:
-        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
-    want = _bytes(limbs.limb_product(x, packed, VNNI))
-    assert _bytes(limbs.limb_product(x, packed, EMULATED)) == want
-    if _has_amx(limbs):
-        assert _bytes(limbs.limb_product(x, packed, AMX)) == want
+    want = _bytes(tiled.limb_product(x, packed, VNNI))
+    assert _bytes(limbs.limb_product(x, packed, VNNI)) == want
+    assert _bytes(tiled.limb_product(x, packed, EMULATED)) == want
+    if _has_amx(tiled):
+        assert _bytes(tiled.limb_product(x, packed, AMX)) == want
 
 
 def _has_amx(limbs: InvariantKernels) -> bool:
@@ -143,20 +173,20 @@ np.savez(sys.argv[2], isa=np.array(isa_path(kernels.lib, limbs=True)), out=out)
 
 @pytest.mark.slow
 def test_emulate_in_the_environment_takes_every_batch_to_the_emulation(
-    limbs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    limbs, tiled, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """PROBSERVE_LIMB_TILES=emulate: a process's batches of 10 rows or more run the emulated
     tiles (as the engine's do: kernel_isa says so) with the bytes this process computes; a value
     that is not a choice is refused when the library loads."""
     packed, x = _case(limbs, LIMB_FORMATS[0], 67)
-    if limbs.limb_product(x[:1], packed, EMULATED) is None:
-        pytest.skip("the tile path needs the AVX-512 build (this is the AVX2 path)")
     assert packed.bias is not None
     np.savez(
         tmp_path / "in.npz", data=packed.data.numpy(), bias=packed.bias.numpy(), fmt=packed.fmt,
         n=packed.n, k=packed.k, x=x.numpy(),
     )  # fmt: skip
     env = {**os.environ, "PROBSERVE_LIMB_TILES": "emulate", "OMP_NUM_THREADS": "2"}
+    if tiled is not limbs:  # the AVX-512 limb path on SIMDe's emulation
+        env[ISA_ENV] = "avx512-emulated"
     args = [sys.executable, "-c", EMULATE, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -3,7 +3,9 @@ weights, the deterministic kernels) against a float64 forward of the same dequan
 on every kernel ISA path this CPU can run (the narrower forced with PROBSERVE_KERNEL_ISA=avx2)
 and with each product (--products float, and limbs: in integer limbs on AVX-512 VNNI or AVX2,
 which the test checks /health's fact says; batches of many rows on AMX tiles where the CPU has
-them, and on AVX-512 also through the tiles' emulation, PROBSERVE_LIMB_TILES=emulate).
+them, and also through the tiles' emulation, PROBSERVE_LIMB_TILES=emulate: on a CPU without
+AVX-512 VNNI in the build whose AVX-512 limb path runs on SIMDe, PROBSERVE_KERNEL_ISA=
+avx512-emulated).
 probserve must be at most 2x as far from float64 as transformers' float32 forward is (its worst
 over the summation orders its BLAS takes at 1, 2 and 4 threads), 1.5x over every token's error
 pooled (root-mean-square), and within 1e-4 of that float32 reference (docs/logprobs.md,
@@ -26,6 +28,7 @@ from test_gemma4 import _saved
 from test_qwen35 import KINDS, _prompt, tiny_hybrid
 
 from probserve.engine import EngineConfig, EngineCore
+from probserve.kernels.build import simde_version
 from probserve.models import LoadedModel
 from probserve.models.loader import load_model
 
@@ -46,6 +49,8 @@ def _paths() -> list[tuple[str, str]]:
         paths += [("avx2", "float"), ("avx2", "limbs")]
     if " avx512_vnni" in _flags():
         paths += [("emulate", "limbs")]  # the AMX kernels' code on the tiles' emulation
+    elif simde_version() is not None:  # ... and the AVX-512 path's on SIMDe's emulation
+        paths += [("avx512-emulated", "limbs")]
     return paths
 
 
@@ -53,6 +58,8 @@ def _truth(isa: str, products: str) -> list[dict]:
     env = {**os.environ, "PROBSERVE_KERNEL_ISA": isa, "OMP_NUM_THREADS": "2"}
     if isa == "emulate":
         env.update(PROBSERVE_KERNEL_ISA="native", PROBSERVE_LIMB_TILES="emulate")
+    if isa == "avx512-emulated":
+        env.update(PROBSERVE_LIMB_TILES="emulate")
     done = subprocess.run(
         [sys.executable, str(HERE / "float64_truth.py"), products],
         env=env, capture_output=True, text=True, timeout=900, check=False,
@@ -69,6 +76,8 @@ def _isa_path(isa: str, products: str) -> set[str]:
         return {"avx2"}
     if isa == "emulate":
         return {"avx512-vnni+amx-emulated"}
+    if isa == "avx512-emulated":
+        return {f"{base}+avx512-vnni-emulated+amx-emulated" for base in ("avx2", "avx512")}
     if " avx512_vnni" not in _flags():
         return {"avx512", "avx2"}
     # the limbs on AMX where the CPU has it (Linux grants the tile state: limbs.cpp asks)

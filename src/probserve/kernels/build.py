@@ -48,17 +48,23 @@ HEADERS = (
     HERE / "limbs_amx.h",
     HERE / "limbs_super.h",
     HERE / "tiles.h",
+    HERE / "avx512_emulated.h",
 )
 # -ffp-contract=off: no multiply-add the source does not write as one (results must not depend
 # on what the compiler fuses)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # PROBSERVE_KERNEL_ISA=avx2: the AVX2 + FMA + F16C path even on an AVX-512 machine (tests run
-# both paths where the machine has both); unset or "native": the widest the CPU has
+# both paths where the machine has both); unset or "native": the widest the CPU has;
+# "avx512-emulated": the native build, but its integer limbs the AVX-512 VNNI path (and its AMX
+# kernels) with every AVX-512 intrinsic from SIMDe's exact emulation (avx512_emulated.h): slow,
+# for tests of that code on a CPU without AVX-512 (it needs SIMDe's headers: `make simde`)
 ISA_ENV = "PROBSERVE_KERNEL_ISA"
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx512-emulated": ("-DPS_LIMBS_SIMDE",)}
+SIMDE_HEADER = "simde/x86/avx512.h"
 # PROBSERVE_LIMB_TILES: where batches of many rows take the integer limbs (limbs.cpp reads it
 # once a process): "auto" (unset) AMX where the CPU has it, "off" never, "emulate" AMX's exact
-# emulation (tiles.h: the AMX kernels' code on any AVX-512 CPU; slow, for tests)
+# emulation (tiles.h: the AMX kernels' code on any CPU with the AVX-512 limb path, native or
+# PROBSERVE_KERNEL_ISA=avx512-emulated's; slow, for tests)
 TILES_ENV = "PROBSERVE_LIMB_TILES"
 TILES = ("auto", "off", "emulate")
 
@@ -70,6 +76,18 @@ def flags() -> tuple[str, ...]:
     if isa not in ISA_FLAGS:
         raise KernelBuildError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
     return (*FLAGS, *ISA_FLAGS[isa])
+
+
+def simde_version() -> str | None:
+    """SIMDe's version line where the compiler's include path has its headers (the emulated
+    build's cache key holds it), else None."""
+    roots = [*os.environ.get("CPATH", "").split(":"), "/usr/local/include", "/usr/include"]
+    for root in filter(None, roots):
+        common = Path(root) / "simde" / "simde-common.h"
+        if (Path(root) / SIMDE_HEADER).is_file() and common.is_file():
+            found = re.search(r"#define\s+SIMDE_VERSION\s+(.+)", common.read_text())
+            return found.group(1).strip() if found else str(common)
+    return None
 
 
 HEADER = HERE / "probserve.h"  # every exported prototype and struct, declared once
@@ -143,6 +161,7 @@ def library_path(cxx: str) -> Path:
                 version,
                 " ".join(flags()),
                 _cpu_features(),
+                (simde_version() or "") if "-DPS_LIMBS_SIMDE" in flags() else "",
             )
         )
     ).hexdigest()
@@ -175,6 +194,11 @@ def build() -> Path:
     why = unsupported_host()
     if why is not None:
         raise KernelBuildError(why)
+    if "-DPS_LIMBS_SIMDE" in flags() and simde_version() is None:
+        raise KernelBuildError(
+            f"{ISA_ENV}=avx512-emulated needs SIMDe's headers ({SIMDE_HEADER}) and none were "
+            "found (`make simde`; Debian/Ubuntu `apt install libsimde-dev`)"
+        )
     cxx = compiler()
     path = library_path(cxx)
     if path.exists():
@@ -204,12 +228,18 @@ def build() -> Path:
 def isa_path(lib: ctypes.CDLL, limbs: bool = False) -> str:
     """The instruction path a loaded library runs, as it says itself (not as asked):
     "avx512-vnni" (AVX-512 float kernels, integer limbs on VNNI), "avx512" (AVX-512, limbs on
-    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces). With
+    AVX2) or "avx2" (AVX2 + FMA + F16C throughout, as PROBSERVE_KERNEL_ISA=avx2 forces);
+    "avx2+avx512-vnni-emulated" (or "avx512+...") where PROBSERVE_KERNEL_ISA=avx512-emulated
+    built the limbs' AVX-512 VNNI path on SIMDe's emulation, on a CPU without it. With
     `limbs` (products in integer limbs), "+amx" where batches of many rows take them to AMX
     tiles, "+amx-emulated" to the tiles' emulation (PROBSERVE_LIMB_TILES=emulate)."""
-    if int(lib.ps_lanes()) == 8:
+    narrow = int(lib.ps_lanes()) == 8
+    if int(lib.ps_limbs_emulated()):
+        base = ("avx2" if narrow else "avx512") + "+avx512-vnni-emulated"
+    elif narrow:
         return "avx2"
-    base = "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
+    else:
+        base = "avx512-vnni" if int(lib.ps_limbs_isa()) == 512 else "avx512"
     tiles = int(lib.ps_limb_tiles()) if limbs else 0
     return base + {0: "", 1: "+amx", 2: "+amx-emulated"}[tiles]
 

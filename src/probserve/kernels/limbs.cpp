@@ -71,7 +71,11 @@
 #include "simd.h"
 #include "tiles.h"
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(PS_LIMBS_SIMDE)  // PROBSERVE_KERNEL_ISA=avx512-emulated (tests): the AVX-512 path on any CPU
+#include "avx512_emulated.h"
+#define PS_LIMBS_BUILT 1
+#define PS_LIMBS_ZMM 1
+#elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define PS_LIMBS_BUILT 1
 #define PS_LIMBS_ZMM 1  // vpdpbusd on 16 columns' lanes
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -203,7 +207,8 @@ inline __m512i high_bits(const __m512i* h) {
 template <int F, int C>
 inline void add_high(__m512i* w, const __m512i* h) {
     if constexpr (C < 8) {
-        w[C] = _mm512_or_si512(w[C], high_bits<F, C>(h));
+        const __m512i bits = high_bits<F, C>(h);  // (apart: the intrinsic may be a macro)
+        w[C] = _mm512_or_si512(w[C], bits);
         add_high<F, C + 1>(w, h);
     }
 }
@@ -547,6 +552,17 @@ int ps_limbs_isa() {
     return 512;
 #elif defined(PS_LIMBS_BUILT)
     return 256;
+#else
+    return 0;
+#endif
+}
+
+// 1 where this build's AVX-512 limb path runs through SIMDe's emulation of its intrinsics
+// (PROBSERVE_KERNEL_ISA=avx512-emulated: avx512_emulated.h), else 0
+int ps_limbs_emulated() {
+#if defined(PS_LIMBS_SIMDE) && \
+    !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
+    return 1;
 #else
     return 0;
 #endif

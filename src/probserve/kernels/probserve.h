@@ -127,6 +127,7 @@ void ps_qrows(int fmt, const uint8_t* packed, int64_t K, const int64_t* ids, int
 
 // ---- limbs.cpp: the linear layers on GGUF blocks in integer limbs (AMX, AVX-512 VNNI or AVX2) 
 int ps_limbs_isa();
+int ps_limbs_emulated();
 int ps_limb_tiles();
 int64_t ps_limb_tile_rows(int fmt);
 int64_t ps_limb_block_bytes(int fmt);
