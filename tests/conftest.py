@@ -15,12 +15,17 @@ import torch
 from probserve.engine import AsyncEngine, EngineConfig, EngineCore
 from probserve.models import LoadedModel, load_model
 
-# Ray (tests/ray_util.py) reads its authentication settings once, when first imported: the test
-# clusters use token authentication with a token made for this run
 # no GPU here (CI has none): the GPU path's Triton kernels run under Triton's interpreter, on
-# CPU tensors (set before any kernel is defined: triton reads it as a kernel is decorated)
+# CPU tensors (set before any kernel is defined: triton reads it as a kernel is decorated),
+# without the interpreter's redundant work on device calls (tests/triton_interpreter.py)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from triton_interpreter import skip_redundant_patches
+
+    skip_redundant_patches()
+# Ray (tests/ray_util.py) reads its authentication settings once, when first imported: the test
+# clusters use token authentication with a token made for this run
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
