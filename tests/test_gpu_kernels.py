@@ -58,9 +58,12 @@ def test_norm_activations_and_softcap_equal_torch_and_are_row_invariant() -> Non
     torch.testing.assert_close(capped, torch.tanh(big / 30.0) * 30.0, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d", [64, 96])
-def test_rope_and_the_cache_write_equal_torch(d: int) -> None:
-    nq, nkv, t, slots = 4, 2, 6, 40
+@pytest.mark.parametrize("d, nq, nkv", [(64, 4, 2), (96, 4, 2), (64, 14, 2)])
+def test_rope_and_the_cache_write_equal_torch(d: int, nq: int, nkv: int) -> None:
+    """A token's heads in blocks of rows (18 heads: a block of 16 and one of 2, the rest
+    masked): the queries and keys rotated as torch rotates them, the keys and values at their
+    slots and nowhere else."""
+    t, slots = 6, 40
     qkv = _randn(t, (nq + 2 * nkv) * d, seed=8)
     cos, sin = _randn(50, d, seed=9), _randn(50, d, seed=10)
     positions = torch.tensor([0, 7, 8, 9, 31, 49], device=DEVICE)
@@ -78,6 +81,8 @@ def test_rope_and_the_cache_write_equal_torch(d: int) -> None:
     k_ref = rot(qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d))
     torch.testing.assert_close(kc[slots_at], k_ref, atol=1e-6, rtol=1e-6)
     assert torch.equal(vc[slots_at], qkv[:, (nq + nkv) * d :].view(t, nkv, d))
+    untouched = [s for s in range(slots) if s not in slots_at.tolist()]
+    assert not kc[untouched].any() and not vc[untouched].any()
 
 
 @pytest.mark.parametrize("nq, d", [(4, 64), (6, 40)])

@@ -91,35 +91,40 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 @triton.jit
 def _rope_cache(
     qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, NQ, NKV, D,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
+    # token t's heads HEADS at a time (rows of a [HEADS, HALF] block): queries rotated into q,
+    # keys rotated into the cache, values copied there, each head's row by the same operations
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)[:, None]
     half = D // 2
-    i = tl.arange(0, HALF)
-    m = i < half
+    i = tl.arange(0, HALF)[None, :]
+    m = (i < half) & (h < NQ + 2 * NKV)
     src = qkv_ptr + t * (NQ + 2 * NKV) * D + h * D
     x1 = tl.load(src + i, mask=m, other=0.0)
     x2 = tl.load(src + half + i, mask=m, other=0.0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if h < NQ + NKV:
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        c1 = tl.load(cos_ptr + pos * D + i, mask=m, other=0.0)
-        c2 = tl.load(cos_ptr + pos * D + half + i, mask=m, other=0.0)
-        s1 = tl.load(sin_ptr + pos * D + i, mask=m, other=0.0)
-        s2 = tl.load(sin_ptr + pos * D + half + i, mask=m, other=0.0)
-        y1 = x1 * c1 - x2 * s1
-        y2 = x2 * c2 + x1 * s2
-        if h < NQ:
-            tl.store(q_ptr + (t * NQ + h) * D + i, y1, mask=m)
-            tl.store(q_ptr + (t * NQ + h) * D + half + i, y2, mask=m)
-        else:
-            tl.store(k_ptr + (slot * NKV + (h - NQ)) * D + i, y1, mask=m)
-            tl.store(k_ptr + (slot * NKV + (h - NQ)) * D + half + i, y2, mask=m)
-    else:
-        dst = v_ptr + (slot * NKV + (h - NQ - NKV)) * D
-        tl.store(dst + i, x1, mask=m)
-        tl.store(dst + half + i, x2, mask=m)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c1 = tl.load(cos_ptr + pos * D + i, mask=i < half, other=0.0)
+    c2 = tl.load(cos_ptr + pos * D + half + i, mask=i < half, other=0.0)
+    s1 = tl.load(sin_ptr + pos * D + i, mask=i < half, other=0.0)
+    s2 = tl.load(sin_ptr + pos * D + half + i, mask=i < half, other=0.0)
+    y1 = x1 * c1 - x2 * s1
+    y2 = x2 * c2 + x1 * s2
+    is_q = m & (h < NQ)
+    tl.store(q_ptr + (t * NQ + h) * D + i, y1, mask=is_q)
+    tl.store(q_ptr + (t * NQ + h) * D + half + i, y2, mask=is_q)
+    is_k = m & (h >= NQ) & (h < NQ + NKV)
+    kh = tl.where(is_k, h - NQ, 0)
+    tl.store(k_ptr + (slot * NKV + kh) * D + i, y1, mask=is_k)
+    tl.store(k_ptr + (slot * NKV + kh) * D + half + i, y2, mask=is_k)
+    is_v = m & (h >= NQ + NKV)
+    vh = tl.where(is_v, h - NQ - NKV, 0)
+    tl.store(v_ptr + (slot * NKV + vh) * D + i, x1, mask=is_v)
+    tl.store(v_ptr + (slot * NKV + vh) * D + half + i, x2, mask=is_v)
+
+
+ROPE_HEADS = 16  # heads a program (a token's, in blocks)
 
 
 def rope_cache(
@@ -141,7 +146,9 @@ def rope_cache(
     q = torch.empty((t, nq, d), dtype=torch.float32, device=qkv.device)
     if t:
         half = triton.next_power_of_2(d // 2)
-        _rope_cache[(t, nq + 2 * nkv)](
-            qkv, cos, sin, positions, slots, q, k_cache, v_cache, nq, nkv, d, HALF=half
-        )
+        heads = min(ROPE_HEADS, triton.next_power_of_2(nq + 2 * nkv))
+        _rope_cache[(t, triton.cdiv(nq + 2 * nkv, heads))](
+            qkv, cos, sin, positions, slots, q, k_cache, v_cache, nq, nkv, d, HALF=half,
+            HEADS=heads,
+        )  # fmt: skip
     return q
