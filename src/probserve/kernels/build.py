@@ -59,7 +59,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-f
 # kernels) with every AVX-512 intrinsic from SIMDe's exact emulation (avx512_emulated.h): slow,
 # for tests of that code on a CPU without AVX-512 (it needs SIMDe's headers: `make simde`)
 ISA_ENV = "PROBSERVE_KERNEL_ISA"
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx512-emulated": ("-DPS_LIMBS_SIMDE",)}
+SIMDE_FLAG = "-DPS_LIMBS_SIMDE"
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "avx512-emulated": (SIMDE_FLAG,)}
 SIMDE_HEADER = "simde/x86/avx512.h"
 # PROBSERVE_LIMB_TILES: where batches of many rows take the integer limbs (limbs.cpp reads it
 # once a process): "auto" (unset) AMX where the CPU has it, "off" never, "emulate" AMX's exact
@@ -161,7 +162,7 @@ def library_path(cxx: str) -> Path:
                 version,
                 " ".join(flags()),
                 _cpu_features(),
-                (simde_version() or "") if "-DPS_LIMBS_SIMDE" in flags() else "",
+                (simde_version() or "") if SIMDE_FLAG in flags() else "",
             )
         )
     ).hexdigest()
@@ -194,7 +195,7 @@ def build() -> Path:
     why = unsupported_host()
     if why is not None:
         raise KernelBuildError(why)
-    if "-DPS_LIMBS_SIMDE" in flags() and simde_version() is None:
+    if SIMDE_FLAG in flags() and simde_version() is None:
         raise KernelBuildError(
             f"{ISA_ENV}=avx512-emulated needs SIMDe's headers ({SIMDE_HEADER}) and none were "
             "found (`make simde`; Debian/Ubuntu `apt install libsimde-dev`)"

@@ -71,11 +71,15 @@
 #include "simd.h"
 #include "tiles.h"
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define PS_LIMBS_VNNI 1  // the CPU runs the AVX-512 path's instructions itself
+#endif
+
 #if defined(PS_LIMBS_SIMDE)  // PROBSERVE_KERNEL_ISA=avx512-emulated (tests): the AVX-512 path on any CPU
 #include "avx512_emulated.h"
 #define PS_LIMBS_BUILT 1
 #define PS_LIMBS_ZMM 1
-#elif defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#elif defined(PS_LIMBS_VNNI)
 #define PS_LIMBS_BUILT 1
 #define PS_LIMBS_ZMM 1  // vpdpbusd on 16 columns' lanes
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -560,8 +564,7 @@ int ps_limbs_isa() {
 // 1 where this build's AVX-512 limb path runs through SIMDe's emulation of its intrinsics
 // (PROBSERVE_KERNEL_ISA=avx512-emulated: avx512_emulated.h), else 0
 int ps_limbs_emulated() {
-#if defined(PS_LIMBS_SIMDE) && \
-    !(defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
+#if defined(PS_LIMBS_SIMDE) && !defined(PS_LIMBS_VNNI)
     return 1;
 #else
     return 0;
