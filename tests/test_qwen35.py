@@ -332,7 +332,7 @@ def test_the_native_rule_is_the_torch_rule_and_ignores_chunking_and_threads() ->
     from probserve.kernels.invariant import InvariantKernels
 
     torch.manual_seed(0)
-    nk, nv, dk, dv, k = 2, 4, 8, 24, 4
+    nk, nv, dk, dv, k = 2, 4, 8, 76, 4  # dv: 4 vectors walked together, then the rest
     c = 2 * nk * dk + nv * dv
     layer = DeltaLayer(torch.randn(k, c) * 0.5, -torch.rand(nv) - 0.1, torch.randn(nv), nk, nv,
                        dk, dv)  # fmt: skip

@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t CONV_BLOCK = 256;  // channels a conv piece takes
 constexpr double L2_EPS = 1e-6;      // the l2 norm's (transformers' and FLA's)
+constexpr int RULE_BLOCKS = 4;       // column vectors the rule walks together (rule_columns)
 
 struct Dims {
     int64_t C, K, nk, nv, dk, dv;
@@ -86,6 +87,46 @@ inline void l2_normed(const float* x, int64_t n, double scale, float* out) {
     for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i] * f);
 }
 
+// the rule's two passes over the state's columns [j, j + B W) (B = 1: the last m < W too):
+// each column's operations as the header states them, in order; the B vectors' chains are
+// independent, so their FMAs' latency overlaps (one vector alone waits on each FMA)
+template <int B>
+inline void rule_columns(float* S, int64_t dv, int64_t dk, int64_t j, const float* k,
+                         const float* q, const float* v, vf decay, vf beta, float* o,
+                         int64_t m = W) {
+    auto load = [m](const float* p) { return B > 1 ? vload(p) : vload_n(p, m, 0.0f); };
+    auto store = [m](float* p, vf x) {
+        if (B > 1)
+            vstore(p, x);
+        else
+            vstore_n(p, x, m);
+    };
+    vf mem[B], acc[B], delta[B];
+    for (int b = 0; b < B; ++b) mem[b] = acc[b] = vzero();
+    for (int64_t i = 0; i < dk; ++i) {
+        float* s = S + i * dv + j;
+        const vf ki = vset1(k[i]);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) {
+            const vf si = vmul(load(s + b * W), decay);
+            store(s + b * W, si);
+            mem[b] = vfma(si, ki, mem[b]);
+        }
+    }
+    for (int b = 0; b < B; ++b) delta[b] = vmul(vsub(load(v + j + b * W), mem[b]), beta);
+    for (int64_t i = 0; i < dk; ++i) {
+        float* s = S + i * dv + j;
+        const vf ki = vset1(k[i]), qi = vset1(q[i]);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; ++b) {
+            const vf si = vfma(ki, delta[b], load(s + b * W));
+            store(s + b * W, si);
+            acc[b] = vfma(si, qi, acc[b]);
+        }
+    }
+    for (int b = 0; b < B; ++b) store(o + j + b * W, acc[b]);
+}
+
 // the rule over one span's rows for value head h
 void rule_piece(const float* proj, int64_t ld, const Dims& d, const float* rate,
                 const float* dt_bias, const Span& sp, const int64_t* saves, const float* mixed,
@@ -107,25 +148,11 @@ void rule_piece(const float* proj, int64_t ld, const Dims& d, const float* rate,
         const double softplus = a > 20.0 ? a : std::log1p(std::exp(a));
         const vf decay = vset1(static_cast<float>(std::exp(rate[h] * softplus)));
         float* o = out + row * vd + h * dv;
-        for (int64_t j = 0; j < dv; j += W) {
-            const int64_t m = std::min<int64_t>(W, dv - j);
-            vf mem = vzero();
-            for (int64_t i = 0; i < dk; ++i) {
-                float* s = S + i * dv + j;
-                const vf si = vmul(vload_n(s, m, 0.0f), decay);
-                vstore_n(s, si, m);
-                mem = vfma(si, vset1(k[i]), mem);
-            }
-            const vf delta = vmul(vsub(vload_n(v + j, m, 0.0f), mem), beta);
-            vf acc = vzero();
-            for (int64_t i = 0; i < dk; ++i) {
-                float* s = S + i * dv + j;
-                const vf si = vfma(vset1(k[i]), delta, vload_n(s, m, 0.0f));
-                vstore_n(s, si, m);
-                acc = vfma(si, vset1(q[i]), acc);
-            }
-            vstore_n(o + j, acc, m);
-        }
+        int64_t j = 0;
+        for (; j + RULE_BLOCKS * W <= dv; j += RULE_BLOCKS * W)
+            rule_columns<RULE_BLOCKS>(S, dv, dk, j, k, q, v, decay, beta, o);
+        for (; j < dv; j += W)
+            rule_columns<1>(S, dv, dk, j, k, q, v, decay, beta, o, std::min<int64_t>(W, dv - j));
         if (next < sp.first + sp.count && saves[next * 3] == t) {
             float* dest = reinterpret_cast<float*>(saves[next * 3 + 2]);
             std::memcpy(dest + h * dk * dv, S, static_cast<size_t>(dk * dv) * sizeof(float));
