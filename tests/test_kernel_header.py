@@ -11,7 +11,7 @@ import pytest
 
 from probserve.kernels import build
 from probserve.kernels.build import KernelBuildError, header_signatures
-from probserve.kernels.layers import STRUCTS, check_struct_sizes
+from probserve.kernels.native_structs import STRUCTS, check_struct_sizes
 
 
 def test_every_source_includes_the_header_and_every_export_is_declared() -> None:

@@ -313,3 +313,88 @@ def test_a_dense_model_refuses_return_routed_experts(http):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "return_routed_experts"
     assert "mixture-of-experts" in r.json()["error"]["message"]
+
+
+class _Parts:
+    """A projection of packed parts side by side (models/linear.py's Linear or Joined)."""
+
+    def __init__(self, kernels: InvariantKernels, parts: list) -> None:
+        self.kernels, self.parts = kernels, parts
+
+    @property
+    def weights(self) -> list:
+        return self.parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.kernels.linear(x, p) for p in self.parts], dim=-1)
+
+
+def _mixed_experts(kernels: InvariantKernels, count: int, hidden: int, inter: int) -> list:
+    """Experts in float32 panels, in one block format, and in two joined (Q8_0 gate, Q4_K up)."""
+    from gguf import GGMLQuantizationType as Q
+    from test_quantized import random_blocks
+
+    from probserve.kernels.experts import Expert
+
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    halves = rng.standard_normal(64) * 0.01  # finite products
+
+    def dense(n: int, k: int):
+        return kernels.pack(torch.randn(n, k, generator=gen) * 0.05)
+
+    def blocks(qtype, n: int, k: int):
+        return kernels.qpack(random_blocks(qtype, n, k, rng, halves), qtype.value)
+
+    experts = []
+    for e in range(count):
+        if e % 3 == 0:
+            gate_up, down = [dense(2 * inter, hidden)], [dense(hidden, inter)]
+        elif e % 3 == 1:
+            gate_up, down = [blocks(Q.Q4_K, 2 * inter, hidden)], [blocks(Q.Q6_K, hidden, inter)]
+        else:
+            gate_up = [blocks(Q.Q8_0, inter, hidden), blocks(Q.Q4_K, inter, hidden)]
+            down = [blocks(Q.Q4_0, hidden, inter)]
+        experts.append(Expert(_Parts(kernels, gate_up), _Parts(kernels, down)))
+    return experts
+
+
+def test_the_native_experts_are_the_bits_of_the_python_loop(kernels):
+    """A layer's experts in one ps_experts call (the hybrid families' and Gemma 4's path) give
+    each token the bits kernels/experts.py's loop gives, for every activation the library has,
+    any routing (experts with no token, one, or many; a token's k in any order), in block
+    formats, float32 and joined parts; another activation runs the loop."""
+    from functools import partial
+
+    from probserve.kernels.experts import EachExpert
+    from probserve.kernels.native_experts import NativeExperts
+
+    count, hidden, inter, k = 7, 256, 256, 3
+    experts = _mixed_experts(kernels, count, hidden, inter)
+    native = kernels.experts(iter(experts), count)
+    assert isinstance(native, NativeExperts)
+    loop = EachExpert(tuple(experts))
+    gen = torch.Generator().manual_seed(6)
+    acts = [
+        kernels.silu_mul,
+        kernels.gelu_tanh_mul,
+        partial(kernels.gpt_oss_glu, alpha=1.702, limit=0.05),
+    ]
+    for rows in (0, 1, 5, 37):
+        x = torch.randn(rows, hidden, generator=gen)
+        picks = [torch.randperm(count, generator=gen)[:k] for _ in range(rows)]
+        ids = torch.stack(picks) if picks else torch.zeros(0, k, dtype=torch.int64)
+        if rows > 1:
+            ids[1] = ids[0].flip(0)  # the same experts in another order
+        weights = torch.rand(rows, k, generator=gen)
+        for act in acts:
+            assert kernels.native_activation(act) is not None
+            got, want = native(x, ids, weights, act), loop(x, ids, weights, act)
+            assert got.shape == want.shape == (rows, hidden)
+            assert got.numpy().tobytes() == want.numpy().tobytes(), (rows, act)
+        other = lambda gu: kernels.silu_mul(gu) * 2  # noqa: E731 (not one the library has)
+        assert kernels.native_activation(other) is None
+        want = loop(x, ids, weights, other)
+        assert native(x, ids, weights, other).numpy().tobytes() == want.numpy().tobytes()
+    with pytest.raises(IndexError, match="expert"):
+        native(torch.zeros(1, hidden), torch.tensor([[0, count, 1]]), torch.ones(1, k), acts[0])

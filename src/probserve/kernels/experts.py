@@ -1,8 +1,9 @@
 """A mixture of experts' feed-forward as the host's backends run it (the row-invariant kernels',
 torch's): each expert once, on the tokens routed to it, in ascending id, and each token's sum
 over its experts in that order (transformers' eager order). With the row-invariant products a
-token's output is the same bits whether its expert sees it alone or with 200 others. The GPU
-path stacks its experts instead (kernels/gpu/experts.py)."""
+token's output is the same bits whether its expert sees it alone or with 200 others. The
+row-invariant kernels run this loop in one native call (kernels/native_experts.py: the same
+bits); the GPU path stacks its experts instead (kernels/gpu/experts.py)."""
 
 from __future__ import annotations
 

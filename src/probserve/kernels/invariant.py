@@ -8,6 +8,7 @@ row is a function of its own input row only: the guarantee `--deterministic` res
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -16,8 +17,9 @@ import torch
 from probserve.kernels.attention_plan import FlatKernels
 from probserve.kernels.build import header_constant, load
 from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan
-from probserve.kernels.experts import EachExpert, Expert
+from probserve.kernels.experts import Activation, Expert
 from probserve.kernels.layers import LayerWeights, NativeLayers, Shape
+from probserve.kernels.native_experts import NativeExperts
 from probserve.kernels.qlayout import (
     FORMATS,
     LIMB_PANEL,
@@ -387,8 +389,26 @@ class InvariantKernels(FlatKernels):
         )
         return out
 
-    def experts(self, experts: Iterable[Expert], count: int) -> EachExpert:
-        return EachExpert(tuple(experts))
+    def experts(self, experts: Iterable[Expert], count: int) -> NativeExperts:
+        return NativeExperts(self.lib, tuple(experts), self.native_activation)
+
+    def native_activation(self, act: Activation) -> tuple[float, float, int] | None:
+        """One of this backend's gated activations as ps_experts takes it, (alpha, limit,
+        gelu): SwiGLU, GeGLU or gpt-oss's clamped SwiGLU (a partial of gpt_oss_glu with its
+        alpha and limit); None for any other callable."""
+        if act == self.silu_mul:
+            return (1.0, 0.0, 0)
+        if act == self.gelu_tanh_mul:
+            return (1.0, 0.0, 1)
+        if (
+            isinstance(act, partial)
+            and act.func == self.gpt_oss_glu
+            and not act.args
+            and set(act.keywords) == {"alpha", "limit"}
+            and float(act.keywords["limit"]) > 0.0
+        ):
+            return (float(act.keywords["alpha"]), float(act.keywords["limit"]), 0)
+        return None
 
     def chain(self, shape: Shape, layers: Sequence[LayerWeights]) -> NativeLayers:
         return NativeLayers(self.lib, shape, layers)

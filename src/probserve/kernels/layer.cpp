@@ -17,6 +17,11 @@
 // the layers together, each kernel's loop shared out over the team (simd.h's on_team), so a
 // step forks once instead of ~150 times, and a barrier ends each kernel.
 //
+// A forward that calls its layers one at a time (the hybrid families', Gemma 4's) runs a layer's
+// experts the same way, in one call (ps_experts: the routing given, the same walk as ps_layers'
+// mixture, so the same bits as kernels/experts.py's loop, without the ~190 us an expert that
+// loop spends in Python and OpenMP's forks at 16 streams).
+//
 // Work buffers come from the caller (`scratch`, sized by ps_layers_scratch for a token count):
 // the Python side keeps one per power-of-two bucket of token counts, so nothing is allocated
 // per layer or per step.
@@ -27,25 +32,30 @@
 
 namespace {
 
+// the widest of a projection's parts where it has several (their outputs pass through `tmp`)
+int64_t widest(const PsProj& p) {
+    int64_t w = 0;
+    if (p.nparts > 1)
+        for (int64_t i = 0; i < p.nparts; ++i) w = std::max(w, p.parts[i].n);
+    return w;
+}
+
+int64_t widest_experts(const PsProj* gate_up, const PsProj* down, int64_t experts) {
+    int64_t w = 0;
+    for (int64_t e = 0; e < experts; ++e) w = std::max({w, widest(gate_up[e]), widest(down[e])});
+    return w;
+}
+
 int64_t widest_part(const PsModel* m) {
     int64_t w = 0;
-    auto widest = [&](const PsProj& p) {
-        if (p.nparts > 1)
-            for (int64_t i = 0; i < p.nparts; ++i) w = std::max(w, p.parts[i].n);
-    };
     for (int64_t li = 0; li < m->layers; ++li) {
         const PsLayer& l = m->layer[li];
-        for (const PsProj* p : {&l.qkv, &l.o}) widest(*p);
-        if (l.moe) {
-            widest(l.moe->router);
-            for (int64_t e = 0; e < l.moe->experts; ++e) {
-                widest(l.moe->gate_up[e]);
-                widest(l.moe->down[e]);
-            }
-        } else {
-            widest(l.gate_up);
-            widest(l.down);
-        }
+        w = std::max({w, widest(l.qkv), widest(l.o)});
+        if (l.moe)
+            w = std::max({w, widest(l.moe->router),
+                          widest_experts(l.moe->gate_up, l.moe->down, l.moe->experts)});
+        else
+            w = std::max({w, widest(l.gate_up), widest(l.down)});
     }
     return w;
 }
@@ -90,80 +100,95 @@ void add_into(float* h, const float* x, int64_t n) {
     });
 }
 
-struct Buffers {
-    float *x, *qkv, *q, *attn, *o, *gu, *act, *tmp;
-    // a mixture of experts: router logits, choices, the rows routed to each expert
-    float *logits, *w, *xg, *y;
-    int64_t *ids, *count, *rows, *slot;
+// buffers carved from a caller's scratch, 64 bytes apart; with a null base it only counts
+struct Carver {
+    float* base;
+    int64_t at = 0;
+    float* take(int64_t n) {
+        float* p = base ? base + at : nullptr;
+        at += (n + 15) / 16 * 16;
+        return p;
+    }
+    int64_t* take_ids(int64_t n) { return reinterpret_cast<int64_t*>(take(2 * n)); }  // 2 floats each
 };
 
-// the step's buffers carved from `scratch` (64-byte steps); returns the floats they take, so
-// with a null `scratch` it only counts (ps_layers_scratch)
+// where a layer's experts work: the rows routed to one expert gathered (xg), its [gate | up]
+// (gu), activation (act) and output (y), a part's output (tmp); each expert's first routed row
+// (count) and, in expert order, the rows' tokens and choices (rows, slot)
+struct ExpertBuffers {
+    float *xg, *gu, *act, *y, *tmp;
+    int64_t *count, *rows, *slot;
+};
+
+void carve_experts(Carver& c, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
+                   int64_t widest, ExpertBuffers& b) {
+    b.xg = c.take(T * H);
+    b.y = c.take(T * H);
+    b.gu = c.take(T * 2 * I);
+    b.act = c.take(T * I);
+    b.tmp = c.take(T * widest);
+    b.count = c.take_ids(E + 1);
+    b.rows = c.take_ids(T * k);
+    b.slot = c.take_ids(T * k);
+}
+
+struct Buffers {
+    float *x, *qkv, *q, *attn, *o, *gu, *act, *tmp;
+    float *logits, *w;  // a mixture of experts: router logits, each token's chosen weights
+    int64_t* ids;       // and experts
+    ExpertBuffers ex;
+};
+
+// the step's buffers carved from `scratch`; returns the floats they take, so with a null
+// `scratch` it only counts (ps_layers_scratch)
 int64_t carve(const PsModel* m, int64_t T, float* scratch, Buffers& b) {
     const int64_t qkv = (m->nq + 2 * m->nkv) * m->d, qd = m->nq * m->d;
-    int64_t at = 0;
-    auto take = [&](float*& p, int64_t n) {
-        p = scratch ? scratch + at : nullptr;
-        at += (n + 15) / 16 * 16;
-    };
-    take(b.x, T * m->hidden);
-    take(b.qkv, T * qkv);
-    take(b.q, T * qd);
-    take(b.attn, T * qd);
-    take(b.o, T * std::max(m->hidden, m->layer[0].o.n));
-    take(b.gu, T * 2 * m->inter);
-    take(b.act, T * m->inter);
-    take(b.tmp, T * widest_part(m));
+    Carver c{scratch};
+    b.x = c.take(T * m->hidden);
+    b.qkv = c.take(T * qkv);
+    b.q = c.take(T * qd);
+    b.attn = c.take(T * qd);
+    b.o = c.take(T * std::max(m->hidden, m->layer[0].o.n));
+    b.gu = c.take(T * 2 * m->inter);
+    b.act = c.take(T * m->inter);
+    b.tmp = c.take(T * widest_part(m));
     const int64_t E = most_experts(m);
     int64_t K = 1;  // the most experts a token goes to
     for (int64_t li = 0; li < m->layers; ++li)
         if (m->layer[li].moe) K = std::max(K, m->layer[li].moe->top_k);
     if (E) {
-        auto take_ids = [&](int64_t*& p, int64_t n) {  // int64s: two floats each
-            float* f = nullptr;
-            take(f, 2 * n);
-            p = reinterpret_cast<int64_t*>(f);
-        };
-        take(b.logits, T * E);
-        take(b.w, T * K);
-        take(b.xg, T * m->hidden);
-        take(b.y, T * m->hidden);
-        take_ids(b.ids, T * K);
-        take_ids(b.count, E + 1);
-        take_ids(b.rows, T * K);
-        take_ids(b.slot, T * K);
+        b.logits = c.take(T * E);
+        b.w = c.take(T * K);
+        b.ids = c.take_ids(T * K);
+        carve_experts(c, T, m->hidden, m->inter, E, K, widest_part(m), b.ex);
     }
-    return at;
+    return c.at;
 }
 
-// the layer's mixture of experts over x [T, H] into out [T, H] (zeroed first): the team routes
-// each token (one thread: ps_route, the routing kept at the tokens' slots, the tokens listed per
-// expert in token order), then walks the experts in ascending id, each one's [gate | up], gated
-// activation and down once on its tokens, and adds weight * output into each token's row (a
-// rounded product, then a rounded sum: models/moe.py's multiply and index_add_)
-void mixture(const PsModel* m, const PsStep* s, const PsMoE& moe, const float* x, int64_t T,
-             float* out, const Buffers& b) {
-    const int64_t H = m->hidden, E = moe.experts, k = moe.top_k, I = moe.inter;
-    project(moe.router, x, T, b.logits, b.tmp);
+// the experts' gated activation: gpt-oss's clamped SwiGLU (limit > 0), GeGLU or SwiGLU
+struct ExpertAct {
+    float alpha, limit;
+    int64_t gelu;
+};
+
+// inside the team's parallel region: out [T, H] (zeroed first) = for each token, its experts'
+// outputs (ids, w [T, k]: its choices and their weights) summed in ascending expert id. The
+// tokens are listed per expert in token order (one thread), then each expert that has any runs
+// its [gate | up], gated activation and down once on them, and weight * output is added into
+// each token's row (a rounded product, then a rounded sum: models/moe.py's multiply and
+// index_add_)
+void each_expert(const PsProj* gate_up, const PsProj* down, int64_t E, int64_t I, int64_t H,
+                 ExpertAct act, const float* x, int64_t T, const int64_t* ids, const float* w,
+                 int64_t k, float* out, const ExpertBuffers& b) {
 #pragma omp single
     {
-        ps_route(b.logits, T, E, k, static_cast<int>(moe.norm), b.ids, b.w);
-        if (s->routed) {
-            const int64_t row = s->moe_layers * s->top_k;
-            for (int64_t t = 0; t < T; ++t)
-                for (int64_t j = 0; j < k; ++j) {
-                    const int64_t at = s->slots[t] * row + moe.index * s->top_k + j;
-                    s->routed[at] = static_cast<int16_t>(b.ids[t * k + j]);
-                    s->routed_w[at] = b.w[t * k + j];
-                }
-        }
         for (int64_t e = 0; e <= E; ++e) b.count[e] = 0;
-        for (int64_t i = 0; i < T * k; ++i) ++b.count[b.ids[i] + 1];
+        for (int64_t i = 0; i < T * k; ++i) ++b.count[ids[i] + 1];
         for (int64_t e = 0; e < E; ++e) b.count[e + 1] += b.count[e];  // each expert's first row
         std::vector<int64_t> fill(b.count, b.count + E);
         for (int64_t t = 0; t < T; ++t)
             for (int64_t j = 0; j < k; ++j) {
-                const int64_t at = fill[b.ids[t * k + j]]++;
+                const int64_t at = fill[ids[t * k + j]]++;
                 b.rows[at] = t;
                 b.slot[at] = j;
             }
@@ -177,25 +202,48 @@ void mixture(const PsModel* m, const PsStep* s, const PsMoE& moe, const float* x
         const int64_t* slot = b.slot + first;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) std::copy(x + rows[r] * H, x + (rows[r] + 1) * H, b.xg + r * H);
-        project(moe.gate_up[e], b.xg, n, b.gu, b.tmp);
-        if (m->limit > 0.0f)
-            ps_gpt_oss_glu(b.gu, n, I, b.act, m->alpha, m->limit);
-        else if (m->gelu)
+        project(gate_up[e], b.xg, n, b.gu, b.tmp);
+        if (act.limit > 0.0f)
+            ps_gpt_oss_glu(b.gu, n, I, b.act, act.alpha, act.limit);
+        else if (act.gelu)
             ps_gelu_tanh_mul(b.gu, n, I, b.act);
         else
             ps_silu_mul(b.gu, n, I, b.act);
-        project(moe.down[e], b.act, n, b.y, b.tmp);
+        project(down[e], b.act, n, b.y, b.tmp);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < n; ++r) {
             float* o = out + rows[r] * H;
             const float* y = b.y + r * H;
-            const vf w = vset1(b.w[rows[r] * k + slot[r]]);
+            const vf wr = vset1(w[rows[r] * k + slot[r]]);
             for (int64_t i = 0; i < H; i += W) {
                 const int64_t c = std::min<int64_t>(W, H - i);
-                vstore_n(o + i, vadd(vload_n(o + i, c, 0.0f), vmul(vload_n(y + i, c, 0.0f), w)), c);
+                vstore_n(o + i, vadd(vload_n(o + i, c, 0.0f), vmul(vload_n(y + i, c, 0.0f), wr)), c);
             }
         }
     }
+}
+
+// the layer's mixture of experts over x [T, H] into out [T, H]: the team routes each token (one
+// thread: ps_route, the routing kept at the tokens' slots), then runs the experts (each_expert)
+void mixture(const PsModel* m, const PsStep* s, const PsMoE& moe, const float* x, int64_t T,
+             float* out, const Buffers& b) {
+    const int64_t E = moe.experts, k = moe.top_k;
+    project(moe.router, x, T, b.logits, b.tmp);
+#pragma omp single
+    {
+        ps_route(b.logits, T, E, k, static_cast<int>(moe.norm), b.ids, b.w);
+        if (s->routed) {
+            const int64_t row = s->moe_layers * s->top_k;
+            for (int64_t t = 0; t < T; ++t)
+                for (int64_t j = 0; j < k; ++j) {
+                    const int64_t at = s->slots[t] * row + moe.index * s->top_k + j;
+                    s->routed[at] = static_cast<int16_t>(b.ids[t * k + j]);
+                    s->routed_w[at] = b.w[t * k + j];
+                }
+        }
+    }
+    each_expert(moe.gate_up, moe.down, E, moe.inter, m->hidden, {m->alpha, m->limit, m->gelu}, x,
+                T, b.ids, b.w, k, out, b.ex);
 }
 
 }  // namespace
@@ -258,6 +306,26 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
     }
 }
 
+int64_t ps_experts_scratch(const PsExperts* e, int64_t T, int64_t k) {
+    Carver c{nullptr};
+    ExpertBuffers b{};
+    carve_experts(c, T, e->hidden, e->inter, e->experts, k,
+                  widest_experts(e->gate_up, e->down, e->experts), b);
+    return c.at + 16;
+}
+
+void ps_experts(const PsExperts* e, const float* x, int64_t T, const int64_t* ids, const float* w,
+                int64_t k, float* out, float* scratch) {
+    if (T == 0) return;
+    Carver c{scratch};
+    ExpertBuffers b{};
+    carve_experts(c, T, e->hidden, e->inter, e->experts, k,
+                  widest_experts(e->gate_up, e->down, e->experts), b);
+#pragma omp parallel
+    each_expert(e->gate_up, e->down, e->experts, e->inter, e->hidden, {e->alpha, e->limit, e->gelu},
+                x, T, ids, w, k, out, b);
+}
+
 void ps_struct_sizes(int64_t* out) {
     out[0] = sizeof(PsPart);
     out[1] = sizeof(PsProj);
@@ -265,6 +333,7 @@ void ps_struct_sizes(int64_t* out) {
     out[3] = sizeof(PsModel);
     out[4] = sizeof(PsStep);
     out[5] = sizeof(PsMoE);
+    out[6] = sizeof(PsExperts);
 }
 
 }  // extern "C"

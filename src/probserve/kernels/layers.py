@@ -15,76 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from probserve.kernels.build import KernelBuildError, header_constant
 from probserve.kernels.experts import EachExpert
-from probserve.kernels.weights import Packed, QuantizedWeight, row_ids
-
-MAX_PARTS = header_constant("PS_MAX_PARTS")  # probserve.h's, as layer.cpp has it
-_I = ctypes.c_int64
-_P = ctypes.c_void_p
-_F = ctypes.c_float
-
-
-class _Part(ctypes.Structure):
-    _fields_ = [("fmt", _I), ("data", _P), ("bias", _P), ("n", _I), ("k", _I)]
-
-
-class _Proj(ctypes.Structure):
-    _fields_ = [("nparts", _I), ("parts", _Part * MAX_PARTS), ("n", _I)]
-
-
-class _MoE(ctypes.Structure):
-    _fields_ = [
-        ("router", _Proj),
-        *((name, _I) for name in ("experts", "top_k", "norm", "inter")),
-        ("gate_up", ctypes.POINTER(_Proj)),
-        ("down", ctypes.POINTER(_Proj)),
-        ("index", _I),
-    ]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [
-        *((name, _P) for name in ("ln1", "ln2", "pre_ff", "post_ff", "q_norm", "k_norm")),
-        *((name, _Proj) for name in ("qkv", "o", "gate_up", "down")),
-        ("window", _I),
-        ("rope", _I),
-        ("moe", ctypes.POINTER(_MoE)),
-        ("sinks", _P),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *((name, _I) for name in ("layers", "hidden", "nq", "nkv", "d", "inter")),
-        *((name, _F) for name in ("eps", "scale", "softcap", "alpha", "limit")),
-        ("sandwich", _I),
-        ("gelu", _I),
-        ("qk_full", _I),
-        ("layer", ctypes.POINTER(_Layer)),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("tokens", _I),
-        ("pos", _P),
-        ("slots", _P),
-        ("tables", _P),
-        ("width", _I),
-        ("block_size", _I),
-        ("seq", _P),
-        ("len", _P),
-        ("kc", _P),
-        ("vc", _P),
-        ("cache_slots", _I),
-        ("cos", ctypes.POINTER(_P)),
-        ("sin", ctypes.POINTER(_P)),
-        ("routed", _P),
-        ("routed_w", _P),
-        ("moe_layers", _I),
-        ("top_k", _I),
-    ]
+from probserve.kernels.native_experts import NativeExperts, describe_experts
+from probserve.kernels.native_structs import (
+    PsLayer,
+    PsModel,
+    PsMoE,
+    PsProj,
+    PsStep,
+    check_struct_sizes,
+    describe_proj,
+    ptr,
+)
+from probserve.kernels.weights import Packed, row_ids
 
 
 @dataclass
@@ -94,7 +37,7 @@ class MoEWeights:
     parts); `index`: its place among the model's MoE layers."""
 
     router: Sequence[Packed]
-    experts: object  # the layer's `Experts` (kernels/layer_ops.py): an EachExpert here
+    experts: object  # the layer's `Experts` (kernels/layer_ops.py): the host's
     top_k: int
     norm: bool
     index: int
@@ -138,40 +81,6 @@ class Shape:
     qk_full: bool = False  # q/k norms over the whole projections (OLMoE)
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
-def _proj(parts: Sequence[Packed]) -> _Proj:
-    if not 1 <= len(parts) <= MAX_PARTS:
-        raise ValueError(f"a projection has 1 to {MAX_PARTS} parts, not {len(parts)}")
-    if len({p.k for p in parts}) != 1:
-        raise ValueError("a projection's parts must share their input size")
-    proj = _Proj(nparts=len(parts), n=sum(p.n for p in parts))
-    for i, p in enumerate(parts):
-        if isinstance(p, QuantizedWeight):
-            proj.parts[i] = _Part(p.fmt, p.data.data_ptr(), _ptr(p.bias), p.n, p.k)
-        else:
-            proj.parts[i] = _Part(-1, p.panels.data_ptr(), _ptr(p.bias), p.n, p.k)
-    return proj
-
-
-STRUCTS = (_Part, _Proj, _Layer, _Model, _Step, _MoE)  # ps_struct_sizes' order
-
-
-def check_struct_sizes(lib: ctypes.CDLL) -> None:
-    """The library's structs (probserve.h) are the size of their ctypes mirrors here: a field
-    added on one side only would pass pointers to the wrong places."""
-    sizes = (ctypes.c_int64 * len(STRUCTS))()
-    lib.ps_struct_sizes(sizes)
-    ours = [ctypes.sizeof(t) for t in STRUCTS]
-    if list(sizes) != ours:
-        raise KernelBuildError(
-            f"the kernels' structs ({list(sizes)} bytes) differ from kernels/layers.py's "
-            f"({ours}): probserve.h and its mirrors must change together"
-        )
-
-
 class NativeLayers:
     """Every decoder layer of a model, run over a step's tokens by one `ps_layers` call."""
 
@@ -188,10 +97,10 @@ class NativeLayers:
             if (lw.q_norm is None) != (lw.k_norm is None):
                 raise ValueError("q and k norms come together")
         self._keep: list[object] = []  # the ctypes arrays the layers point into
-        self._layers = (_Layer * len(layers))(*(self._layer(lw) for lw in layers))
+        self._layers = (PsLayer * len(layers))(*(self._layer(lw) for lw in layers))
         self.moe_layers = sum(lw.moe is not None for lw in layers)
         self.top_k = max((lw.moe.top_k for lw in layers if lw.moe), default=0)
-        self._model = _Model(
+        self._model = PsModel(
             len(layers), shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
             shape.intermediate, shape.eps, shape.scale, shape.softcap, shape.swiglu_alpha,
             shape.swiglu_limit, int(shape.sandwich), int(shape.gelu), int(shape.qk_full),
@@ -199,9 +108,9 @@ class NativeLayers:
         )  # fmt: skip
         self._scratch: dict[int, torch.Tensor] = {}
 
-    def _layer(self, lw: LayerWeights) -> _Layer:
+    def _layer(self, lw: LayerWeights) -> PsLayer:
         s = self.shape
-        qkv, o = _proj(lw.qkv), _proj(lw.o)
+        qkv, o = describe_proj(lw.qkv), describe_proj(lw.o)
         if qkv.n != (s.heads + 2 * s.kv_heads) * s.head_dim or o.n != s.hidden:
             raise ValueError("a layer's projections do not agree with the model's shape")
         if lw.sinks is not None and (
@@ -209,39 +118,39 @@ class NativeLayers:
         ):
             raise ValueError("a layer's sinks are one float32 per query head")
         moe = None
-        gu = down = _Proj()
+        gu = down = PsProj()
         if lw.moe is not None:
             moe = ctypes.pointer(self._moe(lw.moe))
             self._keep.append(moe)
         else:
-            gu, down = _proj(lw.gate_up), _proj(lw.down)
+            gu, down = describe_proj(lw.gate_up), describe_proj(lw.down)
             if gu.n % 2 or gu.n > 2 * s.intermediate or down.n != s.hidden:
                 raise ValueError("a layer's projections do not agree with the model's shape")
-        return _Layer(
-            _ptr(lw.ln1), _ptr(lw.ln2), _ptr(lw.pre_ff), _ptr(lw.post_ff), _ptr(lw.q_norm),
-            _ptr(lw.k_norm), qkv, o, gu, down, lw.window, lw.rope, moe, _ptr(lw.sinks),
+        return PsLayer(
+            ptr(lw.ln1), ptr(lw.ln2), ptr(lw.pre_ff), ptr(lw.post_ff), ptr(lw.q_norm),
+            ptr(lw.k_norm), qkv, o, gu, down, lw.window, lw.rope, moe, ptr(lw.sinks),
         )  # fmt: skip
 
-    def _moe(self, mw: MoEWeights) -> _MoE:
+    def _moe(self, mw: MoEWeights) -> PsMoE:
         s = self.shape
-        if not isinstance(mw.experts, EachExpert):
-            raise ValueError("the native layers read the host's experts (EachExpert) only")
-        each = mw.experts.experts
-        experts = len(each)
-        router = _proj(mw.router)
-        gate_up = (_Proj * experts)(*(_proj(e.gate_up.weights) for e in each))
-        down = (_Proj * experts)(*(_proj(e.down.weights) for e in each))
-        self._keep += [gate_up, down]
-        inter = gate_up[0].n // 2 if experts else 0
+        if isinstance(mw.experts, NativeExperts):
+            described = mw.experts.described
+        elif isinstance(mw.experts, EachExpert):
+            described = describe_experts(mw.experts.experts)
+        else:
+            raise ValueError("the native layers read the host's experts (kernels/experts.py)")
+        gate_up, down, inter = described.gate_up, described.down, described.inter
+        experts = len(gate_up)
+        router = describe_proj(mw.router)
+        self._keep.append(described)
         if (
             router.n != experts
             or not 0 < mw.top_k <= experts
             or not 0 < inter <= s.intermediate
-            or any(p.n != 2 * inter for p in gate_up)
-            or any(p.n != s.hidden for p in down)
+            or described.hidden != s.hidden
         ):
             raise ValueError("a mixture of experts does not agree with the model's shape")
-        return _MoE(router, experts, mw.top_k, int(mw.norm), inter, gate_up, down, mw.index)
+        return PsMoE(router, experts, mw.top_k, int(mw.norm), inter, gate_up, down, mw.index)
 
     def _buffer(self, tokens: int) -> torch.Tensor:
         bucket = 1 << max(0, tokens - 1).bit_length()
@@ -293,8 +202,8 @@ class NativeLayers:
         for c, sn in rope:
             if c.dtype != torch.float32 or not c.is_contiguous() or c.shape != sn.shape:
                 raise ValueError("layers: RoPE tables must be contiguous float32 pairs")
-        cos = (_P * len(rope))(*(c.data_ptr() for c, _ in rope))
-        sin = (_P * len(rope))(*(sn.data_ptr() for _, sn in rope))
+        cos = (ctypes.c_void_p * len(rope))(*(c.data_ptr() for c, _ in rope))
+        sin = (ctypes.c_void_p * len(rope))(*(sn.data_ptr() for _, sn in rope))
         ids = weights = None
         if routed is not None:
             ids, weights = routed
@@ -307,10 +216,10 @@ class NativeLayers:
                 raise ValueError(f"layers: routing is kept as contiguous {list(want)} arrays")
         elif self.moe_layers:
             raise ValueError("layers: a mixture of experts needs its routing arrays")
-        step = _Step(
+        step = PsStep(
             t, positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
             block_size, seq.data_ptr(), lengths.data_ptr(), k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[1], cos, sin, _ptr(ids), _ptr(weights),
+            v_cache.data_ptr(), k_cache.shape[1], cos, sin, ptr(ids), ptr(weights),
             self.moe_layers, self.top_k,
         )  # fmt: skip
         if t:

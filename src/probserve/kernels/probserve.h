@@ -1,14 +1,14 @@
 // probserve's kernels as the library exports them: every function's prototype and every struct
 // the Python side builds, declared once. Each .cpp includes this file, so a definition that
 // differs from its prototype does not compile; kernels/build.py reads the prototypes below to
-// give ctypes their signatures, and kernels/layers.py the structs' sizes (ps_struct_sizes),
+// give ctypes their signatures, and kernels/native_structs.py the structs' sizes (ps_struct_sizes),
 // checked against its ctypes mirrors when the library loads.
 //
 // Types the reader of build.py knows: void, int, int64_t, float, and pointers (any).
 #pragma once
 #include <cstdint>
 
-#define PS_MAX_PARTS 4  // the parts of one projection (PsProj), kernels/layers.py reads it
+#define PS_MAX_PARTS 4  // the parts of one projection (PsProj), kernels/native_structs.py reads it
 #define PS_LIMBS 32     // added to a format id: the weight is in limbs.cpp's layout, its product
                         // in integer limbs (ps_qlinear and ps_qrows hand it to limbs.cpp)
 
@@ -40,6 +40,16 @@ struct PsMoE {
     const PsProj* gate_up;         // [experts]: rows [gate | up] of 2 inter
     const PsProj* down;            // [experts]
     int64_t index;
+};
+
+// A layer's experts alone (ps_experts: a forward that runs its layers one call at a time, the
+// hybrid families' and Gemma 4's): each expert's [gate | up] and down, and their activation.
+struct PsExperts {
+    int64_t experts, inter, hidden;
+    const PsProj* gate_up;  // [experts]: rows [gate | up] of 2 inter
+    const PsProj* down;     // [experts]
+    float alpha, limit;     // limit > 0: gpt-oss's clamped SwiGLU; else GeGLU (gelu) or SwiGLU
+    int64_t gelu;
 };
 
 struct PsLayer {
@@ -153,7 +163,13 @@ void ps_gated_delta(const float* proj, int64_t T, int64_t ld, const int64_t* dim
 // ---- layer.cpp: a step's decoder layers in one call -------------------------------------------
 int64_t ps_layers_scratch(const PsModel* m, int64_t T);
 void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch);
-// sizeof PsPart, PsProj, PsLayer, PsModel, PsStep, in that order, into out[0..4]
+// one layer's experts over x [T, hidden], token t routed to ids[t, 0..k) with weights w[t, ..]:
+// out [T, hidden] = each token's weighted sum of its experts' outputs, as ps_layers' mixture
+int64_t ps_experts_scratch(const PsExperts* e, int64_t T, int64_t k);
+void ps_experts(const PsExperts* e, const float* x, int64_t T, const int64_t* ids, const float* w,
+                int64_t k, float* out, float* scratch);
+// sizeof PsPart, PsProj, PsLayer, PsModel, PsStep, PsMoE, PsExperts, in that order, into
+// out[0..6]
 void ps_struct_sizes(int64_t* out);
 
 }  // extern "C"
