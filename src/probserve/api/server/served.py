@@ -66,10 +66,11 @@ class ServedModel:
 
     @property
     def context_length(self) -> int:
-        """The tokens one sequence may hold as served: the engine's (`--max-model-len` caps
-        the model's own)."""
+        """The tokens one sequence may hold as served: the model's context, capped by
+        `--max-model-len` and by what the KV cache (and a hybrid's state budget) holds for one
+        sequence: the limit a longer prompt is refused at."""
         info = self.info
-        return int(info.context_length) if info is not None else self.record.context_length
+        return int(info.max_context) if info is not None else self.record.context_length
 
     def max_tokens_default(self, flag: int) -> int | None:
         """The tokens a request that sets no budget generates at most: its generation config's
