@@ -120,16 +120,20 @@ struct ExpertBuffers {
     int64_t *count, *rows, *slot;
 };
 
-void carve_experts(Carver& c, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
-                   int64_t widest, ExpertBuffers& b) {
+// the experts' gathered rows, outputs and routing lists (their work buffers gu, act and tmp come
+// from carve_expert_work, or from the caller's own: ps_layers gives its MLP's)
+void carve_expert_rows(Carver& c, int64_t T, int64_t H, int64_t E, int64_t k, ExpertBuffers& b) {
     b.xg = c.take(T * H);
     b.y = c.take(T * H);
-    b.gu = c.take(T * 2 * I);
-    b.act = c.take(T * I);
-    b.tmp = c.take(T * widest);
     b.count = c.take_ids(E + 1);
     b.rows = c.take_ids(T * k);
     b.slot = c.take_ids(T * k);
+}
+
+void carve_expert_work(Carver& c, int64_t T, int64_t I, int64_t widest, ExpertBuffers& b) {
+    b.gu = c.take(T * 2 * I);
+    b.act = c.take(T * I);
+    b.tmp = c.take(T * widest);
 }
 
 struct Buffers {
@@ -160,7 +164,10 @@ int64_t carve(const PsModel* m, int64_t T, float* scratch, Buffers& b) {
         b.logits = c.take(T * E);
         b.w = c.take(T * K);
         b.ids = c.take_ids(T * K);
-        carve_experts(c, T, m->hidden, m->inter, E, K, widest_part(m), b.ex);
+        carve_expert_rows(c, T, m->hidden, E, K, b.ex);
+        b.ex.gu = b.gu;  // the MLP's (m->inter is the widest feed-forward, an expert's included)
+        b.ex.act = b.act;
+        b.ex.tmp = b.tmp;  // the router's product is done with it before the experts start
     }
     return c.at;
 }
@@ -309,8 +316,8 @@ void ps_layers(const PsModel* m, const PsStep* s, float* h, float* scratch) {
 int64_t ps_experts_scratch(const PsExperts* e, int64_t T, int64_t k) {
     Carver c{nullptr};
     ExpertBuffers b{};
-    carve_experts(c, T, e->hidden, e->inter, e->experts, k,
-                  widest_experts(e->gate_up, e->down, e->experts), b);
+    carve_expert_rows(c, T, e->hidden, e->experts, k, b);
+    carve_expert_work(c, T, e->inter, widest_experts(e->gate_up, e->down, e->experts), b);
     return c.at + 16;
 }
 
@@ -319,8 +326,8 @@ void ps_experts(const PsExperts* e, const float* x, int64_t T, const int64_t* id
     if (T == 0) return;
     Carver c{scratch};
     ExpertBuffers b{};
-    carve_experts(c, T, e->hidden, e->inter, e->experts, k,
-                  widest_experts(e->gate_up, e->down, e->experts), b);
+    carve_expert_rows(c, T, e->hidden, e->experts, k, b);
+    carve_expert_work(c, T, e->inter, widest_experts(e->gate_up, e->down, e->experts), b);
 #pragma omp parallel
     each_expert(e->gate_up, e->down, e->experts, e->inter, e->hidden, {e->alpha, e->limit, e->gelu},
                 x, T, ids, w, k, out, b);
