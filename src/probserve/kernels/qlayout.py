@@ -9,12 +9,13 @@ scale bytes as the file holds them (byte i of column c at i * P + c: Q4_K and Q5
 packed 6-bit scales and mins, Q6_K's sixteen int8 scales; MXFP4's one E8M0 byte, its block
 having no float16 field), then `qk` rows of P quants, one row
 per k: 8-bit formats one byte a column; the others the low nibbles two columns a byte (byte j
-holds column j in its low nibble and column j + P/2 in its high one). The 5- and 6-bit formats
-take their k's in groups of g = 8 or 4: the g rows of nibbles, then a high row of P bytes, byte c
-holding column c's high bits of the g k's (5-bit: bit j is the group's k j's bit 4; Q6_K: bits 2j
-and 2j + 1 its bits 4 and 5). No value changes, only places: a panel holds exactly the file's
-bytes for its columns (P times the file's block size per block), and padded columns are zeros
-(d = 0: weights 0; MXFP4's e = 0 is 2^-128 times zero quants' values: 0).
+holds column j in its low nibble and column j + P/2 in its high one). The 5- and 6-bit formats'
+quants sit in 32-bit lanes instead: per sub-block (32 k's; Q6_K's 16) and per half of the panel
+(columns [0, P/2) and [P/2, P)), 5 (Q6_K: 3) vectors of P/2 uint32s, column c's quants side by
+side in the bits of its lanes (k j at bit 5 j or 6 j), so that a k's quant is a shift and a mask
+of a lane (two of them where it straddles two). No value changes, only places: a panel holds
+exactly the file's bytes for its columns (P times the file's block size per block), and padded
+columns are zeros (d = 0: weights 0; MXFP4's e = 0 is 2^-128 times zero quants' values: 0).
 """
 
 from __future__ import annotations
@@ -148,21 +149,33 @@ def _pack_blocks(blocks: np.ndarray, ggml_type: int, panel: int) -> np.ndarray:
         lo, hi = f.scales
         parts.append(by_panel(raw[..., lo:hi]).swapaxes(2, 3).reshape(panels, nb, (hi - lo) * p))
     q = by_panel(quants(raw, ggml_type)).swapaxes(2, 3)  # [panels, nb, qk (k), P (column)]
-    if f.bits == 8:
+    if f.bits in (5, 6):  # per sub-block, per half, a column's quants side by side in int32 lanes
+        rows = _lane_fields(q, f.bits, panels, nb, half)
+    elif f.bits == 8:
         rows = q
     else:
         rows = (q[..., :half] & 15) | ((q[..., half:] & 15) << 4)  # [panels, nb, qk, half]
-        if f.bits > 4:  # groups of g k's: their nibble rows, then their high row
-            width = f.bits - 4
-            g = 8 // width
-            shift = (np.arange(g, dtype=np.uint8) * width).reshape(g, 1)
-            high = (q >> 4).reshape(panels, nb, f.qk // g, g, p) << shift
-            nibbles = rows.reshape(panels, nb, f.qk // g, g * half)
-            rows = np.concatenate([nibbles, np.bitwise_or.reduce(high, axis=-2)], axis=-1)
     parts.append(rows.reshape(panels, nb, -1))
     data = np.ascontiguousarray(np.concatenate(parts, axis=-1))
     assert data.shape[-1] == p * f.size
     return data
+
+
+def _lane_fields(q: np.ndarray, bits: int, panels: int, nb: int, half: int) -> np.ndarray:
+    """The 5- and 6-bit formats' quants [panels, nb, qk (k), P] in their lanes: per sub-block (32
+    k's; Q6_K's 16), per half of the panel, `bits` vectors of `half` little-endian uint32 lanes
+    (Q6_K: 3), lane c of vector i holding bits 32 i .. 32 i + 31 of column c's quants side by side
+    (k j's at bit `bits` j): [panels, nb, qk * bits * P / 8]."""
+    sub = 16 if bits == 6 else 32
+    subs = q.reshape(panels, nb, -1, sub, 2, half).astype(np.uint32)  # [.., k, h, c]
+    words = np.zeros((*subs.shape[:3], 2, sub * bits // 32, half), dtype=np.uint32)  # [.., h, i, c]
+    for j in range(sub):
+        i, o = divmod(bits * j, 32)
+        words[..., i, :] |= subs[:, :, :, j] << o
+        if o + bits > 32:  # the bits past the lane's top, at the next one's bottom
+            words[..., i + 1, :] |= subs[:, :, :, j] >> (32 - o)
+    lanes = words.astype("<u4").view(np.uint8)
+    return lanes.reshape(panels, nb, -1)
 
 
 # the GGML types limbs.cpp multiplies in integer limbs: all but MXFP4

@@ -35,11 +35,12 @@
 // (byte i of column c at i * NR + c: Q4_K/Q5_K's 12 packed bytes, Q6_K's 16 int8), then the QK
 // rows of NR quants, one row per k: Q8 one int8 a column; otherwise the low 4 bits two columns a
 // byte (byte j holds column j in its low nibble and column j + W in its high one). The 5- and
-// 6-bit formats group their k's, G = 8 or 4 at a time: the G rows of low nibbles, then one high
-// row of NR bytes, byte c holding column c's high bits of the G k's (5-bit: bit j is k j's bit
-// 4; Q6_K: bits 2j and 2j + 1 are its bits 4 and 5), so a k's high bits come out of a vector of
-// bytes with one shift and one mask, every lane at once. A panel is then the file's bytes for its
-// columns, moved. Padded columns are zeros (d = 0).
+// 6-bit formats' quants sit in int32 lanes instead: per sub-block (32 k's; Q6_K's 16) and per
+// half of the panel, `words` vectors of W lanes (5, or Q6_K's 3), column c's quants side by side
+// in the bits of its lanes (k j at bit 5 j or 6 j), so a k's quant is a shift and a mask of a
+// vector (two, or-ed, where it straddles two lanes): fewer operations than joining a row of
+// nibbles and a row of high bits (one-row products 1.27-1.37x, docs/benchmarks.md). A panel is
+// then the file's bytes for its columns, moved. Padded columns are zeros (d = 0).
 #include <cstring>
 #include <memory>
 
@@ -65,9 +66,10 @@ struct Layout {
     static constexpr bool table = F == MXFP4;                       // quants through MXFP4_VALUES
     static constexpr int64_t halves = table ? 0 : (plus_m || kmin) ? 2 : 1;  // float16 fields
     static constexpr int64_t scale_bytes = F == Q6_K ? 16 : kmin ? 12 : table ? 1 : 0;  // a column's
-    static constexpr bool high = bits == 5 || bits == 6;            // a high row per group
-    static constexpr int G = bits == 5 ? 8 : bits == 6 ? 4 : 1;     // k's a group
-    static constexpr int64_t group = bits == 8 ? NR : G * (NR / 2) + (high ? NR : 0);  // its bytes
+    static constexpr bool lanes = bits == 5 || bits == 6;           // quants in int32 lanes
+    static constexpr int G = lanes ? SUB : 1;                       // k's a group
+    static constexpr int64_t words = lanes ? SUB * bits / 32 : 0;   // a column's int32 lanes
+    static constexpr int64_t group = bits == 8 ? NR : lanes ? words * 4 * NR : NR / 2;  // its bytes
     static constexpr int64_t row = group / G;                       // a k's bytes, on average
     static constexpr int64_t head = (halves * 2 + scale_bytes) * NR;
     static constexpr int64_t block = head + QK * row;
@@ -126,58 +128,45 @@ inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf
     }
 }
 
-// a group's high rows (the 5- and 6-bit formats): byte c holds column c's high bits, columns
-// [0, W) in h0 and [W, NR) in h1, as integer lanes
-struct High {
-    vi h0, h1;
-};
-
-template <int F>
-inline High high_rows(const uint8_t* grp) {
-    using L = Layout<F>;
-    if constexpr (L::high) {
-        const uint8_t* h = grp + L::G * (NR / 2);
-        return {vload_u8(h), vload_u8(h + W)};
-    } else {
-        return High{vzero_i(), vzero_i()};
-    }
-}
-
-// k J of a group's high bits at bit 4 (Q6_K: bits 4 and 5) of each lane, the rest zero
+// the 5- and 6-bit formats' k J of a group (a sub-block) from its half's vectors of int32 lanes
+// at p: the `bits` bits at bit bits J of each lane's bits SUB (a shift and a mask; an or of two
+// where they straddle two lanes)
 template <int F, int J>
-inline vi high_bits(vi h) {
-    using L = Layout<F>;
-    constexpr int at = J * (L::bits - 4);  // where k J's bits are in its byte
-    constexpr int mask = L::bits == 5 ? 16 : 48;
-    if constexpr (at <= 4) {
-        return vand_i(vsll_i<4 - at>(h), mask);
+inline vi lane_field(const uint8_t* p) {
+    constexpr int B = Layout<F>::bits, at = B * J, i = at / 32, o = at % 32, mask = (1 << B) - 1;
+    const vi v = vload_i32(p + i * 4 * W);
+    if constexpr (o + B > 32) {
+        return vor_i(vsrl_i<o>(v), vand_i(vsll_i<32 - o>(vload_i32(p + (i + 1) * 4 * W)), mask));
+    } else if constexpr (o == 0) {
+        return vand_i(v, mask);
+    } else if constexpr (o + B == 32) {
+        return vsrl_i<o>(v);
     } else {
-        return vand_i(vsrl_i<at - 4>(h), mask);
+        return vand_i(vsrl_i<o>(v), mask);
     }
 }
 
 // the NR quants of k J of a group as exact floats, with the format's offset (OFFSET: q - 8,
 // q - 16, q - 32, the block sums' values) or as stored (the exact product's: dequant folds the
 // offset into its FMA): columns [0, W) in q0, [W, NR) in q1. `nib` is quant_nibbles<F, OFFSET>().
-// They are exact small integers: (q & 15) | the high bits, + offset.
+// They are exact small integers.
 template <int F, int J, bool OFFSET, class Nib>
-inline void quants(const uint8_t* grp, const High& hi, const Nib& nib, vf& q0, vf& q1) {
+inline void quants(const uint8_t* grp, const Nib& nib, vf& q0, vf& q1) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
         q0 = vcvt(vload_i8(grp));
         q1 = vcvt(vload_i8(grp + W));
-    } else if constexpr (!L::high) {
-        const vi b = vload_u8(grp);
-        q0 = nib.lo(b);
-        q1 = nib.hi(b);
-    } else {
-        const vi b = vload_u8(grp + J * (NR / 2));
-        q0 = vcvt(vor_i(vand_i(b, 15), high_bits<F, J>(hi.h0)));
-        q1 = vcvt(vor_i(vsrl_i<4>(b), high_bits<F, J>(hi.h1)));
+    } else if constexpr (L::lanes) {
+        q0 = vcvt(lane_field<F, J>(grp));
+        q1 = vcvt(lane_field<F, J>(grp + L::words * 4 * W));
         if constexpr (OFFSET && L::offset != 0) {
             q0 = vadd(q0, vset1(static_cast<float>(L::offset)));
             q1 = vadd(q1, vset1(static_cast<float>(L::offset)));
         }
+    } else {
+        const vi b = vload_u8(grp);
+        q0 = nib.lo(b);
+        q1 = nib.hi(b);
     }
 }
 
@@ -197,11 +186,11 @@ inline auto quant_nibbles() {
 // into the one FMA (Q4_0, Q5_0, Q6_K: s q + (offset s), every term exact and so is s (q + offset),
 // the one rounding giving that exact value: an integer add a lane less than offsetting q).
 template <int F, int J, class Nib>
-inline void dequant(const uint8_t* grp, const High& hi, const Nib& nib, vf s0, vf s1, vf o0,
-                    vf o1, vf& w0, vf& w1) {
+inline void dequant(const uint8_t* grp, const Nib& nib, vf s0, vf s1, vf o0, vf o1, vf& w0,
+                    vf& w1) {
     using L = Layout<F>;
     vf q0, q1;
-    quants<F, J, false>(grp, hi, nib, q0, q1);
+    quants<F, J, false>(grp, nib, q0, q1);
     if constexpr (L::kmin) {  // (d sc) q exact: one rounding, as numpy's d * q - dm
         w0 = vfms(s0, q0, o0);
         w1 = vfms(s1, q1, o1);
@@ -215,18 +204,15 @@ inline void dequant(const uint8_t* grp, const High& hi, const Nib& nib, vf s0, v
 }
 
 // every k of one sub-block (its quants from q) in order, a group at a time, in P panels in
-// lockstep (`apart` bytes from one to the next): body(kk, grp, hi, J) with kk the k's index in
-// the sub-block, grp its group in the first panel (panel i's at grp + i * apart), hi[P] the
-// groups' high rows and J (std::integral_constant) the k's index in its group
-template <int F, int P = 1, class Body>
-inline void each_k(const uint8_t* q, int64_t apart, Body&& body) {
+// lockstep (`apart` bytes from one to the next): body(kk, grp, J) with kk the k's index in the
+// sub-block, grp its group in the first panel (panel i's at grp + i * apart) and J
+// (std::integral_constant) the k's index in its group
+template <int F, class Body>
+inline void each_k(const uint8_t* q, Body&& body) {
     using L = Layout<F>;
     for (int64_t g = 0; g < L::SUB / L::G; ++g) {
         const uint8_t* grp = q + g * L::group;
-        High hi[P];
-#pragma GCC unroll 8
-        for (int i = 0; i < P; ++i) hi[i] = high_rows<F>(grp + i * apart);
-        static_for<L::G>([&](auto J) { body(g * L::G + decltype(J)::value, grp, hi, J); });
+        static_for<L::G>([&](auto J) { body(g * L::G + decltype(J)::value, grp, J); });
     }
 }
 
@@ -263,9 +249,9 @@ inline void walk_panel(const uint8_t* panel, int64_t K, Body&& body, Ended&& end
     walk_subblocks<F>(panel, K, [&](const uint8_t* b, int64_t j, const uint8_t* q, int64_t k0) {
         vf s0, s1, o0, o1;
         sub_scales<F>(b, j, s0, s1, o0, o1);
-        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, auto J) {
             vf w0, w1;
-            dequant<F, decltype(J)::value>(grp, hi[0], nib, s0, s1, o0, o1, w0, w1);
+            dequant<F, decltype(J)::value>(grp, nib, s0, s1, o0, o1, w0, w1);
             body(k0 + kk, w0, w1);
         });
         ended(k0 + L::SUB);
@@ -322,12 +308,12 @@ void qmicro_row(const float* x, const uint8_t* panel, int64_t apart, int64_t K, 
 #pragma GCC unroll 8
             for (int i = 0; i < P; ++i) sub_scales<F>(bk + i * apart, j, s0[i], s1[i], o0[i], o1[i]);
             const float* xs = x + blk * L::QK + j * L::SUB;
-            each_k<F, P>(q, apart, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
+            each_k<F>(q, [&](int64_t kk, const uint8_t* grp, auto J) {
                 const vf b = vset1(xs[kk]);
 #pragma GCC unroll 8
                 for (int i = 0; i < P; ++i) {
                     vf w0, w1;
-                    dequant<F, decltype(J)::value>(grp + i * apart, hi[i], nib, s0[i], s1[i], o0[i],
+                    dequant<F, decltype(J)::value>(grp + i * apart, nib, s0[i], s1[i], o0[i],
                                                    o1[i], w0, w1);
                     a0[i] = vfma(b, w0, a0[i]);
                     a1[i] = vfma(b, w1, a1[i]);
@@ -477,9 +463,9 @@ inline void bsum_tile(const float* x, int64_t ldx, const float* xs, int64_t subs
         vf b0[MR], b1[MR];
 #pragma GCC unroll 12
         for (int r = 0; r < MR; ++r) b0[r] = b1[r] = vzero();
-        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, auto J) {
             vf q0, q1;
-            qs(grp, hi[0], J, k0 + kk, q0, q1);
+            qs(grp, J, k0 + kk, q0, q1);
             accumulate<MR>(b0, b1, x, ldx, k0 + kk, q0, q1);
         });
         vf s0, s1, o0, o1;
@@ -509,8 +495,8 @@ void bsum_micro(const float* x, int64_t ldx, const float* xs, int64_t subs, cons
                 int64_t K, const float* bias, float* out, int64_t ldo, int64_t ncols) {
     const auto nib = quant_nibbles<F, true>();
     bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
-                     [&](const uint8_t* grp, const High& hi, auto J, int64_t, vf& q0, vf& q1) {
-                         quants<F, decltype(J)::value, true>(grp, hi, nib, q0, q1);
+                     [&](const uint8_t* grp, auto J, int64_t, vf& q0, vf& q1) {
+                         quants<F, decltype(J)::value, true>(grp, nib, q0, q1);
                      });
 }
 
@@ -519,7 +505,7 @@ void bsum_micro_buf(const float* x, int64_t ldx, const float* xs, int64_t subs,
                     const uint8_t* panel, const float* qbuf, int64_t K, const float* bias,
                     float* out, int64_t ldo, int64_t ncols) {
     bsum_tile<MR, F>(x, ldx, xs, subs, panel, K, bias, out, ldo, ncols,
-                     [qbuf](const uint8_t*, const High&, auto, int64_t k, vf& q0, vf& q1) {
+                     [qbuf](const uint8_t*, auto, int64_t k, vf& q0, vf& q1) {
                          q0 = vload(qbuf + k * NR);
                          q1 = vload(qbuf + k * NR + W);
                      });
@@ -530,9 +516,9 @@ template <int F>
 void quant_panel(const uint8_t* panel, int64_t K, float* dst) {
     const auto nib = quant_nibbles<F, true>();
     walk_subblocks<F>(panel, K, [&](const uint8_t*, int64_t, const uint8_t* q, int64_t k0) {
-        each_k<F>(q, 0, [&](int64_t kk, const uint8_t* grp, const High* hi, auto J) {
+        each_k<F>(q, [&](int64_t kk, const uint8_t* grp, auto J) {
             vf q0, q1;
-            quants<F, decltype(J)::value, true>(grp, hi[0], nib, q0, q1);
+            quants<F, decltype(J)::value, true>(grp, nib, q0, q1);
             vstore(dst + (k0 + kk) * NR, q0);
             vstore(dst + (k0 + kk) * NR + W, q1);
         });
@@ -580,14 +566,19 @@ inline int quant_at(const uint8_t* q, int64_t kk, int64_t c) {
     using L = Layout<F>;
     if constexpr (F == Q8_0) {
         return static_cast<int8_t>(q[kk * NR + c]);
+    } else if constexpr (L::lanes) {  // bits B kk .. B kk + B - 1 of the column's lanes
+        constexpr int B = L::bits;
+        const uint8_t* lanes = q + (c / W) * L::words * 4 * W + (c % W) * 4;
+        const int64_t at = B * kk, i = at / 32, o = at % 32;
+        uint32_t lo = 0, hi = 0;
+        std::memcpy(&lo, lanes + i * 4 * W, 4);
+        if (o + B > 32) std::memcpy(&hi, lanes + (i + 1) * 4 * W, 4);
+        const uint32_t v = (lo >> o) | (o + B > 32 ? hi << (32 - o) : 0u);
+        return static_cast<int>(v & ((1u << B) - 1)) + L::offset;
     } else {
-        const uint8_t* grp = q + (kk / L::G) * L::group;
-        const int64_t j = kk % L::G;
-        const uint8_t* nibs = grp + j * (NR / 2);
-        int v = c < W ? nibs[c] & 15 : nibs[c - W] >> 4;
+        const uint8_t* nibs = q + kk * (NR / 2);
+        const int v = c < W ? nibs[c] & 15 : nibs[c - W] >> 4;
         if constexpr (L::table) return static_cast<int>(MXFP4_VALUES[v]);
-        if constexpr (L::high)
-            v |= ((grp[L::G * (NR / 2) + c] >> (j * (L::bits - 4))) & ((1 << (L::bits - 4)) - 1)) << 4;
         return v + L::offset;
     }
 }

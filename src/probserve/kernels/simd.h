@@ -112,6 +112,7 @@ inline vi vload_u8(const uint8_t* p) {
 inline vi vload_i8(const uint8_t* p) {
     return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+inline vi vload_i32(const uint8_t* p) { return _mm512_loadu_si512(p); }  // W int32 lanes
 inline vf vcvt(vi a) { return _mm512_cvtepi32_ps(a); }
 // the values q + offset of 4-bit quants, from bytes holding two: a 16-entry table lookup
 // (vpermps reads an index's low 4 bits, so the low nibble needs no mask)
@@ -225,6 +226,9 @@ inline vi vload_u8(const uint8_t* p) {
 }
 inline vi vload_i8(const uint8_t* p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vi vload_i32(const uint8_t* p) {  // W int32 lanes
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 inline vf vcvt(vi a) { return _mm256_cvtepi32_ps(a); }
 struct Nibbles {  // as AVX-512's, with a mask, an add and a conversion
