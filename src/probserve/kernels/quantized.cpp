@@ -128,9 +128,9 @@ inline void sub_scales(const uint8_t* blk, int64_t j, vf& s0, vf& s1, vf& o0, vf
     }
 }
 
-// the 5- and 6-bit formats' k J of a group (a sub-block) from its half's vectors of int32 lanes
-// at p: the `bits` bits at bit bits J of each lane's bits SUB (a shift and a mask; an or of two
-// where they straddle two lanes)
+// the 5- and 6-bit formats' quants of k J of a group (a sub-block), from a half's vectors of
+// int32 lanes at p: each lane's B bits at bit B J of the column's lanes, B = 5 or 6 (a shift and
+// a mask; an or of two where they straddle two lanes)
 template <int F, int J>
 inline vi lane_field(const uint8_t* p) {
     constexpr int B = Layout<F>::bits, at = B * J, i = at / 32, o = at % 32, mask = (1 << B) - 1;
@@ -203,10 +203,9 @@ inline void dequant(const uint8_t* grp, const Nib& nib, vf s0, vf s1, vf o0, vf 
     }
 }
 
-// every k of one sub-block (its quants from q) in order, a group at a time, in P panels in
-// lockstep (`apart` bytes from one to the next): body(kk, grp, J) with kk the k's index in the
-// sub-block, grp its group in the first panel (panel i's at grp + i * apart) and J
-// (std::integral_constant) the k's index in its group
+// every k of one sub-block (its quants from q) in order, a group at a time: body(kk, grp, J)
+// with kk the k's index in the sub-block, grp its group (a walk of P panels in lockstep finds
+// panel i's at grp + i * apart) and J (std::integral_constant) the k's index in its group
 template <int F, class Body>
 inline void each_k(const uint8_t* q, Body&& body) {
     using L = Layout<F>;
