@@ -208,7 +208,7 @@ def test_paged_attention_equals_sdpa_and_is_row_invariant(
     nkv, bs, slots = 2 if nq % 2 == 0 else 3, 4, 64
     kc, vc = torch.randn(slots, nkv, d, generator=g), torch.randn(slots, nkv, d, generator=g)
     tables = torch.tensor([[3, 9, 1, 12, 5], [2, 7, 14, 0, 0]])  # two sequences' blocks
-    # a chunk of 7 consecutive positions (tiles of 4 + 3), lone tokens of both sequences
+    # a chunk of 7 consecutive positions (one tile), lone tokens of both sequences
     seq = torch.tensor([0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1])
     lengths = torch.tensor([1, 9, 17, 6, 11, 12, 13, 14, 15, 16, 17, 11])
     q = torch.randn(len(seq), nq, d, generator=g)
@@ -227,6 +227,39 @@ def test_paged_attention_equals_sdpa_and_is_row_invariant(
         torch.testing.assert_close(out[t], ref.reshape(-1), atol=1e-5, rtol=1e-5)
         alone = kernels.attention(q[t : t + 1], kc, vc, 0.125, tables, seq[t : t + 1],
                                   lengths[t : t + 1], bs, *args)  # fmt: skip
+        assert torch.equal(alone[0], out[t])
+
+
+@pytest.mark.parametrize(
+    "nq, nkv, d",
+    [(16, 4, 256), (8, 2, 80), (12, 4, 96), (4, 4, 64), (6, 1, 128), (2, 1, 128)],
+)
+def test_paged_attention_over_long_rows_is_exact_and_row_invariant(
+    kernels: InvariantKernels, nq, nkv, d
+):
+    """Rows longer than a block of the P.V pass's keys (128), heads of 256 (two heads a key on
+    AVX2), 80 and 96 (register paths of two columns), and every grouping of the P.V pass: a
+    prefill tile's many (token, head) pairs, a decode token's 1, 2, 4 or 6 heads of one KV head.
+    Each token's output equals the token alone, bit for bit, and the float64 reference."""
+    g = torch.Generator().manual_seed(7)
+    bs, blocks = 16, 24
+    kc = torch.randn(blocks * bs, nkv, d, generator=g)
+    vc = torch.randn(blocks * bs, nkv, d, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:20] for _ in range(2)])
+    # a chunk of 10 consecutive positions (a tile of 8 and one of 2), then decode tokens
+    seq = torch.tensor([0] * 10 + [1, 0, 1])
+    lengths = torch.tensor([*range(281, 291), 300, 129, 1])
+    q = torch.randn(len(seq), nq, d, generator=g)
+    out = kernels.attention(q, kc, vc, d**-0.5, tables, seq, lengths, bs)
+    for t in range(len(seq)):
+        pos = torch.arange(int(lengths[t]))
+        at = tables[seq[t], pos // bs] * bs + pos % bs
+        k = kc[at].transpose(0, 1).repeat_interleave(nq // nkv, 0).double()
+        v = vc[at].transpose(0, 1).repeat_interleave(nq // nkv, 0).double()
+        ref = torch.softmax(q[t].double().unsqueeze(1) @ k.transpose(1, 2) * d**-0.5, -1) @ v
+        torch.testing.assert_close(out[t].double(), ref.reshape(-1), atol=2e-6, rtol=1e-5)
+        alone = kernels.attention(q[t : t + 1], kc, vc, d**-0.5, tables, seq[t : t + 1],
+                                  lengths[t : t + 1], bs)  # fmt: skip
         assert torch.equal(alone[0], out[t])
 
 

@@ -23,11 +23,11 @@ namespace {
 // Attention's inner loops with the sizes known at compile time (head_dim = FAST_NV vectors),
 // so the accumulators live in registers. The operations and their order are those of the
 // generic loops in ps_attention, so either path gives the same bits.
-// The P.V pass takes the columns FAST_NV vectors (64 floats) at a time and up to FAST_PG
-// (token, head) pairs a key, its accumulators in registers; the scores take a head of 64, 128 or
-// 256 floats whole (scores_fast<NV>, q in registers).
+// The P.V pass takes a tile's (token, head) pairs in groups of up to PG, the columns NV vectors
+// at a time, its NV PG accumulators in registers (pv_shape chooses NV and PG per tile); the
+// scores take a head of 64, 128 or 256 floats whole (scores_fast<NV>, q in registers where it
+// fits, else two heads a key: scores_fast2).
 constexpr int FAST_NV = 64 / W;
-constexpr int FAST_PG = 24 / FAST_NV;  // the P.V pass's most pairs per group (R / FAST_NV)
 
 // scores of n <= W keys for one query head: lane i = q . k_i (W lanes in order, then the lane
 // network), times scale
@@ -58,6 +58,66 @@ inline vf scores_fast(const float* qh, const float* kc, const int64_t* offs, int
     return vmul(sum_lanes(acc), vset1(scale));
 }
 
+// Whether a head's q (NV vectors) stays in registers beside scores_fast's four keys' chains and
+// a key's vector; where it does not (heads of 128 and 256 floats on AVX2's 16 registers), two
+// heads take each key (scores_fast2), which reads a key once for both and q from the cache.
+template <int NV>
+constexpr bool Q_IN_REGISTERS = NV + 5 <= (W == 16 ? 32 : 16);
+
+// scores_fast<NV> for two query heads (q0, q1) over the same n <= W keys, into s0 and s1: each
+// (head, key) chain is scores_fast's (its FMAs over c in order from zero, the same lane
+// network, the same bits); four keys a pass, each of their vectors read once for both heads
+template <int NV>
+inline void scores_fast2(const float* q0, const float* q1, const float* kc, const int64_t* offs, int64_t n,
+                         float scale, vf& s0, vf& s1) {
+    vf acc0[W], acc1[W];
+    for (int i = 0; i < W; ++i) acc0[i] = acc1[i] = vzero();
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float *k0 = kc + offs[i], *k1 = kc + offs[i + 1], *k2 = kc + offs[i + 2], *k3 = kc + offs[i + 3];
+        vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+        vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+        for (int c = 0; c < NV; ++c) {
+            const vf qa = vload(q0 + c * W), qb = vload(q1 + c * W);
+            vf k = vload(k0 + c * W);
+            a0 = vfma(qa, k, a0), b0 = vfma(qb, k, b0);
+            k = vload(k1 + c * W);
+            a1 = vfma(qa, k, a1), b1 = vfma(qb, k, b1);
+            k = vload(k2 + c * W);
+            a2 = vfma(qa, k, a2), b2 = vfma(qb, k, b2);
+            k = vload(k3 + c * W);
+            a3 = vfma(qa, k, a3), b3 = vfma(qb, k, b3);
+        }
+        acc0[i] = a0, acc0[i + 1] = a1, acc0[i + 2] = a2, acc0[i + 3] = a3;
+        acc1[i] = b0, acc1[i + 1] = b1, acc1[i + 2] = b2, acc1[i + 3] = b3;
+    }
+    for (; i < n; ++i) {
+        const float* kp = kc + offs[i];
+        vf a = vzero(), b = vzero();
+        for (int c = 0; c < NV; ++c) {
+            const vf k = vload(kp + c * W);
+            a = vfma(vload(q0 + c * W), k, a);
+            b = vfma(vload(q1 + c * W), k, b);
+        }
+        acc0[i] = a, acc1[i] = b;
+    }
+    s0 = vmul(sum_lanes(acc0), vset1(scale));
+    s1 = vmul(sum_lanes(acc1), vset1(scale));
+}
+
+// scores_fast2<NV> for heads of nv = NV vectors where q does not fit the registers: true and
+// both heads' scores, or false (then scores_fast_nv, a head at a time)
+inline bool scores_fast2_nv(int64_t nv, const float* q0, const float* q1, const float* kc, const int64_t* offs,
+                            int64_t n, float scale, vf& s0, vf& s1) {
+    if constexpr (!Q_IN_REGISTERS<4 * FAST_NV>) {
+        if (nv == 4 * FAST_NV) return scores_fast2<4 * FAST_NV>(q0, q1, kc, offs, n, scale, s0, s1), true;
+    }
+    if constexpr (!Q_IN_REGISTERS<2 * FAST_NV>) {
+        if (nv == 2 * FAST_NV) return scores_fast2<2 * FAST_NV>(q0, q1, kc, offs, n, scale, s0, s1), true;
+    }
+    return false;
+}
+
 // acc[p * NV + c] += p_j * v_j[c] for keys [j0, j1), PG (token, head) pairs all attending to them
 template <int NV, int PG>
 inline void pv_fast(vf* acc, const float* vc, const int64_t* offs, int64_t j0, int64_t j1,
@@ -76,13 +136,40 @@ inline void pv_fast(vf* acc, const float* vc, const int64_t* offs, int64_t j0, i
     for (int i = 0; i < PG * NV; ++i) acc[i] = a[i];
 }
 
-// pv_fast<FAST_NV, pg> for 1 <= pg <= FAST_PG pairs (a switch: the pair count is known only at
-// run time, the accumulators' count must be known at compile time)
-template <int PG = FAST_PG>
+// pv_fast<NV, pg> for 1 <= pg <= PG pairs (a switch: the pair count is known only at run time,
+// the accumulators' count must be known at compile time)
+template <int NV, int PG>
 inline void pv_fast_pairs(int64_t pg, vf* acc, const float* vc, const int64_t* offs, int64_t j0, int64_t j1,
                           const float* const* probs) {
-    if (pg == PG) pv_fast<FAST_NV, PG>(acc, vc, offs, j0, j1, probs);
-    else if constexpr (PG > 1) pv_fast_pairs<PG - 1>(pg, acc, vc, offs, j0, j1, probs);
+    if (pg == PG) pv_fast<NV, PG>(acc, vc, offs, j0, j1, probs);
+    else if constexpr (PG > 1) pv_fast_pairs<NV, PG - 1>(pg, acc, vc, offs, j0, j1, probs);
+}
+
+// The P.V pass's register shapes, (NV columns, PG pairs): NV PG accumulators, NV of a key's
+// values and a probability in registers (AVX-512: 29 of 32; AVX2: at most 15 of 16, since one
+// more spills an accumulator, which then goes through memory every key). Many pairs (a prefill
+// tile) take few columns each, few pairs (a decode step's heads of one token) more columns, so
+// a group always has 8 or more independent chains.
+struct PvShape {
+    int64_t nv, pg;
+};
+inline PvShape pv_shape(int64_t np, int64_t nv) {
+    if constexpr (W == 16) return {4, 6};
+    if (np >= 6 || (np >= 2 && nv % 4 != 0)) return {2, 6};
+    if (np >= 2) return {4, 2};
+    return {nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : 2, 1};
+}
+
+// pv_fast_pairs for a shape pv_shape gives
+inline void pv_fast_shape(PvShape sh, int64_t pg, vf* acc, const float* vc, const int64_t* offs, int64_t j0,
+                          int64_t j1, const float* const* probs) {
+    if constexpr (W == 16) {
+        pv_fast_pairs<4, 6>(pg, acc, vc, offs, j0, j1, probs);
+    } else {
+        if (sh.nv == 2) pv_fast_pairs<2, 6>(pg, acc, vc, offs, j0, j1, probs);
+        else if (sh.nv == 4) pv_fast_pairs<4, 2>(pg, acc, vc, offs, j0, j1, probs);
+        else pv_fast<8, 1>(acc, vc, offs, j0, j1, probs);
+    }
 }
 
 // scores_fast<NV> for a head of nv = NV vectors, NV in {FAST_NV, 2 FAST_NV, 4 FAST_NV}
@@ -434,12 +521,24 @@ void ps_topk(const float* x, int64_t M, int64_t V, int64_t k, float* vals, int64
     });
 }
 
+// One group of ps_attention's P.V pass: columns [c0 W, (c0 + cc) W) of pairs [p0, p0 + pg), the
+// keys all of them attend to ([lo_max, first)) and some of them do ([lo_min, last)), and its
+// accumulators (acc[p cc + c])
+struct PvGroup {
+    int64_t c0, cc, p0, pg, first, last, lo_min, lo_max;
+    vf* acc;
+};
+constexpr int64_t PV_KEYS = 128;  // keys a block of the P.V pass (their values: 128 KB at d = 256)
+
 // Causal attention of T packed query tokens over a paged KV cache, read in place.
 // q [T, nq, d]; kc, vc [slots, nkv, d]; out [T, nq * d]. Token t belongs to the sequence whose
 // block table is tables[seq[t]] (width entries of block ids) and attends to its first len[t]
 // positions (slot = table[j / block_size] * block_size + j % block_size).
 // One unit of work is a tile of up to TQ consecutive tokens of one sequence (a prefill chunk's)
-// and one KV head with its group of query heads: K and V are read once for the tile. The
+// and one KV head with its group of query heads: K is read from memory once for the tile (a
+// block of W keys for all its pairs), V once a block of PV_KEYS keys (then from the cache for
+// each group of pairs and columns: a long row's values do not fit it, and a key's head sits a
+// page from the next key's, which hardware prefetchers do not cross). The
 // arithmetic of each (token, head) is the same whatever its tile: scores in key order (each a
 // dot product in W lanes, the lanes of W keys summed together by one fixed network, so key j's
 // tree depends on j mod W alone), their max, exp and sum in W lanes, p_j = e_j / sum, then
@@ -453,12 +552,11 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                   int64_t nq, int64_t nkv, int64_t d, float scale, const int64_t* tables,
                   int64_t width, int64_t block_size, const int64_t* seq, const int64_t* len,
                   int64_t window, float softcap, const float* sinks) {
-    constexpr int64_t TQ = 4;   // tokens per tile
-    constexpr int64_t R = 24;   // accumulators of the P.V pass
+    constexpr int64_t TQ = 8;   // tokens per tile
+    constexpr int64_t R = 24;   // accumulators of the P.V pass off its register path
     const int64_t group = nq / nkv, nv = (d + W - 1) / W, tail = d - (nv - 1) * W;
-    // the register paths: scores for heads of 64, 128 or 256 floats, P.V for any multiple of 64
-    const bool fast_pv = nv % FAST_NV == 0 && tail == W;
-    const bool fast = fast_pv && (nv == FAST_NV || nv == 2 * FAST_NV || nv == 4 * FAST_NV);
+    // the register paths: scores for heads of 64, 128 or 256 floats, P.V for whole vectors
+    const bool fast = tail == W && (nv == FAST_NV || nv == 2 * FAST_NV || nv == 4 * FAST_NV);
     std::vector<int64_t> tiles;  // first token of each tile, then T
     int64_t longest = 0;
     for (int64_t t = 0; t < T; ++t) {
@@ -469,10 +567,9 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
     }
     const int64_t ntiles = static_cast<int64_t>(tiles.size());
     tiles.push_back(T);
-    const int64_t stride = longest + W, pairs_max = TQ * group;
-    // columns a P.V group (cn vectors) and pairs a group (hg); every accumulator sums its keys in
-    // key order whatever the grouping, so the grouping never changes a bit
-    const int64_t cn = fast_pv ? FAST_NV : std::min<int64_t>(nv, R), hg = std::max<int64_t>(1, R / cn);
+    int64_t widest = 1;  // tokens in the largest tile (1 in a decode step: buffers sized to it)
+    for (int64_t i = 0; i < ntiles; ++i) widest = std::max(widest, tiles[i + 1] - tiles[i]);
+    const int64_t stride = longest + W, pairs_max = widest * group;
     on_team(T * nkv > 1, [&] {
         std::vector<float> s(static_cast<size_t>(pairs_max * stride));
         std::vector<int64_t> offs(static_cast<size_t>(longest + W));  // key j: its K/V offset
@@ -484,6 +581,11 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
         std::vector<int64_t> hp(static_cast<size_t>(pairs_max));  // a pair's query head
         std::vector<float> mx(static_cast<size_t>(pairs_max * W));
         vf acc[R > W ? R : W];
+        // the P.V pass's groups and their accumulators (a tile's pairs times the head's columns)
+        std::vector<PvGroup> groups;
+        std::vector<float> acc_floats(static_cast<size_t>(((nv + R) * (pairs_max + R) + 1) * W));  // whole groups
+        vf* const accs = reinterpret_cast<vf*>(  // aligned to a vector
+            (reinterpret_cast<uintptr_t>(acc_floats.data()) + sizeof(vf) - 1) / sizeof(vf) * sizeof(vf));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < ntiles * nkv; ++u) {
             const int64_t tile = u / nkv, kvh = u % nkv;
@@ -508,6 +610,15 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     probs[p] = s.data() + p * stride;
                     vstore(mx.data() + p * W, vset1(NEG_INF));
                 }
+            // pair p's scores sc of keys [j0, j0 + n) (those before `skip` -inf): soft-capped,
+            // stored, its running max updated
+            auto finish = [&](int64_t p, int64_t j0, int64_t n, int64_t skip, vf sc) {
+                if (softcap > 0.0f) sc = vmul(vtanh(vdiv(sc, vset1(softcap))), vset1(softcap));
+                float* sg = s.data() + p * stride + j0;
+                vstore_n(sg, sc, n);
+                for (int64_t i = 0; i < skip; ++i) sg[i] = NEG_INF;
+                vstore(mx.data() + p * W, vmax(vload(mx.data() + p * W), vload_n(sg, n, NEG_INF)));
+            };
             // scores: each block of W keys once from memory, for every (token, head) of the tile
             for (int64_t j0 = jstart; j0 < Lmax; j0 += W) {
                 for (int64_t p = 0; p < np; ++p) {
@@ -516,8 +627,14 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     // keys before the window (the first block of W keys it reaches into) are
                     // not read: they score -inf below
                     const int64_t skip = std::max<int64_t>(0, lo[p] - j0);
-                    vf sc;
-                    if (fast && skip == 0) {
+                    vf sc, sc2;
+                    // the next head of the same token: its scores with this one's (scores_fast2)
+                    const bool two = fast && skip == 0 && p + 1 < np && lp[p + 1] == lp[p] && lo[p + 1] == lo[p];
+                    if (two && scores_fast2_nv(nv, qp[p], qp[p + 1], kc, offs.data() + j0, n, scale, sc, sc2)) {
+                        finish(p, j0, n, skip, sc);
+                        ++p;
+                        sc = sc2;
+                    } else if (fast && skip == 0) {
                         sc = scores_fast_nv(nv, qp[p], kc, offs.data() + j0, n, scale);
                     } else {
                         for (int64_t i = 0; i < W; ++i) acc[i] = vzero();
@@ -530,11 +647,7 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                         }
                         sc = vmul(sum_lanes(acc), vset1(scale));
                     }
-                    if (softcap > 0.0f) sc = vmul(vtanh(vdiv(sc, vset1(softcap))), vset1(softcap));
-                    float* sg = s.data() + p * stride + j0;
-                    vstore_n(sg, sc, n);
-                    for (int64_t i = 0; i < skip; ++i) sg[i] = NEG_INF;
-                    vstore(mx.data() + p * W, vmax(vload(mx.data() + p * W), vload_n(sg, n, NEG_INF)));
+                    finish(p, j0, n, skip, sc);
                 }
             }
             for (int64_t p = 0; p < np; ++p) {  // p_j = exp(s_j - max) / sum
@@ -557,51 +670,70 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     vstore_n(sg + j, vdiv(vload_n(sg + j, n, 0.0f), l), n);
                 }
             }
-            // out = sum_j p_j v_j in key order, for groups of (token, head) and of columns
-            for (int64_t c0 = 0; c0 < nv; c0 += cn) {
-                const int64_t cc = std::min(cn, nv - c0);
+            // out = sum_j p_j v_j in key order, for groups of (token, head) and of columns, each
+            // group's accumulators in `accs`: the keys every pair of a group attends to go a
+            // block of PV_KEYS at a time through every group (a block's values read from memory
+            // once, then from the cache), each accumulator still summing its keys in key order
+            // columns a group (cn vectors) and pairs a group (hg); every accumulator sums its keys
+            // in key order whatever the grouping, so the grouping never changes a bit
+            const PvShape sh = pv_shape(np, nv);
+            const bool fast_pv = tail == W && nv % sh.nv == 0;
+            const int64_t cn = fast_pv ? sh.nv : std::min<int64_t>(nv, R);
+            const int64_t hg = fast_pv ? sh.pg : std::max<int64_t>(1, R / cn), npg = (np + hg - 1) / hg;
+            groups.clear();
+            for (int64_t c0 = 0; c0 < nv; c0 += cn)
                 for (int64_t p0 = 0; p0 < np; p0 += hg) {
-                    const int64_t pg = std::min(hg, np - p0);
+                    PvGroup g{c0, std::min(cn, nv - c0), p0, std::min(hg, np - p0), lp[p0], 0, lo[p0], 0,
+                              accs + ((c0 / cn) * npg + p0 / hg) * hg * cn};
                     // keys every pair / some pair attends to: [lo_max, first) / [lo_min, last)
-                    int64_t first = lp[p0], last = 0, lo_min = lo[p0], lo_max = 0;
-                    for (int64_t p = p0; p < p0 + pg; ++p) {
-                        first = std::min(first, lp[p]);
-                        last = std::max(last, lp[p]);
-                        lo_min = std::min(lo_min, lo[p]);
-                        lo_max = std::max(lo_max, lo[p]);
+                    for (int64_t p = p0; p < p0 + g.pg; ++p) {
+                        g.first = std::min(g.first, lp[p]);
+                        g.last = std::max(g.last, lp[p]);
+                        g.lo_min = std::min(g.lo_min, lo[p]);
+                        g.lo_max = std::max(g.lo_max, lo[p]);
                     }
-                    for (int64_t i = 0; i < pg * cc; ++i) acc[i] = vzero();
-                    // each pair sums its own keys in key order: [lo_min, lo_max) and [first,
-                    // last) key by key, where some pairs skip a key; [lo_max, first) on the
-                    // register path where every pair attends to every key
-                    auto some = [&](int64_t j0, int64_t j1) {
-                        for (int64_t j = j0; j < j1; ++j) {
-                            const float* vp = vc + offs[j] + c0 * W;
-                            for (int64_t c = 0; c < cc; ++c) {
-                                const bool full = c0 + c + 1 < nv || tail == W;
-                                const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
-                                for (int64_t p = 0; p < pg; ++p)
-                                    if (j >= lo[p0 + p] && j < lp[p0 + p])
-                                        acc[p * cc + c] = vfma(vset1(probs[p0 + p][j]), v, acc[p * cc + c]);
-                            }
-                        }
-                    };
-                    const int64_t mid = std::min(lo_max, first);
-                    some(lo_min, mid);
-                    int64_t j = mid;
-                    if (fast_pv && lo_max < first) {
-                        pv_fast_pairs(pg, acc, vc + c0 * W, offs.data(), lo_max, first, probs.data() + p0);
-                        j = first;
-                    }
-                    some(j, last);
-                    for (int64_t p = 0; p < pg; ++p)
-                        for (int64_t c = 0; c < cc; ++c) {
-                            const bool full = c0 + c + 1 < nv || tail == W;
-                            float* o = op[p0 + p] + (c0 + c) * W;
-                            if (full) vstore(o, acc[p * cc + c]);
-                            else vstore_n(o, acc[p * cc + c], tail);
-                        }
+                    for (int64_t i = 0; i < g.pg * g.cc; ++i) g.acc[i] = vzero();
+                    groups.push_back(g);
                 }
+            // each pair sums its own keys in key order: [lo_min, lo_max) and [first, last) key by
+            // key, where some pairs skip a key; [lo_max, first) on the register path where every
+            // pair attends to every key
+            auto some = [&](const PvGroup& g, int64_t j0, int64_t j1) {
+                if (j0 >= j1) return;
+                std::copy(g.acc, g.acc + g.pg * g.cc, acc);  // (a local array: no aliasing)
+                for (int64_t j = j0; j < j1; ++j) {
+                    const float* vp = vc + offs[j] + g.c0 * W;
+                    for (int64_t c = 0; c < g.cc; ++c) {
+                        const bool full = g.c0 + c + 1 < nv || tail == W;
+                        const vf v = full ? vload(vp + c * W) : vload_n(vp + c * W, tail, 0.0f);
+                        for (int64_t p = 0; p < g.pg; ++p)
+                            if (j >= lo[g.p0 + p] && j < lp[g.p0 + p])
+                                acc[p * g.cc + c] = vfma(vset1(probs[g.p0 + p][j]), v, acc[p * g.cc + c]);
+                    }
+                }
+                std::copy(acc, acc + g.pg * g.cc, g.acc);
+            };
+            auto all_attend = [&](const PvGroup& g) { return fast_pv && g.lo_max < g.first; };
+            int64_t from = Lmax, to = 0;  // the keys some group takes on the register path
+            for (const PvGroup& g : groups) {
+                some(g, g.lo_min, std::min(g.lo_max, g.first));
+                if (all_attend(g)) from = std::min(from, g.lo_max), to = std::max(to, g.first);
+            }
+            for (int64_t b0 = from; b0 < to; b0 += PV_KEYS)
+                for (const PvGroup& g : groups) {
+                    const int64_t j0 = std::max(b0, g.lo_max), j1 = std::min(b0 + PV_KEYS, g.first);
+                    if (all_attend(g) && j0 < j1)
+                        pv_fast_shape(sh, g.pg, g.acc, vc + g.c0 * W, offs.data(), j0, j1, probs.data() + g.p0);
+                }
+            for (const PvGroup& g : groups) {
+                some(g, all_attend(g) ? g.first : std::min(g.lo_max, g.first), g.last);
+                for (int64_t p = 0; p < g.pg; ++p)
+                    for (int64_t c = 0; c < g.cc; ++c) {
+                        const bool full = g.c0 + c + 1 < nv || tail == W;
+                        float* o = op[g.p0 + p] + (g.c0 + c) * W;
+                        if (full) vstore(o, g.acc[p * g.cc + c]);
+                        else vstore_n(o, g.acc[p * g.cc + c], tail);
+                    }
             }
         }
     });
