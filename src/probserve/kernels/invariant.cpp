@@ -77,15 +77,20 @@ inline void scores_fast2(const float* q0, const float* q1, const float* kc, cons
         const float *k0 = kc + offs[i], *k1 = kc + offs[i + 1], *k2 = kc + offs[i + 2], *k3 = kc + offs[i + 3];
         vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
         vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
-        for (int c = 0; c < NV; ++c) {
-            const vf qa = vload(q0 + c * W), qb = vload(q1 + c * W);
+        for (int c = 0; c < NV; ++c) {  // 6 loads for 8 FMAs (in_register: not 16)
+            vf qa = vload(q0 + c * W), qb = vload(q1 + c * W);
+            in_register(qa), in_register(qb);
             vf k = vload(k0 + c * W);
+            in_register(k);
             a0 = vfma(qa, k, a0), b0 = vfma(qb, k, b0);
             k = vload(k1 + c * W);
+            in_register(k);
             a1 = vfma(qa, k, a1), b1 = vfma(qb, k, b1);
             k = vload(k2 + c * W);
+            in_register(k);
             a2 = vfma(qa, k, a2), b2 = vfma(qb, k, b2);
             k = vload(k3 + c * W);
+            in_register(k);
             a3 = vfma(qa, k, a3), b3 = vfma(qb, k, b3);
         }
         acc0[i] = a0, acc0[i + 1] = a1, acc0[i + 2] = a2, acc0[i + 3] = a3;
@@ -528,7 +533,7 @@ struct PvGroup {
     int64_t c0, cc, p0, pg, first, last, lo_min, lo_max;
     vf* acc;
 };
-constexpr int64_t PV_KEYS = 128;  // keys a block of the P.V pass (their values: 128 KB at d = 256)
+constexpr int64_t PV_KEYS = 32;  // keys a block of the P.V pass (their values at d = 256: 32 KB, 32 pages: an L1's)
 
 // Causal attention of T packed query tokens over a paged KV cache, read in place.
 // q [T, nq, d]; kc, vc [slots, nkv, d]; out [T, nq * d]. Token t belongs to the sequence whose

@@ -17,6 +17,14 @@
 
 namespace {
 
+// a vector kept in a register where it is used: the compiler may otherwise fold its load into
+// each instruction that uses it (a load per use), which costs more than it saves where loads,
+// not arithmetic, bound a loop. Changes no value.
+template <class V>
+inline void in_register(V& a) {
+    asm("" : "+v"(a));
+}
+
 // The kernels' threads. A kernel's loop is an orphaned `#pragma omp for` run inside on_team:
 // called from ps_layers' one parallel region (every thread of the team calls the kernel), the
 // loop is shared out over that team, with no fork or join per kernel, its closing barrier the
