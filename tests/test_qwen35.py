@@ -372,6 +372,46 @@ def test_the_native_rule_is_the_torch_rule_and_ignores_chunking_and_threads() ->
     assert torch.equal(saved_conv, held[8]) and torch.equal(saved_delta, held[9])
 
 
+def test_the_native_rule_over_a_long_span_is_exact_and_ignores_chunking() -> None:
+    """A span of 150 rows (a prefill chunk's length, not the few rows above): states saved early,
+    mid-span and on its last row equal the torch rule's, and the span cut into chunks anywhere
+    gives the whole span's outputs and states bit for bit."""
+    import torch.nn.functional as F
+
+    from probserve.kernels.delta_rule import DeltaLayer, DeltaSpan, torch_gated_delta
+    from probserve.kernels.invariant import InvariantKernels
+
+    torch.manual_seed(1)
+    nk, nv, dk, dv, k = 1, 2, 16, 40, 4
+    c = 2 * nk * dk + nv * dv
+    layer = DeltaLayer(torch.randn(k, c) * 0.5, -torch.rand(nv) - 0.1, torch.randn(nv), nk, nv,
+                       dk, dv)  # fmt: skip
+    n = 150
+    proj = torch.randn(n, c + nv * dv + 2 * nv)
+    rows = (10, 63, 64, 130, n - 1)
+    start = torch.randn(nv, dk, dv) * 0.1
+
+    def run(rule: Any, cuts: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        conv, delta = torch.zeros(k - 1, c), start.clone()
+        saved = {r: (torch.empty(k - 1, c), torch.empty(nv, dk, dv)) for r in rows}
+        outs = []
+        for a, b in zip((0, *cuts), (*cuts, n), strict=True):
+            saves = tuple((r - a, *saved[r]) for r in rows if a <= r < b)
+            outs.append(rule(proj[a:b], layer, [DeltaSpan(0, b - a, conv, delta, saves)]))
+        return torch.cat(outs), [conv, delta, *(t for r in rows for t in saved[r])]
+
+    ops = InvariantKernels()
+    whole, held = run(ops.gated_delta, ())
+    ref, ref_held = run(lambda p, lay, sp: torch_gated_delta(F.silu, p, lay, sp), ())
+    assert (whole - ref).abs().max() < 1e-5
+    for a, b in zip(held, ref_held, strict=True):
+        assert (a - b).abs().max() < 1e-5
+    for cuts in ((70,), (1, 64, 65, 129)):
+        out, states = run(ops.gated_delta, cuts)
+        assert torch.equal(out, whole)
+        assert all(torch.equal(a, b) for a, b in zip(states, held, strict=True))
+
+
 def test_the_state_is_reserved_and_counted(model: LoadedModel):
     config = EngineConfig(deterministic=True, kv_cache_gib=0.02, block_size=4, max_num_seqs=3)
     core = EngineCore(model, config)
