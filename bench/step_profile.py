@@ -9,6 +9,7 @@ logprob rows) and everything else (Python, torch's small operations, OpenMP's wa
     .venv/bin/python bench/step_profile.py --model shapemoe-q4_k_m.gguf --products limbs
     .venv/bin/python bench/step_profile.py --scoring 8          # echo scoring, 8 prompts in flight
     .venv/bin/python bench/step_profile.py --scoring 32 --prompt-tokens 20
+    .venv/bin/python bench/step_profile.py --model shapeq35-q4_k_m.gguf --prefill 4000
 
 Needs `perf` (linux-perf); run alone on the machine (see docs/benchmarks.md).
 """
@@ -118,6 +119,10 @@ def main() -> None:
         help="profile echo scoring instead: unrelated prompts, this many in flight",
     )  # fmt: skip
     ap.add_argument("--prompt-tokens", type=int, default=100, help="of each scored prompt")
+    ap.add_argument(
+        "--prefill", type=int, default=0, metavar="TOKENS",
+        help="time instead one prompt of this many tokens (random ids) to its first token, twice",
+    )  # fmt: skip
     args = ap.parse_args()
 
     import torch
@@ -142,6 +147,9 @@ def main() -> None:
         )
     prompt = tuple(range(1000, 1100))
     print(f"model {loaded.name}, {torch.get_num_threads()} threads, op_by_op={args.op_by_op}")
+    if args.prefill:
+        time_prefill(core, args.prefill)
+        return
     if args.scoring:
         profile_scoring(
             core, args.scoring, args.prompt_tokens, args.seconds, args.no_perf, args.top
@@ -177,6 +185,24 @@ def main() -> None:
             f"{streams:>3} streams: {elapsed / steps * 1e3:.2f} ms a step "
             f"({streams * steps / elapsed:.1f} tok/s); {text}"
         )
+
+
+def time_prefill(core: Any, length: int, rounds: int = 2) -> None:
+    """One prompt of `length` random token ids (none seen before) to its first token, in the
+    engine's chunks, `rounds` times: seconds each."""
+    import random
+
+    from probserve.engine import EngineRequest, SamplingParams
+
+    rng = random.Random(0)
+    for r in range(rounds):
+        ids = tuple(rng.randrange(1000, 40000) for _ in range(length))
+        core.add_request(EngineRequest(f"prefill-{r}", ids, SamplingParams(max_tokens=1)))
+        start, steps = time.perf_counter(), 0
+        while core.has_work():
+            core.step()
+            steps += 1
+        print(f"prefill of {length} tokens: {time.perf_counter() - start:.2f} s, {steps} steps")
 
 
 def profile_scoring(
