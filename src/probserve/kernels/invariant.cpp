@@ -675,12 +675,11 @@ void ps_attention(const float* q, const float* kc, const float* vc, float* out, 
                     vstore_n(sg + j, vdiv(vload_n(sg + j, n, 0.0f), l), n);
                 }
             }
-            // out = sum_j p_j v_j in key order, for groups of (token, head) and of columns, each
-            // group's accumulators in `accs`: the keys every pair of a group attends to go a
-            // block of PV_KEYS at a time through every group (a block's values read from memory
-            // once, then from the cache), each accumulator still summing its keys in key order
-            // columns a group (cn vectors) and pairs a group (hg); every accumulator sums its keys
-            // in key order whatever the grouping, so the grouping never changes a bit
+            // out = sum_j p_j v_j in key order, for groups of hg (token, head) pairs and cn
+            // columns, each group's accumulators in `accs`: the keys every pair of a group attends
+            // to go a block of PV_KEYS at a time through every group (a block's values read from
+            // memory once, then from the cache). Every accumulator sums its keys in key order
+            // whatever the grouping and blocks, so neither changes a bit
             const PvShape sh = pv_shape(np, nv);
             const bool fast_pv = tail == W && nv % sh.nv == 0;
             const int64_t cn = fast_pv ? sh.nv : std::min<int64_t>(nv, R);
