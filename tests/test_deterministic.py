@@ -234,12 +234,14 @@ def test_paged_attention_equals_sdpa_and_is_row_invariant(
     "nq, nkv, d",
     [(16, 4, 256), (8, 2, 80), (12, 4, 96), (4, 4, 64), (6, 1, 128), (2, 1, 128)],
 )
+@pytest.mark.parametrize("window", [None, 70])
 def test_paged_attention_over_long_rows_is_exact_and_row_invariant(
-    kernels: InvariantKernels, nq, nkv, d
+    kernels: InvariantKernels, nq, nkv, d, window
 ):
-    """Rows longer than a block of the P.V pass's keys (128), heads of 256 (two heads a key on
+    """Rows longer than a block of the P.V pass's keys (32), heads of 256 (two heads a key on
     AVX2), 80 and 96 (register paths of two columns), and every grouping of the P.V pass: a
-    prefill tile's many (token, head) pairs, a decode token's 1, 2, 4 or 6 heads of one KV head.
+    prefill tile's many (token, head) pairs, a decode token's 1, 2, 4 or 6 heads of one KV head;
+    a sliding window of 70 (a tile's rows start at different keys, none at a block's edge).
     Each token's output equals the token alone, bit for bit, and the float64 reference."""
     g = torch.Generator().manual_seed(7)
     bs, blocks = 16, 24
@@ -250,16 +252,17 @@ def test_paged_attention_over_long_rows_is_exact_and_row_invariant(
     seq = torch.tensor([0] * 10 + [1, 0, 1])
     lengths = torch.tensor([*range(281, 291), 300, 129, 1])
     q = torch.randn(len(seq), nq, d, generator=g)
-    out = kernels.attention(q, kc, vc, d**-0.5, tables, seq, lengths, bs)
+    out = kernels.attention(q, kc, vc, d**-0.5, tables, seq, lengths, bs, window)
     for t in range(len(seq)):
-        pos = torch.arange(int(lengths[t]))
+        length = int(lengths[t])
+        pos = torch.arange(max(0, length - window) if window else 0, length)
         at = tables[seq[t], pos // bs] * bs + pos % bs
         k = kc[at].transpose(0, 1).repeat_interleave(nq // nkv, 0).double()
         v = vc[at].transpose(0, 1).repeat_interleave(nq // nkv, 0).double()
         ref = torch.softmax(q[t].double().unsqueeze(1) @ k.transpose(1, 2) * d**-0.5, -1) @ v
         torch.testing.assert_close(out[t].double(), ref.reshape(-1), atol=2e-6, rtol=1e-5)
         alone = kernels.attention(q[t : t + 1], kc, vc, d**-0.5, tables, seq[t : t + 1],
-                                  lengths[t : t + 1], bs)  # fmt: skip
+                                  lengths[t : t + 1], bs, window)  # fmt: skip
         assert torch.equal(alone[0], out[t])
 
 

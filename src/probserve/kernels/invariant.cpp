@@ -151,8 +151,9 @@ inline void pv_fast_pairs(int64_t pg, vf* acc, const float* vc, const int64_t* o
 }
 
 // The P.V pass's register shapes, (NV columns, PG pairs): NV PG accumulators, NV of a key's
-// values and a probability in registers (AVX-512: 29 of 32; AVX2: at most 15 of 16, since one
-// more spills an accumulator, which then goes through memory every key). Many pairs (a prefill
+// values and a probability in registers (AVX-512: 29 of 32; AVX2: 2 x 6 takes 15 of 16 and
+// 4 x 2 13, since one more spills an accumulator, which then goes through memory every key; a
+// lone pair's 8 x 1 uses each value once, so its values need not stay: 9). Many pairs (a prefill
 // tile) take few columns each, few pairs (a decode step's heads of one token) more columns, so
 // a group always has 8 or more independent chains.
 struct PvShape {
